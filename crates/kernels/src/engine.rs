@@ -1,0 +1,259 @@
+//! The streaming engine as public API: row statistics -> token objective -> gradient pass.
+//!
+//! [`PreparedLoss`] exposes the three steps separately, over any vocabulary shard, so a
+//! tensor-parallel caller streams its own columns, all-reduces the partial statistics
+//! ([`combine_shards`]) and streams its columns again for the gradient. [`forward`],
+//! [`forward_backward`] and [`forward_backward_in_place`] are the same steps with one shard
+//! holding the whole vocabulary.
+
+use std::ops::Range;
+
+use crate::cpu::{self, GradientTarget};
+use crate::element::Element;
+use crate::error::LossError;
+use crate::inputs::{validate, BatchShard, Loss, Rows};
+use crate::objective::{self, LossOutput, RowGradient};
+use crate::options::LossOptions;
+use crate::stats::{PartialRowStats, RowStats};
+
+/// Everything a loss is computed on, except the logits.
+#[derive(Debug, Clone, Copy)]
+pub struct LossSpec<'a> {
+    pub loss: Loss<'a>,
+    pub rows: Rows<'a>,
+    pub options: &'a LossOptions,
+    /// Global normalisers when the batch is split over devices; `None` for a whole batch.
+    pub batch_shard: Option<BatchShard>,
+}
+
+/// A loss whose inputs have been checked, ready to stream logits through.
+#[derive(Debug, Clone)]
+pub struct PreparedLoss<'a> {
+    spec: LossSpec<'a>,
+    active: Vec<bool>,
+}
+
+impl<'a> PreparedLoss<'a> {
+    /// Validates options, shapes, mask, targets and GRPO inputs (everything but the logits).
+    pub fn new(spec: LossSpec<'a>) -> Result<Self, LossError> {
+        let active = validate(&spec.loss, &spec.rows, spec.options)?;
+        Ok(Self { spec, active })
+    }
+
+    fn expecting_gradient(self) -> Result<Self, LossError> {
+        if self.spec.loss.has_gradient() {
+            Ok(self)
+        } else {
+            Err(LossError::NoGradient {
+                op: self.spec.loss.name(),
+            })
+        }
+    }
+
+    /// Whether each row takes part (mask 1, and not cross-entropy's `ignore_index`).
+    pub fn active_rows(&self) -> &[bool] {
+        &self.active
+    }
+
+    fn check_shard_len(&self, len: usize, columns: &Range<usize>) -> Result<(), LossError> {
+        let rows = &self.spec.rows;
+        if columns.end > rows.vocab || columns.start > columns.end {
+            return Err(LossError::Shard(format!(
+                "columns {columns:?} are not inside the vocabulary [0, {})",
+                rows.vocab
+            )));
+        }
+        if len != rows.len() * columns.len() {
+            return Err(LossError::Shape {
+                tensor: "logits",
+                got: vec![len],
+                expected: format!(
+                    "it must hold B*T*V = {}*{}*{} elements",
+                    rows.batch,
+                    rows.seq_len,
+                    columns.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Step 1 over the columns `columns` of the vocabulary; `logits` is `[N, columns.len()]`.
+    pub fn statistics<T: Element>(
+        &self,
+        logits: &[T],
+        columns: Range<usize>,
+    ) -> Result<Vec<PartialRowStats>, LossError> {
+        self.check_shard_len(logits.len(), &columns)?;
+        cpu::statistics(
+            logits,
+            columns,
+            &self.spec.rows,
+            &self.active,
+            self.spec.options.temperature,
+        )
+    }
+
+    /// Step 2 from the statistics of the whole vocabulary (one shard's, or [`combine_shards`]'s).
+    pub fn objective(
+        &self,
+        stats: &[PartialRowStats],
+    ) -> Result<(LossOutput, Vec<RowGradient>), LossError> {
+        let rows = &self.spec.rows;
+        if stats.len() != rows.len() {
+            return Err(LossError::Shard(format!(
+                "{} rows of statistics for {} rows",
+                stats.len(),
+                rows.len()
+            )));
+        }
+        let needs_target = rows.targets.is_some();
+        let finished: Vec<RowStats> = stats
+            .iter()
+            .zip(&self.active)
+            .enumerate()
+            .map(|(i, (s, &a))| {
+                if !a {
+                    return Ok(RowStats::default());
+                }
+                if needs_target && s.target_u.is_none() {
+                    return Err(LossError::Shard(format!(
+                        "no shard holds the target column of row {i}"
+                    )));
+                }
+                Ok(s.finish(rows.vocab))
+            })
+            .collect::<Result<_, _>>()?;
+        let spec = &self.spec;
+        Ok(objective::evaluate(
+            &spec.loss,
+            rows,
+            spec.options,
+            spec.batch_shard,
+            &self.active,
+            &finished,
+        ))
+    }
+
+    /// Step 3 over the columns `columns`.
+    pub fn gradient<T: Element>(
+        &self,
+        target: GradientTarget<'_, T>,
+        columns: Range<usize>,
+        grads: &[RowGradient],
+    ) -> Result<(), LossError> {
+        if !self.spec.loss.has_gradient() {
+            return Err(LossError::NoGradient {
+                op: self.spec.loss.name(),
+            });
+        }
+        let len = match &target {
+            GradientTarget::Into { logits, out } => {
+                if logits.len() != out.len() {
+                    return Err(LossError::GradientBuffer {
+                        got: out.len(),
+                        expected: logits.len(),
+                    });
+                }
+                logits.len()
+            }
+            GradientTarget::InPlace(logits) => logits.len(),
+        };
+        self.check_shard_len(len, &columns)?;
+        if grads.len() != self.spec.rows.len() {
+            return Err(LossError::Shard(format!(
+                "{} row gradients for {} rows",
+                grads.len(),
+                self.spec.rows.len()
+            )));
+        }
+        cpu::gradient(
+            target,
+            columns,
+            &self.spec.rows,
+            grads,
+            self.spec.options.temperature,
+        );
+        Ok(())
+    }
+}
+
+/// Combines the partial statistics of vocabulary shards, given with the columns each covers.
+/// The shards must tile `[0, vocab)` exactly (in any order).
+pub fn combine_shards(
+    vocab: usize,
+    shards: &[(Range<usize>, Vec<PartialRowStats>)],
+) -> Result<Vec<PartialRowStats>, LossError> {
+    let mut ranges: Vec<Range<usize>> = shards.iter().map(|(r, _)| r.clone()).collect();
+    ranges.sort_by_key(|r| r.start);
+    let mut next = 0;
+    for r in &ranges {
+        if r.start != next {
+            return Err(LossError::Shard(format!("the shards {ranges:?} do not tile the vocabulary [0, {vocab}) (gap or overlap at column {next})")));
+        }
+        next = r.end;
+    }
+    if next != vocab {
+        return Err(LossError::Shard(format!(
+            "the shards {ranges:?} end at column {next}, not at the vocabulary size {vocab}"
+        )));
+    }
+    let n = shards.first().map_or(0, |(_, s)| s.len());
+    if let Some((r, s)) = shards.iter().find(|(_, s)| s.len() != n) {
+        return Err(LossError::Shard(format!(
+            "shard {r:?} has {} rows of statistics, the first has {n}",
+            s.len()
+        )));
+    }
+    Ok((0..n)
+        .map(|i| {
+            shards
+                .iter()
+                .fold(PartialRowStats::EMPTY, |acc, (_, s)| acc.combine(s[i]))
+        })
+        .collect())
+}
+
+/// The loss and per-token outputs, no gradient.
+pub fn forward<T: Element>(spec: LossSpec<'_>, logits: &[T]) -> Result<LossOutput, LossError> {
+    let prepared = PreparedLoss::new(spec)?;
+    let stats = prepared.statistics(logits, 0..spec.rows.vocab)?;
+    Ok(prepared.objective(&stats)?.0)
+}
+
+/// The loss, per-token outputs, and the gradient of the loss written into `grad` (same shape
+/// and dtype as `logits`).
+pub fn forward_backward<T: Element>(
+    spec: LossSpec<'_>,
+    logits: &[T],
+    grad: &mut [T],
+) -> Result<LossOutput, LossError> {
+    let prepared = PreparedLoss::new(spec)?.expecting_gradient()?;
+    if grad.len() != logits.len() {
+        return Err(LossError::GradientBuffer {
+            got: grad.len(),
+            expected: logits.len(),
+        });
+    }
+    let stats = prepared.statistics(logits, 0..spec.rows.vocab)?;
+    let (output, grads) = prepared.objective(&stats)?;
+    prepared.gradient(
+        GradientTarget::Into { logits, out: grad },
+        0..spec.rows.vocab,
+        &grads,
+    )?;
+    Ok(output)
+}
+
+/// Like [`forward_backward`], with the gradient written over the logits: the peak memory is
+/// the logits and O(N). On error the logits are left untouched.
+pub fn forward_backward_in_place<T: Element>(
+    spec: LossSpec<'_>,
+    logits: &mut [T],
+) -> Result<LossOutput, LossError> {
+    let prepared = PreparedLoss::new(spec)?.expecting_gradient()?;
+    let stats = prepared.statistics(logits, 0..spec.rows.vocab)?;
+    let (output, grads) = prepared.objective(&stats)?;
+    prepared.gradient(GradientTarget::InPlace(logits), 0..spec.rows.vocab, &grads)?;
+    Ok(output)
+}

@@ -1,0 +1,322 @@
+//! What a loss is computed on, besides the logits: shapes, targets, mask and the GRPO inputs,
+//! and the checks every implementation runs before touching the logits.
+
+use crate::error::LossError;
+use crate::options::LossOptions;
+
+/// Shapes and per-row inputs shared by every op. Row `i = b * seq_len + t` is one token.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a> {
+    pub batch: usize,
+    pub seq_len: usize,
+    /// The full vocabulary, also when the logits at hand are one vocabulary shard.
+    pub vocab: usize,
+    /// `[B*T]` chosen / label token of each row. Required by every op but `entropy`.
+    pub targets: Option<&'a [i64]>,
+    /// `[B*T]` 0/1; `None` means all ones.
+    pub mask: Option<&'a [f32]>,
+}
+
+impl Rows<'_> {
+    pub fn len(&self) -> usize {
+        self.batch * self.seq_len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `(b, t)` of row `i`.
+    pub fn position(&self, row: usize) -> (usize, usize) {
+        (row / self.seq_len.max(1), row % self.seq_len.max(1))
+    }
+
+    pub(crate) fn mask_at(&self, row: usize) -> bool {
+        self.mask.is_none_or(|m| m[row] != 0.0)
+    }
+}
+
+/// Rollout-engine importance weights (TRL's `vllm_is_ratio`), per token or per sequence.
+#[derive(Debug, Clone, Copy)]
+pub enum IsRatio<'a> {
+    PerToken(&'a [f32]),
+    PerSequence(&'a [f32]),
+}
+
+impl IsRatio<'_> {
+    pub fn at(&self, row: usize, seq_len: usize) -> f32 {
+        match self {
+            IsRatio::PerToken(v) => v[row],
+            IsRatio::PerSequence(v) => v[row / seq_len],
+        }
+    }
+}
+
+/// The GRPO-only inputs.
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyInputs<'a> {
+    /// `[B]`, one per sequence.
+    pub advantages: &'a [f32],
+    /// `[B*T]`; `None` means on-policy (`old = stop_grad(logp)`).
+    pub old_logp: Option<&'a [f32]>,
+    /// `[B*T]`; required when `beta != 0`.
+    pub ref_logp: Option<&'a [f32]>,
+    pub is_ratio: Option<IsRatio<'a>>,
+}
+
+/// Which loss, with the inputs only it needs.
+#[derive(Debug, Clone, Copy)]
+pub enum Loss<'a> {
+    Grpo(PolicyInputs<'a>),
+    CrossEntropy,
+    /// No gradient; `loss` is the mean entropy over unmasked rows.
+    Entropy,
+    /// `loss = sum(mask * logp)`, whose gradient this op returns.
+    Logprob,
+}
+
+impl Loss<'_> {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Loss::Grpo(_) => "grpo",
+            Loss::CrossEntropy => "cross_entropy",
+            Loss::Entropy => "entropy",
+            Loss::Logprob => "logprob",
+        }
+    }
+
+    /// Entropy alone has no gradient output.
+    pub fn has_gradient(&self) -> bool {
+        !matches!(self, Loss::Entropy)
+    }
+}
+
+/// Normalisers for data parallelism: when the batch is split over devices, each shard reduces
+/// its rows with the global counts, so that the shard losses and gradients sum to the
+/// unsharded ones (LOSSES.md, Sharding).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BatchShard {
+    /// Sequences in the whole batch (the `B` of `grpo`, `sapo` and `dr_grpo`).
+    pub global_batch: usize,
+    /// Unmasked rows in the whole batch (`bnpo`, cross-entropy `mean`, and `dapo`/`cispo` unless
+    /// `num_items` is set, in which case `num_items` is taken as the global count).
+    pub global_valid_rows: f64,
+}
+
+/// The normalisers a reduction divides by, resolved from the shard (if any) or the local rows.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Normalisers {
+    pub batch: f64,
+    pub valid_rows: f64,
+    pub num_items: f64,
+    pub max_completion_length: f64,
+}
+
+impl Normalisers {
+    pub fn resolve(
+        rows: &Rows,
+        active: &[bool],
+        options: &LossOptions,
+        shard: Option<BatchShard>,
+    ) -> Self {
+        let (batch, valid_rows) = match shard {
+            Some(s) => (s.global_batch as f64, s.global_valid_rows),
+            None => (
+                rows.batch as f64,
+                active.iter().filter(|&&a| a).count() as f64,
+            ),
+        };
+        Self {
+            batch,
+            valid_rows,
+            num_items: options.num_items.unwrap_or(valid_rows),
+            max_completion_length: options.max_completion_length.unwrap_or(rows.seq_len) as f64,
+        }
+    }
+}
+
+/// Checks lengths, mask values, targets and GRPO inputs, and returns which rows take part
+/// (mask is 1 and, for cross-entropy, the target is not `ignore_index`).
+/// Runs in O(N); the logits themselves (length, NaN, Inf) are checked by the statistics pass.
+pub fn validate(loss: &Loss, rows: &Rows, options: &LossOptions) -> Result<Vec<bool>, LossError> {
+    options.validate()?;
+    let n = rows.len();
+    let bt = || {
+        format!(
+            "[B*T] = [{}] elements (B = {}, T = {})",
+            n, rows.batch, rows.seq_len
+        )
+    };
+    let expect_len = |tensor: &'static str, got: usize, want: usize, expected: String| {
+        if got == want {
+            Ok(())
+        } else {
+            Err(LossError::Shape {
+                tensor,
+                got: vec![got],
+                expected,
+            })
+        }
+    };
+    if rows.vocab == 0 {
+        return Err(LossError::Shape {
+            tensor: "logits",
+            got: vec![rows.batch, rows.seq_len, 0],
+            expected: "the vocabulary must have at least one entry".into(),
+        });
+    }
+    if let Some(m) = rows.mask {
+        expect_len("mask", m.len(), n, format!("it must hold {}", bt()))?;
+        for (row, &v) in m.iter().enumerate() {
+            if v != 0.0 && v != 1.0 {
+                let (b, t) = rows.position(row);
+                return Err(LossError::MaskValue {
+                    row,
+                    b,
+                    t,
+                    value: v,
+                });
+            }
+        }
+    }
+    let needs_targets = !matches!(loss, Loss::Entropy);
+    match rows.targets {
+        Some(t) => expect_len("targets", t.len(), n, format!("it must hold {}", bt()))?,
+        None if needs_targets => {
+            return Err(LossError::MissingInput {
+                tensor: "targets",
+                why: format!(
+                    "the `{}` op needs the chosen token of every row",
+                    loss.name()
+                ),
+            })
+        }
+        None => {}
+    }
+
+    let mut active: Vec<bool> = (0..n).map(|i| rows.mask_at(i)).collect();
+    if let (Loss::CrossEntropy, Some(targets)) = (loss, rows.targets) {
+        for (a, &y) in active.iter_mut().zip(targets) {
+            *a &= y != options.ignore_index;
+        }
+    }
+    if needs_targets {
+        let targets = rows.targets.unwrap_or_default();
+        for (row, (&a, &y)) in active.iter().zip(targets).enumerate() {
+            if a && (y < 0 || y as u64 >= rows.vocab as u64) {
+                let (b, t) = rows.position(row);
+                return Err(LossError::TargetOutOfRange {
+                    row,
+                    b,
+                    t,
+                    value: y,
+                    vocab: rows.vocab,
+                });
+            }
+        }
+    }
+
+    if let Loss::Grpo(p) = loss {
+        validate_policy_inputs(p, rows, options, &active)?;
+    }
+    Ok(active)
+}
+
+fn validate_policy_inputs(
+    p: &PolicyInputs,
+    rows: &Rows,
+    options: &LossOptions,
+    active: &[bool],
+) -> Result<(), LossError> {
+    let n = rows.len();
+    let per_row = |tensor: &'static str, v: &[f32]| -> Result<(), LossError> {
+        if v.len() != n {
+            return Err(LossError::Shape {
+                tensor,
+                got: vec![v.len()],
+                expected: format!(
+                    "it must be [B, T] = [{}, {}] like `targets`",
+                    rows.batch, rows.seq_len
+                ),
+            });
+        }
+        check_finite(tensor, v, rows, active)
+    };
+    if p.advantages.len() != rows.batch {
+        return Err(LossError::Shape {
+            tensor: "advantages",
+            got: vec![p.advantages.len()],
+            expected: format!(
+                "it must be [B] = [{}], one per sequence of `logits`",
+                rows.batch
+            ),
+        });
+    }
+    for (b, &a) in p.advantages.iter().enumerate() {
+        if !a.is_finite() && (0..rows.seq_len).any(|t| active[b * rows.seq_len + t]) {
+            return Err(LossError::NonFiniteInput {
+                tensor: "advantages",
+                row: b * rows.seq_len,
+                b,
+                t: 0,
+                value: a,
+            });
+        }
+    }
+    if let Some(old) = p.old_logp {
+        per_row("old_logp", old)?;
+    }
+    match p.ref_logp {
+        Some(r) => per_row("ref_logp", r)?,
+        None if options.beta != 0.0 => {
+            return Err(LossError::MissingInput {
+                tensor: "ref_logp",
+                why: format!(
+                    "beta = {} weights a KL penalty against the reference policy; pass `ref_logp` or set beta = 0",
+                    options.beta
+                ),
+            })
+        }
+        None => {}
+    }
+    match p.is_ratio {
+        Some(IsRatio::PerToken(v)) => per_row("is_ratio", v)?,
+        Some(IsRatio::PerSequence(v)) => {
+            if v.len() != rows.batch {
+                return Err(LossError::Shape {
+                    tensor: "is_ratio",
+                    got: vec![v.len()],
+                    expected: format!(
+                        "it must be [B] = [{}] or [B, T] = [{}, {}]",
+                        rows.batch, rows.batch, rows.seq_len
+                    ),
+                });
+            }
+            let expanded: Vec<f32> = (0..n).map(|i| v[i / rows.seq_len]).collect();
+            check_finite("is_ratio", &expanded, rows, active)?;
+        }
+        None => {}
+    }
+    Ok(())
+}
+
+fn check_finite(
+    tensor: &'static str,
+    v: &[f32],
+    rows: &Rows,
+    active: &[bool],
+) -> Result<(), LossError> {
+    match v.iter().zip(active).position(|(x, &a)| a && !x.is_finite()) {
+        Some(row) => {
+            let (b, t) = rows.position(row);
+            Err(LossError::NonFiniteInput {
+                tensor,
+                row,
+                b,
+                t,
+                value: v[row],
+            })
+        }
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,147 @@
+//! Step 2 of every loss: the token objective. Pure scalar math over the O(N) row statistics,
+//! in f64, producing the loss, the per-token outputs and four gradient scalars per row such that
+//!
+//! `dL/dlogits_j = a*[j = y] + p_j * (b + c * log p_j) + d`
+//!
+//! (the `1/temperature` already folded in). A new loss is a new objective here, not a new kernel.
+
+mod cross_entropy;
+mod grpo;
+mod simple;
+
+use crate::inputs::{BatchShard, Loss, Normalisers, Rows};
+use crate::options::LossOptions;
+use crate::stats::RowStats;
+
+/// What every op returns besides the gradient. Per-token outputs are `[B*T]`, row-major, and
+/// 0 on rows that take no part (mask 0, or cross-entropy's `ignore_index`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LossOutput {
+    pub loss: f64,
+    pub per_token_loss: Vec<f32>,
+    /// `log p(target)`; `None` only for `entropy` without targets.
+    pub logp: Option<Vec<f32>>,
+    pub entropy: Vec<f32>,
+    /// GRPO: the (bias-corrected, if asked) k3 KL per token; zeros when no `ref_logp` is given.
+    pub kl: Option<Vec<f32>>,
+    /// GRPO: 1 where the clipped branch is active, else 0.
+    pub is_clipped: Option<Vec<f32>>,
+}
+
+/// The four scalars of one row's gradient and the row's `lse`, all in f32 as the gradient pass
+/// uses them. A row whose scalars are all zero gets a zero gradient without reading its logits.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RowGradient {
+    pub lse: f32,
+    pub a: f32,
+    pub b: f32,
+    pub c: f32,
+    pub d: f32,
+}
+
+impl RowGradient {
+    pub const ZERO: Self = Self {
+        lse: 0.0,
+        a: 0.0,
+        b: 0.0,
+        c: 0.0,
+        d: 0.0,
+    };
+
+    pub fn is_zero(&self) -> bool {
+        self.a == 0.0 && self.b == 0.0 && self.c == 0.0 && self.d == 0.0
+    }
+}
+
+/// Accumulates the gradient scalars of a row term by term (LOSSES.md, "Gradients"), in f64.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct GradTerms {
+    a: f64,
+    b: f64,
+    c: f64,
+    d: f64,
+}
+
+impl GradTerms {
+    /// A term `g * logp`: `dlogp/du_j = [j = y] - p_j`.
+    pub fn logp(&mut self, g: f64) {
+        self.a += g;
+        self.b -= g;
+    }
+
+    /// A term `gh * H`: `dH/du_j = -p_j (log p_j + H)`.
+    pub fn entropy(&mut self, gh: f64, entropy: f64) {
+        self.b -= gh * entropy;
+        self.c -= gh;
+    }
+
+    /// A term `g * lse`: `dlse/du_j = p_j`.
+    pub fn lse(&mut self, g: f64) {
+        self.b += g;
+    }
+
+    /// A term `g * mean_j u_j`: `d mean/du_j = 1/V`.
+    pub fn mean_u(&mut self, g: f64, vocab: usize) {
+        self.d += g / vocab as f64;
+    }
+
+    pub fn finish(self, stats: &RowStats, temperature: f64) -> RowGradient {
+        let k = 1.0 / temperature;
+        RowGradient {
+            lse: stats.lse as f32,
+            a: (self.a * k) as f32,
+            b: (self.b * k) as f32,
+            c: (self.c * k) as f32,
+            d: (self.d * k) as f32,
+        }
+    }
+}
+
+/// Evaluates the objective of `loss` over the rows. `stats[i]` is ignored where `active[i]` is false.
+pub fn evaluate(
+    loss: &Loss,
+    rows: &Rows,
+    options: &LossOptions,
+    shard: Option<BatchShard>,
+    active: &[bool],
+    stats: &[RowStats],
+) -> (LossOutput, Vec<RowGradient>) {
+    let norm = Normalisers::resolve(rows, active, options, shard);
+    match loss {
+        Loss::Grpo(inputs) => grpo::evaluate(inputs, rows, options, &norm, active, stats),
+        Loss::CrossEntropy => cross_entropy::evaluate(rows, options, &norm, active, stats),
+        Loss::Entropy => simple::entropy(rows, options, &norm, active, stats),
+        Loss::Logprob => simple::logprob(rows, options, active, stats),
+    }
+}
+
+/// Fixed-order f64 sum, so the loss is the same bits for any thread count.
+pub(crate) fn ordered_sum(values: impl Iterator<Item = f64>) -> f64 {
+    values.fold(0.0, |acc, v| acc + v)
+}
+
+pub(crate) fn to_f32(values: &[f64]) -> Vec<f32> {
+    values.iter().map(|&v| v as f32).collect()
+}
+
+/// `f(row)` on active rows, 0 elsewhere, as f32.
+pub(crate) fn per_active_row(active: &[bool], f: impl Fn(usize) -> f64) -> Vec<f32> {
+    active
+        .iter()
+        .enumerate()
+        .map(|(i, &a)| if a { f(i) as f32 } else { 0.0 })
+        .collect()
+}
+
+/// The `logp` and `entropy` outputs every op shares.
+/// `logp` is there whenever the rows have targets.
+pub(crate) fn row_outputs(
+    rows: &Rows,
+    active: &[bool],
+    stats: &[RowStats],
+) -> (Option<Vec<f32>>, Vec<f32>) {
+    let logp = rows
+        .targets
+        .map(|_| per_active_row(active, |i| stats[i].logp.unwrap_or(0.0)));
+    (logp, per_active_row(active, |i| stats[i].entropy))
+}

@@ -1,0 +1,344 @@
+//! The f64 reference: every loss of LOSSES.md written the plain way, to be obviously right and
+//! to check the streaming kernels against.
+//!
+//! - Each row's softmax is materialised whole (`u`, `log p`, `p` over the full vocabulary, in
+//!   f64, max-subtracted), with no online rescaling, tiles or shards.
+//! - Each loss is written once, generic over [`Real`], in the shape of TRL's code (`coef_1`,
+//!   `coef_2`, `torch.min`, `clamp`, the reduction as LOSSES.md states it), and its derivatives
+//!   with respect to each row's `logp`, `H`, `lse` and `mean u` come from forward-mode
+//!   differentiation of that same code ([`dual`]), not from hand-derived formulas.
+//! - Only the softmax's own Jacobian is written by hand (`dlogp_y/du_j = [j=y] - p_j`,
+//!   `dH/du_j = -p_j (log p_j + H)`, `dlse/du_j = p_j`, `dmean/du_j = 1/V`), and a
+//!   finite-difference test checks the whole gradient.
+//!
+//! It is slow (O(T^2) per sequence for the derivatives) and memory-hungry by design.
+
+pub mod dual;
+
+use dual::{clamp, torch_min, Dual, Real};
+
+use crate::engine::LossSpec;
+use crate::error::LossError;
+use crate::inputs::{validate, Loss, Normalisers, PolicyInputs};
+use crate::options::{ImportanceSamplingLevel, LossOptions, LossType, Reduction};
+
+/// The reference's results, in f64. Per-token outputs are 0 on rows that take no part.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ReferenceOutput {
+    pub loss: f64,
+    pub per_token_loss: Vec<f64>,
+    pub logp: Option<Vec<f64>>,
+    pub entropy: Vec<f64>,
+    pub kl: Option<Vec<f64>>,
+    pub is_clipped: Option<Vec<f64>>,
+    /// `dL/dlogits`, `[N*V]`; `None` for `entropy`.
+    pub grad: Option<Vec<f64>>,
+}
+
+/// One row's softmax, materialised.
+struct Softmax {
+    /// `log p_j = u_j - lse`.
+    log_p: Vec<f64>,
+    lse: f64,
+    entropy: f64,
+    mean_u: f64,
+}
+
+impl Softmax {
+    fn of(logits: &[f64], temperature: f64) -> Self {
+        let u: Vec<f64> = logits.iter().map(|&x| x / temperature).collect();
+        let max = u.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = max + u.iter().map(|&x| (x - max).exp()).sum::<f64>().ln();
+        let log_p: Vec<f64> = u.iter().map(|&x| x - lse).collect();
+        let entropy = -log_p.iter().map(|&l| l.exp() * l).sum::<f64>();
+        let mean_u = u.iter().sum::<f64>() / u.len() as f64;
+        Self {
+            log_p,
+            lse,
+            entropy,
+            mean_u,
+        }
+    }
+}
+
+/// The row quantities every loss is a function of.
+#[derive(Debug, Clone, Copy, Default)]
+struct RowQ<S> {
+    logp: S,
+    entropy: S,
+    lse: S,
+    mean_u: S,
+}
+
+/// Derivatives of the loss with respect to a row's quantities.
+type RowDerivatives = RowQ<f64>;
+
+/// Computes `loss` on `logits` (`[N*V]`, f64) in the plainest way, with its gradient when the op has one.
+pub fn evaluate(spec: LossSpec<'_>, logits: &[f64]) -> Result<ReferenceOutput, LossError> {
+    let rows = &spec.rows;
+    let options = spec.options;
+    let active = validate(&spec.loss, rows, options)?;
+    let (n, v) = (rows.len(), rows.vocab);
+    if logits.len() != n * v {
+        return Err(LossError::Shape {
+            tensor: "logits",
+            got: vec![logits.len()],
+            expected: format!(
+                "it must hold B*T*V = {}*{}*{v} elements",
+                rows.batch, rows.seq_len
+            ),
+        });
+    }
+    let row = |i: usize| &logits[i * v..(i + 1) * v];
+    let mut q = vec![RowQ::<f64>::default(); n];
+    for i in (0..n).filter(|&i| active[i]) {
+        if row(i).iter().any(|x| !x.is_finite()) {
+            let (b, t) = rows.position(i);
+            return Err(LossError::NonFiniteLogits { row: i, b, t });
+        }
+        let sm = Softmax::of(row(i), options.temperature);
+        let logp = rows.targets.map_or(0.0, |y| sm.log_p[y[i] as usize]);
+        q[i] = RowQ {
+            logp,
+            entropy: sm.entropy,
+            lse: sm.lse,
+            mean_u: sm.mean_u,
+        };
+    }
+    let norm = Normalisers::resolve(rows, &active, options, spec.batch_shard);
+    let masked = |f: &dyn Fn(usize) -> f64| -> Vec<f64> {
+        (0..n).map(|i| if active[i] { f(i) } else { 0.0 }).collect()
+    };
+
+    let mut out = ReferenceOutput {
+        logp: rows.targets.map(|_| masked(&|i| q[i].logp)),
+        entropy: masked(&|i| q[i].entropy),
+        ..Default::default()
+    };
+    let derivatives: Option<Vec<RowDerivatives>> = match &spec.loss {
+        Loss::Grpo(inputs) => {
+            let g = Grpo {
+                inputs,
+                options,
+                rows: spec.rows,
+                active: &active,
+                norm,
+            };
+            let mut per_token = vec![0.0; n];
+            let mut kl = vec![0.0; n];
+            let mut clipped = vec![0.0; n];
+            let mut d = vec![RowDerivatives::default(); n];
+            for b in 0..rows.batch {
+                let seq: Vec<RowQ<f64>> = q[b * rows.seq_len..(b + 1) * rows.seq_len].to_vec();
+                let s = g.sequence(b, &seq);
+                out.loss += s.total;
+                for t in 0..rows.seq_len {
+                    let i = b * rows.seq_len + t;
+                    per_token[i] = s.per_token[t];
+                    kl[i] = s.kl[t];
+                    clipped[i] = if s.clipped[t] { 1.0 } else { 0.0 };
+                    if active[i] {
+                        d[i] = derivatives_of(&seq, t, |x| g.sequence(b, x).total);
+                    }
+                }
+            }
+            out.per_token_loss = per_token;
+            out.kl = Some(kl);
+            out.is_clipped = Some(clipped);
+            Some(d)
+        }
+        Loss::CrossEntropy => {
+            let w = match options.reduction {
+                Reduction::Mean => 1.0 / norm.valid_rows.max(1.0),
+                Reduction::Sum | Reduction::None => 1.0,
+            };
+            out.per_token_loss = masked(&|i| cross_entropy(options, q[i]));
+            out.loss = (0..n)
+                .filter(|&i| active[i])
+                .map(|i| w * out.per_token_loss[i])
+                .sum();
+            Some(masked_derivatives(&active, &q, |x| {
+                cross_entropy(options, x[0]) * Dual::constant(w)
+            }))
+        }
+        Loss::Logprob => {
+            out.per_token_loss = masked(&|i| q[i].logp);
+            out.loss = out.per_token_loss.iter().sum();
+            Some(masked_derivatives(&active, &q, |x| x[0].logp))
+        }
+        Loss::Entropy => {
+            out.per_token_loss = out.entropy.clone();
+            out.loss = out.entropy.iter().sum::<f64>() / norm.valid_rows.max(1.0);
+            None
+        }
+    };
+
+    out.grad = derivatives.map(|d| {
+        let mut grad = vec![0.0; n * v];
+        for i in (0..n).filter(|&i| active[i]) {
+            let sm = Softmax::of(row(i), options.temperature);
+            let y = rows.targets.map(|y| y[i] as usize);
+            for (j, g) in grad[i * v..(i + 1) * v].iter_mut().enumerate() {
+                let (log_p, p) = (sm.log_p[j], sm.log_p[j].exp());
+                let indicator = if Some(j) == y { 1.0 } else { 0.0 };
+                let du = d[i].logp * (indicator - p)
+                    + d[i].entropy * (-p * (log_p + sm.entropy))
+                    + d[i].lse * p
+                    + d[i].mean_u / v as f64;
+                *g = du / options.temperature;
+            }
+        }
+        grad
+    });
+    Ok(out)
+}
+
+/// `d f / d x[t].{logp, entropy, lse, mean_u}` by forward mode, one tangent at a time.
+fn derivatives_of(x: &[RowQ<f64>], t: usize, f: impl Fn(&[RowQ<Dual>]) -> Dual) -> RowDerivatives {
+    let constant: Vec<RowQ<Dual>> = x
+        .iter()
+        .map(|r| RowQ {
+            logp: Dual::constant(r.logp),
+            entropy: Dual::constant(r.entropy),
+            lse: Dual::constant(r.lse),
+            mean_u: Dual::constant(r.mean_u),
+        })
+        .collect();
+    let seed = |pick: fn(&mut RowQ<Dual>) -> &mut Dual| {
+        let mut v = constant.clone();
+        let slot = pick(&mut v[t]);
+        *slot = Dual::variable(slot.value);
+        f(&v).tangent
+    };
+    RowQ {
+        logp: seed(|r| &mut r.logp),
+        entropy: seed(|r| &mut r.entropy),
+        lse: seed(|r| &mut r.lse),
+        mean_u: seed(|r| &mut r.mean_u),
+    }
+}
+
+/// Derivatives of a row-local loss `f(&[row])` for every active row.
+fn masked_derivatives(
+    active: &[bool],
+    q: &[RowQ<f64>],
+    f: impl Fn(&[RowQ<Dual>]) -> Dual,
+) -> Vec<RowDerivatives> {
+    (0..q.len())
+        .map(|i| {
+            if active[i] {
+                derivatives_of(&q[i..=i], 0, &f)
+            } else {
+                RowDerivatives::default()
+            }
+        })
+        .collect()
+}
+
+/// `(1-s) * (lse - u_y) + s * (lse - mean_j u_j) + z * lse^2`, with `u_y = logp + lse`.
+fn cross_entropy<S: Real>(options: &LossOptions, q: RowQ<S>) -> S {
+    let c = S::constant;
+    let s = options.label_smoothing;
+    c(1.0 - s) * -q.logp + c(s) * (q.lse - q.mean_u) + c(options.z_loss) * q.lse * q.lse
+}
+
+struct SequenceResult<S> {
+    total: S,
+    per_token: Vec<f64>,
+    kl: Vec<f64>,
+    clipped: Vec<bool>,
+}
+
+/// GRPO, one sequence at a time: a sequence's rows only interact through its own sums.
+struct Grpo<'a> {
+    inputs: &'a PolicyInputs<'a>,
+    options: &'a LossOptions,
+    rows: crate::inputs::Rows<'a>,
+    active: &'a [bool],
+    norm: Normalisers,
+}
+
+impl Grpo<'_> {
+    /// Sequence `b`'s contribution to the loss, TRL's `compute_loss` restricted to one sequence.
+    fn sequence<S: Real>(&self, b: usize, q: &[RowQ<S>]) -> SequenceResult<S> {
+        let c = S::constant;
+        let (o, t_len) = (self.options, self.rows.seq_len);
+        let idx = |t: usize| b * t_len + t;
+        let on: Vec<usize> = (0..t_len).filter(|&t| self.active[idx(t)]).collect();
+        let count = (on.len() as f64).max(1.0);
+        let advantage = self.inputs.advantages[b] as f64;
+
+        let old = |t: usize| {
+            self.inputs
+                .old_logp
+                .map_or(q[t].logp.detach(), |old| c(old[idx(t)] as f64))
+        };
+        let log_ratio = |t: usize| q[t].logp - old(t);
+        let seq_log_w = on.iter().fold(c(0.0), |acc, &t| acc + log_ratio(t)) / c(count);
+        let log_w = |t: usize| match o.importance_sampling_level {
+            ImportanceSamplingLevel::Token => log_ratio(t),
+            ImportanceSamplingLevel::Sequence => seq_log_w,
+        };
+
+        let mut result = SequenceResult {
+            total: c(0.0),
+            per_token: vec![0.0; t_len],
+            kl: vec![0.0; t_len],
+            clipped: vec![false; t_len],
+        };
+        let mut sum = c(0.0);
+        for &t in &on {
+            let coef_1 = log_w(t).exp();
+            let a = c(advantage);
+            let r = coef_1.value();
+            let (lo, hi) = (1.0 - o.epsilon_low, 1.0 + o.epsilon_high());
+            let mut per_token = match o.loss_type {
+                LossType::Cispo => {
+                    -clamp(coef_1, None, Some(o.epsilon_high())).detach() * a * q[t].logp
+                }
+                LossType::Sapo => {
+                    let tau = if advantage > 0.0 {
+                        o.sapo_temperature_pos
+                    } else {
+                        o.sapo_temperature_neg
+                    };
+                    -((c(tau) * (coef_1 - c(1.0))).sigmoid() * c(4.0 / tau)) * a
+                }
+                _ => {
+                    let coef_2 = clamp(coef_1, Some(lo), Some(hi));
+                    let coef_1 = clamp(coef_1, None, o.delta);
+                    -torch_min(coef_1 * a, coef_2 * a)
+                }
+            };
+            result.clipped[t] = match o.loss_type {
+                LossType::Cispo => r > o.epsilon_high() && advantage > 0.0,
+                _ => (r < lo && advantage < 0.0) || (r > hi && advantage > 0.0),
+            };
+            if let Some(is_ratio) = self.inputs.is_ratio {
+                per_token = per_token * c(is_ratio.at(idx(t), t_len) as f64);
+            }
+            if let Some(ref_logp) = self.inputs.ref_logp {
+                let diff = c(ref_logp[idx(t)] as f64) - q[t].logp;
+                let mut kl = diff.exp() - diff - c(1.0);
+                if o.use_bias_correction_kl {
+                    kl = kl * coef_1;
+                }
+                result.kl[t] = kl.value();
+                if o.beta != 0.0 {
+                    per_token = per_token + c(o.beta) * kl;
+                }
+            }
+            per_token = per_token - c(o.entropy_coef) * q[t].entropy;
+            result.per_token[t] = per_token.value();
+            sum = sum + per_token;
+        }
+        let n = &self.norm;
+        result.total = match o.loss_type {
+            LossType::Grpo | LossType::Sapo => sum / c(count) / c(n.batch),
+            LossType::Bnpo => sum / c(n.valid_rows.max(1.0)),
+            LossType::DrGrpo => sum / c(n.batch * n.max_completion_length),
+            LossType::Dapo | LossType::Cispo => sum / c(n.num_items.max(1.0)),
+        };
+        result
+    }
+}

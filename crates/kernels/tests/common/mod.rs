@@ -1,0 +1,257 @@
+//! Shared by the kernel tests: seeded cases, building a `LossSpec` from owned data, running the
+//! fused kernels and the f64 reference, and comparing them with LOSSES.md's tolerances.
+#![allow(dead_code)]
+
+use flashgrpo_kernels::synthetic::{Rng, SyntheticSpec};
+use flashgrpo_kernels::{
+    forward, forward_backward, reference, Element, IsRatio, Loss, LossOptions, LossOutput,
+    LossSpec, PolicyInputs, Rows,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Op {
+    Grpo,
+    CrossEntropy,
+    Entropy,
+    Logprob,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MaskKind {
+    None,
+    Random(f64),
+    AllZero,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum IsRatioKind {
+    None,
+    PerToken,
+    PerSequence,
+}
+
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub op: Op,
+    pub batch: usize,
+    pub seq_len: usize,
+    pub vocab: usize,
+    pub seed: u64,
+    pub options: LossOptions,
+    pub mask: MaskKind,
+    pub with_old: bool,
+    pub with_ref: bool,
+    pub is_ratio: IsRatioKind,
+    /// Cross-entropy: the fraction of targets replaced by `ignore_index`.
+    pub ignored: f64,
+    pub logit_std: f64,
+}
+
+impl Case {
+    pub fn new(op: Op, batch: usize, seq_len: usize, vocab: usize) -> Self {
+        Self {
+            op,
+            batch,
+            seq_len,
+            vocab,
+            seed: (batch * 1_000_003 + seq_len * 1009 + vocab) as u64,
+            options: LossOptions::default(),
+            mask: MaskKind::Random(0.2),
+            with_old: true,
+            with_ref: true,
+            is_ratio: IsRatioKind::None,
+            ignored: 0.0,
+            logit_std: 2.5,
+        }
+    }
+
+    pub fn with(mut self, f: impl FnOnce(&mut LossOptions)) -> Self {
+        f(&mut self.options);
+        self
+    }
+
+    pub fn data(&self) -> Data {
+        let batch = SyntheticSpec {
+            batch: self.batch,
+            seq_len: self.seq_len,
+            vocab: self.vocab,
+            seed: self.seed,
+            logit_std: self.logit_std,
+            logp_noise: 0.3,
+            mask_fraction: match self.mask {
+                MaskKind::Random(f) => f,
+                _ => 0.0,
+            },
+        }
+        .generate();
+        let n = self.batch * self.seq_len;
+        let mut rng = Rng::new(self.seed ^ 0xABCD);
+        let mut targets = batch.targets;
+        for y in targets.iter_mut() {
+            if rng.uniform() < self.ignored {
+                *y = self.options.ignore_index;
+            }
+        }
+        let mask = match self.mask {
+            MaskKind::None => None,
+            MaskKind::Random(_) => Some(batch.mask),
+            MaskKind::AllZero => Some(vec![0.0; n]),
+        };
+        let is_ratio = match self.is_ratio {
+            IsRatioKind::None => None,
+            IsRatioKind::PerToken => Some((0..n).map(|_| 0.5 + rng.uniform() as f32).collect()),
+            IsRatioKind::PerSequence => Some(
+                (0..self.batch)
+                    .map(|_| 0.5 + rng.uniform() as f32)
+                    .collect(),
+            ),
+        };
+        Data {
+            logits: batch.logits,
+            targets,
+            mask,
+            advantages: batch.advantages,
+            old_logp: self.with_old.then_some(batch.old_logp),
+            ref_logp: self.with_ref.then_some(batch.ref_logp),
+            is_ratio,
+            is_ratio_kind: self.is_ratio,
+            case: self.clone(),
+        }
+    }
+}
+
+/// Owned inputs of a case; `spec()` borrows them.
+pub struct Data {
+    pub logits: Vec<f32>,
+    pub targets: Vec<i64>,
+    pub mask: Option<Vec<f32>>,
+    pub advantages: Vec<f32>,
+    pub old_logp: Option<Vec<f32>>,
+    pub ref_logp: Option<Vec<f32>>,
+    pub is_ratio: Option<Vec<f32>>,
+    pub is_ratio_kind: IsRatioKind,
+    pub case: Case,
+}
+
+impl Data {
+    pub fn rows(&self) -> Rows<'_> {
+        Rows {
+            batch: self.case.batch,
+            seq_len: self.case.seq_len,
+            vocab: self.case.vocab,
+            targets: Some(&self.targets),
+            mask: self.mask.as_deref(),
+        }
+    }
+
+    pub fn loss(&self) -> Loss<'_> {
+        match self.case.op {
+            Op::Grpo => Loss::Grpo(PolicyInputs {
+                advantages: &self.advantages,
+                old_logp: self.old_logp.as_deref(),
+                ref_logp: self.ref_logp.as_deref(),
+                is_ratio: self.is_ratio.as_deref().map(|v| match self.is_ratio_kind {
+                    IsRatioKind::PerSequence => IsRatio::PerSequence(v),
+                    _ => IsRatio::PerToken(v),
+                }),
+            }),
+            Op::CrossEntropy => Loss::CrossEntropy,
+            Op::Entropy => Loss::Entropy,
+            Op::Logprob => Loss::Logprob,
+        }
+    }
+
+    pub fn spec(&self) -> LossSpec<'_> {
+        LossSpec {
+            loss: self.loss(),
+            rows: self.rows(),
+            options: &self.case.options,
+            batch_shard: None,
+        }
+    }
+
+    pub fn logits_as<T: Element>(&self) -> Vec<T> {
+        self.logits.iter().map(|&x| T::from_f32(x)).collect()
+    }
+}
+
+/// Runs the fused kernel (with a gradient when the op has one).
+pub fn fused<T: Element>(data: &Data, logits: &[T]) -> (LossOutput, Option<Vec<T>>) {
+    let spec = data.spec();
+    if spec.loss.has_gradient() {
+        let mut grad = vec![T::default(); logits.len()];
+        let out = forward_backward(spec, logits, &mut grad).unwrap();
+        (out, Some(grad))
+    } else {
+        (forward(spec, logits).unwrap(), None)
+    }
+}
+
+pub fn relative_norm_error(got: impl Iterator<Item = f64>, want: &[f64]) -> f64 {
+    let (mut diff, mut norm) = (0.0, 0.0);
+    for (g, &w) in got.zip(want) {
+        diff += (g - w) * (g - w);
+        norm += w * w;
+    }
+    if norm == 0.0 {
+        diff.sqrt()
+    } else {
+        (diff / norm).sqrt()
+    }
+}
+
+/// Asserts LOSSES.md's tolerances: loss and per-token outputs 1e-5 (relative, or absolute
+/// below 1), gradient relative norm `grad_tol` (1e-5 for f32, 1e-2 for bf16/f16).
+pub fn assert_matches_reference<T: Element>(data: &Data, grad_tol: f64) {
+    let logits: Vec<T> = data.logits_as();
+    let exact: Vec<f64> = logits.iter().map(|x| x.to_f32() as f64).collect();
+    let want = reference::evaluate(data.spec(), &exact).unwrap();
+    let (got, grad) = fused(data, &logits);
+    let name = format!("{:?} {:?}", data.case, T::DTYPE);
+
+    let loss_tol = 1e-5 * want.loss.abs().max(1e-2);
+    assert!(
+        (got.loss - want.loss).abs() <= loss_tol,
+        "loss {} vs reference {} in {name}",
+        got.loss,
+        want.loss
+    );
+    let check = |what: &str, got: &[f32], want: &[f64]| {
+        assert_eq!(got.len(), want.len(), "{what} length in {name}");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g as f64 - w).abs() <= 1e-5 * w.abs().max(1.0),
+                "{what}[{i}] = {g} vs reference {w} in {name}"
+            );
+        }
+    };
+    check("per_token_loss", &got.per_token_loss, &want.per_token_loss);
+    check("entropy", &got.entropy, &want.entropy);
+    check(
+        "logp",
+        got.logp.as_deref().unwrap(),
+        want.logp.as_deref().unwrap(),
+    );
+    if let (Some(g), Some(w)) = (&got.kl, &want.kl) {
+        check("kl", g, w);
+    }
+    if let (Some(g), Some(w)) = (&got.is_clipped, &want.is_clipped) {
+        check("is_clipped", g, w);
+    }
+    assert_eq!(got.kl.is_some(), want.kl.is_some());
+    match (grad, want.grad) {
+        (Some(g), Some(w)) => {
+            let err = relative_norm_error(g.iter().map(|x| x.to_f32() as f64), &w);
+            assert!(
+                err <= grad_tol,
+                "gradient relative error {err} > {grad_tol} in {name}"
+            );
+        }
+        (None, None) => {}
+        (g, w) => panic!(
+            "gradient presence differs: fused {} reference {} in {name}",
+            g.is_some(),
+            w.is_some()
+        ),
+    }
+}

@@ -1,0 +1,207 @@
+//! The streaming kernels against the f64 reference, over ragged shapes, every op and option,
+//! masks (none, random, all zero), and f32 / bf16 / f16 logits.
+
+mod common;
+
+use common::{assert_matches_reference, Case, IsRatioKind, MaskKind, Op};
+use flashgrpo_kernels::{ImportanceSamplingLevel, LossType, Reduction};
+use half::{bf16, f16};
+
+/// Shapes: V = 1 and 2, V not a multiple of the 16 lanes nor of the 2048-element tile,
+/// V crossing a tile boundary by one, N = 1, and one large vocabulary.
+const SHAPES: &[(usize, usize, usize)] = &[
+    (1, 1, 1),
+    (1, 1, 2),
+    (2, 3, 5),
+    (3, 4, 17),
+    (2, 5, 2049),
+    (1, 3, 4097),
+    (4, 6, 100),
+    (1, 2, 151_936),
+];
+
+fn check_all_dtypes(case: &Case) {
+    let data = case.data();
+    assert_matches_reference::<f32>(&data, 1e-5);
+    assert_matches_reference::<bf16>(&data, 1e-2);
+    assert_matches_reference::<f16>(&data, 1e-2);
+}
+
+fn grpo_variants() -> Vec<(&'static str, Case)> {
+    let base = |b, t, v| Case::new(Op::Grpo, b, t, v).with(|o| o.beta = 0.04);
+    let mut cases = vec![
+        ("on-policy defaults", {
+            let mut c = Case::new(Op::Grpo, 3, 4, 33);
+            c.with_old = false;
+            c.with_ref = false;
+            c
+        }),
+        (
+            "eps_high 0.28 + delta",
+            base(3, 5, 41).with(|o| {
+                o.epsilon_high = Some(0.28);
+                o.delta = Some(1.1);
+            }),
+        ),
+        (
+            "bias-corrected kl",
+            base(3, 5, 41).with(|o| o.use_bias_correction_kl = true),
+        ),
+        (
+            "entropy bonus + temperature",
+            base(2, 6, 57).with(|o| {
+                o.entropy_coef = 0.05;
+                o.temperature = 0.7;
+            }),
+        ),
+        (
+            "num_items",
+            base(2, 4, 19).with(|o| o.num_items = Some(3.0)),
+        ),
+        (
+            "dr_grpo max_completion_length",
+            base(2, 4, 19).with(|o| {
+                o.loss_type = LossType::DrGrpo;
+                o.max_completion_length = Some(16);
+            }),
+        ),
+        ("is_ratio per token", {
+            let mut c = base(2, 5, 23);
+            c.is_ratio = IsRatioKind::PerToken;
+            c
+        }),
+        ("is_ratio per sequence", {
+            let mut c = base(2, 5, 23);
+            c.is_ratio = IsRatioKind::PerSequence;
+            c
+        }),
+        (
+            "cispo both branches",
+            base(3, 6, 29).with(|o| {
+                o.loss_type = LossType::Cispo;
+                o.epsilon_high = Some(1.1);
+            }),
+        ),
+        ("on-policy sequence level, bias-corrected", {
+            let mut c = base(2, 5, 31).with(|o| {
+                o.importance_sampling_level = ImportanceSamplingLevel::Sequence;
+                o.use_bias_correction_kl = true;
+            });
+            c.with_old = false;
+            c
+        }),
+    ];
+    for level in [
+        ImportanceSamplingLevel::Token,
+        ImportanceSamplingLevel::Sequence,
+    ] {
+        for lt in [
+            LossType::Grpo,
+            LossType::Bnpo,
+            LossType::DrGrpo,
+            LossType::Dapo,
+            LossType::Cispo,
+            LossType::Sapo,
+        ] {
+            cases.push((
+                "loss type x level",
+                base(3, 7, 45).with(|o| {
+                    o.loss_type = lt;
+                    o.importance_sampling_level = level;
+                    o.entropy_coef = 0.01;
+                    o.use_bias_correction_kl = lt == LossType::Sapo;
+                }),
+            ));
+        }
+    }
+    cases
+}
+
+#[test]
+fn grpo_every_option_matches_reference() {
+    for (name, case) in grpo_variants() {
+        println!("{name}: {:?}", case.options);
+        check_all_dtypes(&case);
+    }
+}
+
+#[test]
+fn every_op_on_ragged_shapes() {
+    for &(b, t, v) in SHAPES {
+        for op in [Op::Grpo, Op::CrossEntropy, Op::Entropy, Op::Logprob] {
+            for mask in [MaskKind::None, MaskKind::Random(0.3)] {
+                let mut case = Case::new(op, b, t, v).with(|o| {
+                    o.beta = 0.04;
+                    o.epsilon_high = Some(0.28);
+                });
+                case.mask = mask;
+                check_all_dtypes(&case);
+            }
+        }
+    }
+}
+
+#[test]
+fn all_masked_gives_zero_loss_and_gradient() {
+    for op in [Op::Grpo, Op::CrossEntropy, Op::Entropy, Op::Logprob] {
+        for lt in [LossType::Grpo, LossType::Dapo, LossType::Sapo] {
+            let mut case = Case::new(op, 2, 3, 11).with(|o| {
+                o.loss_type = lt;
+                o.beta = 0.04;
+            });
+            case.mask = MaskKind::AllZero;
+            let data = case.data();
+            let (out, grad) = common::fused::<f32>(&data, &data.logits);
+            assert_eq!(out.loss, 0.0, "{case:?}");
+            assert!(out.per_token_loss.iter().all(|&x| x == 0.0));
+            if let Some(g) = grad {
+                assert!(g.iter().all(|&x| x == 0.0));
+            }
+            assert_matches_reference::<f32>(&data, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_options_match_reference() {
+    let variants: Vec<Case> = vec![
+        Case::new(Op::CrossEntropy, 2, 5, 37),
+        Case::new(Op::CrossEntropy, 2, 5, 37).with(|o| o.label_smoothing = 0.1),
+        Case::new(Op::CrossEntropy, 2, 5, 37).with(|o| o.z_loss = 1e-3),
+        Case::new(Op::CrossEntropy, 3, 4, 2100).with(|o| {
+            o.label_smoothing = 0.2;
+            o.z_loss = 1e-4;
+            o.temperature = 1.3;
+        }),
+        Case::new(Op::CrossEntropy, 2, 5, 37).with(|o| o.reduction = Reduction::Sum),
+        Case::new(Op::CrossEntropy, 2, 5, 37).with(|o| {
+            o.reduction = Reduction::None;
+            o.label_smoothing = 0.05;
+        }),
+        Case::new(Op::CrossEntropy, 2, 5, 37).with(|o| o.ignore_index = 7),
+    ];
+    for mut case in variants {
+        case.ignored = 0.25;
+        check_all_dtypes(&case);
+        case.mask = MaskKind::None;
+        check_all_dtypes(&case);
+    }
+}
+
+#[test]
+fn logprob_and_entropy_with_temperature() {
+    for op in [Op::Logprob, Op::Entropy] {
+        let case = Case::new(op, 2, 3, 300).with(|o| o.temperature = 0.6);
+        check_all_dtypes(&case);
+    }
+}
+
+#[test]
+fn large_logits_stay_accurate() {
+    // Logits of spread 30 put the max far from zero: the entropy must not cancel.
+    for op in [Op::Grpo, Op::CrossEntropy, Op::Entropy] {
+        let mut case = Case::new(op, 2, 3, 5000).with(|o| o.beta = 0.04);
+        case.logit_std = 30.0;
+        assert_matches_reference::<f32>(&case.data(), 1e-5);
+    }
+}
