@@ -71,15 +71,7 @@ mod tests {
 
     #[test]
     fn bf16_widening_matches_half() {
-        for v in [
-            0.0f32,
-            -0.0,
-            1.5,
-            -3.25e7,
-            1e-30,
-            f32::INFINITY,
-            f32::MIN_POSITIVE,
-        ] {
+        for v in [0.0f32, -0.0, 1.5, -3.25e7, 1e-30, f32::INFINITY, f32::MIN_POSITIVE] {
             let b = bf16::from_f32(v);
             assert_eq!(Element::to_f32(b).to_bits(), b.to_f32().to_bits());
         }

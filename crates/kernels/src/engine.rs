@@ -44,9 +44,7 @@ impl<'a> PreparedLoss<'a> {
         if self.spec.loss.has_gradient() {
             Ok(self)
         } else {
-            Err(LossError::NoGradient {
-                op: self.spec.loss.name(),
-            })
+            Err(LossError::NoGradient { op: self.spec.loss.name() })
         }
     }
 
@@ -67,12 +65,7 @@ impl<'a> PreparedLoss<'a> {
             return Err(LossError::Shape {
                 tensor: "logits",
                 got: vec![len],
-                expected: format!(
-                    "it must hold B*T*V = {}*{}*{} elements",
-                    rows.batch,
-                    rows.seq_len,
-                    columns.len()
-                ),
+                expected: format!("it must hold B*T*V = {}*{}*{} elements", rows.batch, rows.seq_len, columns.len()),
             });
         }
         Ok(())
@@ -85,27 +78,14 @@ impl<'a> PreparedLoss<'a> {
         columns: Range<usize>,
     ) -> Result<Vec<PartialRowStats>, LossError> {
         self.check_shard_len(logits.len(), &columns)?;
-        cpu::statistics(
-            logits,
-            columns,
-            &self.spec.rows,
-            &self.active,
-            self.spec.options.temperature,
-        )
+        cpu::statistics(logits, columns, &self.spec.rows, &self.active, self.spec.options.temperature)
     }
 
     /// Step 2 from the statistics of the whole vocabulary (one shard's, or [`combine_shards`]'s).
-    pub fn objective(
-        &self,
-        stats: &[PartialRowStats],
-    ) -> Result<(LossOutput, Vec<RowGradient>), LossError> {
+    pub fn objective(&self, stats: &[PartialRowStats]) -> Result<(LossOutput, Vec<RowGradient>), LossError> {
         let rows = &self.spec.rows;
         if stats.len() != rows.len() {
-            return Err(LossError::Shard(format!(
-                "{} rows of statistics for {} rows",
-                stats.len(),
-                rows.len()
-            )));
+            return Err(LossError::Shard(format!("{} rows of statistics for {} rows", stats.len(), rows.len())));
         }
         let needs_target = rows.targets.is_some();
         let finished: Vec<RowStats> = stats
@@ -117,22 +97,13 @@ impl<'a> PreparedLoss<'a> {
                     return Ok(RowStats::default());
                 }
                 if needs_target && s.target_u.is_none() {
-                    return Err(LossError::Shard(format!(
-                        "no shard holds the target column of row {i}"
-                    )));
+                    return Err(LossError::Shard(format!("no shard holds the target column of row {i}")));
                 }
                 Ok(s.finish(rows.vocab))
             })
             .collect::<Result<_, _>>()?;
         let spec = &self.spec;
-        Ok(objective::evaluate(
-            &spec.loss,
-            rows,
-            spec.options,
-            spec.batch_shard,
-            &self.active,
-            &finished,
-        ))
+        Ok(objective::evaluate(&spec.loss, rows, spec.options, spec.batch_shard, &self.active, &finished))
     }
 
     /// Step 3 over the columns `columns`.
@@ -143,17 +114,12 @@ impl<'a> PreparedLoss<'a> {
         grads: &[RowGradient],
     ) -> Result<(), LossError> {
         if !self.spec.loss.has_gradient() {
-            return Err(LossError::NoGradient {
-                op: self.spec.loss.name(),
-            });
+            return Err(LossError::NoGradient { op: self.spec.loss.name() });
         }
         let len = match &target {
             GradientTarget::Into { logits, out } => {
                 if logits.len() != out.len() {
-                    return Err(LossError::GradientBuffer {
-                        got: out.len(),
-                        expected: logits.len(),
-                    });
+                    return Err(LossError::GradientBuffer { got: out.len(), expected: logits.len() });
                 }
                 logits.len()
             }
@@ -161,19 +127,9 @@ impl<'a> PreparedLoss<'a> {
         };
         self.check_shard_len(len, &columns)?;
         if grads.len() != self.spec.rows.len() {
-            return Err(LossError::Shard(format!(
-                "{} row gradients for {} rows",
-                grads.len(),
-                self.spec.rows.len()
-            )));
+            return Err(LossError::Shard(format!("{} row gradients for {} rows", grads.len(), self.spec.rows.len())));
         }
-        cpu::gradient(
-            target,
-            columns,
-            &self.spec.rows,
-            grads,
-            self.spec.options.temperature,
-        );
+        cpu::gradient(target, columns, &self.spec.rows, grads, self.spec.options.temperature);
         Ok(())
     }
 }
@@ -189,7 +145,9 @@ pub fn combine_shards(
     let mut next = 0;
     for r in &ranges {
         if r.start != next {
-            return Err(LossError::Shard(format!("the shards {ranges:?} do not tile the vocabulary [0, {vocab}) (gap or overlap at column {next})")));
+            return Err(LossError::Shard(format!(
+                "the shards {ranges:?} do not tile the vocabulary [0, {vocab}) (gap or overlap at column {next})"
+            )));
         }
         next = r.end;
     }
@@ -200,18 +158,9 @@ pub fn combine_shards(
     }
     let n = shards.first().map_or(0, |(_, s)| s.len());
     if let Some((r, s)) = shards.iter().find(|(_, s)| s.len() != n) {
-        return Err(LossError::Shard(format!(
-            "shard {r:?} has {} rows of statistics, the first has {n}",
-            s.len()
-        )));
+        return Err(LossError::Shard(format!("shard {r:?} has {} rows of statistics, the first has {n}", s.len())));
     }
-    Ok((0..n)
-        .map(|i| {
-            shards
-                .iter()
-                .fold(PartialRowStats::EMPTY, |acc, (_, s)| acc.combine(s[i]))
-        })
-        .collect())
+    Ok((0..n).map(|i| shards.iter().fold(PartialRowStats::EMPTY, |acc, (_, s)| acc.combine(s[i]))).collect())
 }
 
 /// The loss and per-token outputs, no gradient.
@@ -223,34 +172,20 @@ pub fn forward<T: Element>(spec: LossSpec<'_>, logits: &[T]) -> Result<LossOutpu
 
 /// The loss, per-token outputs, and the gradient of the loss written into `grad` (same shape
 /// and dtype as `logits`).
-pub fn forward_backward<T: Element>(
-    spec: LossSpec<'_>,
-    logits: &[T],
-    grad: &mut [T],
-) -> Result<LossOutput, LossError> {
+pub fn forward_backward<T: Element>(spec: LossSpec<'_>, logits: &[T], grad: &mut [T]) -> Result<LossOutput, LossError> {
     let prepared = PreparedLoss::new(spec)?.expecting_gradient()?;
     if grad.len() != logits.len() {
-        return Err(LossError::GradientBuffer {
-            got: grad.len(),
-            expected: logits.len(),
-        });
+        return Err(LossError::GradientBuffer { got: grad.len(), expected: logits.len() });
     }
     let stats = prepared.statistics(logits, 0..spec.rows.vocab)?;
     let (output, grads) = prepared.objective(&stats)?;
-    prepared.gradient(
-        GradientTarget::Into { logits, out: grad },
-        0..spec.rows.vocab,
-        &grads,
-    )?;
+    prepared.gradient(GradientTarget::Into { logits, out: grad }, 0..spec.rows.vocab, &grads)?;
     Ok(output)
 }
 
 /// Like [`forward_backward`], with the gradient written over the logits: the peak memory is
 /// the logits and O(N). On error the logits are left untouched.
-pub fn forward_backward_in_place<T: Element>(
-    spec: LossSpec<'_>,
-    logits: &mut [T],
-) -> Result<LossOutput, LossError> {
+pub fn forward_backward_in_place<T: Element>(spec: LossSpec<'_>, logits: &mut [T]) -> Result<LossOutput, LossError> {
     let prepared = PreparedLoss::new(spec)?.expecting_gradient()?;
     let stats = prepared.statistics(logits, 0..spec.rows.vocab)?;
     let (output, grads) = prepared.objective(&stats)?;

@@ -9,11 +9,7 @@ pub enum LossError {
     InvalidOption { name: &'static str, message: String },
 
     #[error("`{tensor}` has shape {got:?}, but {expected}")]
-    Shape {
-        tensor: &'static str,
-        got: Vec<usize>,
-        expected: String,
-    },
+    Shape { tensor: &'static str, got: Vec<usize>, expected: String },
 
     #[error("missing input `{tensor}`: {why}")]
     MissingInput { tensor: &'static str, why: String },
@@ -22,33 +18,16 @@ pub enum LossError {
         "targets[{b}, {t}] (row {row}) = {value} is outside the vocabulary [0, {vocab}) on an unmasked row; \
          mask the row or fix the target"
     )]
-    TargetOutOfRange {
-        row: usize,
-        b: usize,
-        t: usize,
-        value: i64,
-        vocab: usize,
-    },
+    TargetOutOfRange { row: usize, b: usize, t: usize, value: i64, vocab: usize },
 
     #[error("logits row {row} (b = {b}, t = {t}) contains NaN or Inf")]
     NonFiniteLogits { row: usize, b: usize, t: usize },
 
     #[error("`{tensor}` has a non-finite value {value} at row {row} (b = {b}, t = {t})")]
-    NonFiniteInput {
-        tensor: &'static str,
-        row: usize,
-        b: usize,
-        t: usize,
-        value: f32,
-    },
+    NonFiniteInput { tensor: &'static str, row: usize, b: usize, t: usize, value: f32 },
 
     #[error("`mask` must hold 0 or 1, but mask[{b}, {t}] (row {row}) = {value}")]
-    MaskValue {
-        row: usize,
-        b: usize,
-        t: usize,
-        value: f32,
-    },
+    MaskValue { row: usize, b: usize, t: usize, value: f32 },
 
     #[error("the gradient buffer has {got} elements, but the logits have {expected}")]
     GradientBuffer { got: usize, expected: usize },

@@ -113,18 +113,10 @@ pub(crate) struct Normalisers {
 }
 
 impl Normalisers {
-    pub fn resolve(
-        rows: &Rows,
-        active: &[bool],
-        options: &LossOptions,
-        shard: Option<BatchShard>,
-    ) -> Self {
+    pub fn resolve(rows: &Rows, active: &[bool], options: &LossOptions, shard: Option<BatchShard>) -> Self {
         let (batch, valid_rows) = match shard {
             Some(s) => (s.global_batch as f64, s.global_valid_rows),
-            None => (
-                rows.batch as f64,
-                active.iter().filter(|&&a| a).count() as f64,
-            ),
+            None => (rows.batch as f64, active.iter().filter(|&&a| a).count() as f64),
         };
         Self {
             batch,
@@ -141,21 +133,12 @@ impl Normalisers {
 pub fn validate(loss: &Loss, rows: &Rows, options: &LossOptions) -> Result<Vec<bool>, LossError> {
     options.validate()?;
     let n = rows.len();
-    let bt = || {
-        format!(
-            "[B*T] = [{}] elements (B = {}, T = {})",
-            n, rows.batch, rows.seq_len
-        )
-    };
+    let bt = || format!("[B*T] = [{}] elements (B = {}, T = {})", n, rows.batch, rows.seq_len);
     let expect_len = |tensor: &'static str, got: usize, want: usize, expected: String| {
         if got == want {
             Ok(())
         } else {
-            Err(LossError::Shape {
-                tensor,
-                got: vec![got],
-                expected,
-            })
+            Err(LossError::Shape { tensor, got: vec![got], expected })
         }
     };
     if rows.vocab == 0 {
@@ -170,12 +153,7 @@ pub fn validate(loss: &Loss, rows: &Rows, options: &LossOptions) -> Result<Vec<b
         for (row, &v) in m.iter().enumerate() {
             if v != 0.0 && v != 1.0 {
                 let (b, t) = rows.position(row);
-                return Err(LossError::MaskValue {
-                    row,
-                    b,
-                    t,
-                    value: v,
-                });
+                return Err(LossError::MaskValue { row, b, t, value: v });
             }
         }
     }
@@ -185,10 +163,7 @@ pub fn validate(loss: &Loss, rows: &Rows, options: &LossOptions) -> Result<Vec<b
         None if needs_targets => {
             return Err(LossError::MissingInput {
                 tensor: "targets",
-                why: format!(
-                    "the `{}` op needs the chosen token of every row",
-                    loss.name()
-                ),
+                why: format!("the `{}` op needs the chosen token of every row", loss.name()),
             })
         }
         None => {}
@@ -205,13 +180,7 @@ pub fn validate(loss: &Loss, rows: &Rows, options: &LossOptions) -> Result<Vec<b
         for (row, (&a, &y)) in active.iter().zip(targets).enumerate() {
             if a && (y < 0 || y as u64 >= rows.vocab as u64) {
                 let (b, t) = rows.position(row);
-                return Err(LossError::TargetOutOfRange {
-                    row,
-                    b,
-                    t,
-                    value: y,
-                    vocab: rows.vocab,
-                });
+                return Err(LossError::TargetOutOfRange { row, b, t, value: y, vocab: rows.vocab });
             }
         }
     }
@@ -234,10 +203,7 @@ fn validate_policy_inputs(
             return Err(LossError::Shape {
                 tensor,
                 got: vec![v.len()],
-                expected: format!(
-                    "it must be [B, T] = [{}, {}] like `targets`",
-                    rows.batch, rows.seq_len
-                ),
+                expected: format!("it must be [B, T] = [{}, {}] like `targets`", rows.batch, rows.seq_len),
             });
         }
         check_finite(tensor, v, rows, active)
@@ -246,21 +212,12 @@ fn validate_policy_inputs(
         return Err(LossError::Shape {
             tensor: "advantages",
             got: vec![p.advantages.len()],
-            expected: format!(
-                "it must be [B] = [{}], one per sequence of `logits`",
-                rows.batch
-            ),
+            expected: format!("it must be [B] = [{}], one per sequence of `logits`", rows.batch),
         });
     }
     for (b, &a) in p.advantages.iter().enumerate() {
         if !a.is_finite() && (0..rows.seq_len).any(|t| active[b * rows.seq_len + t]) {
-            return Err(LossError::NonFiniteInput {
-                tensor: "advantages",
-                row: b * rows.seq_len,
-                b,
-                t: 0,
-                value: a,
-            });
+            return Err(LossError::NonFiniteInput { tensor: "advantages", row: b * rows.seq_len, b, t: 0, value: a });
         }
     }
     if let Some(old) = p.old_logp {
@@ -300,22 +257,11 @@ fn validate_policy_inputs(
     Ok(())
 }
 
-fn check_finite(
-    tensor: &'static str,
-    v: &[f32],
-    rows: &Rows,
-    active: &[bool],
-) -> Result<(), LossError> {
+fn check_finite(tensor: &'static str, v: &[f32], rows: &Rows, active: &[bool]) -> Result<(), LossError> {
     match v.iter().zip(active).position(|(x, &a)| a && !x.is_finite()) {
         Some(row) => {
             let (b, t) = rows.position(row);
-            Err(LossError::NonFiniteInput {
-                tensor,
-                row,
-                b,
-                t,
-                value: v[row],
-            })
+            Err(LossError::NonFiniteInput { tensor, row, b, t, value: v[row] })
         }
         None => Ok(()),
     }

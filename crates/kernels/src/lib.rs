@@ -47,9 +47,7 @@ pub mod synthetic;
 
 pub use cpu::GradientTarget;
 pub use element::{DType, Element};
-pub use engine::{
-    combine_shards, forward, forward_backward, forward_backward_in_place, LossSpec, PreparedLoss,
-};
+pub use engine::{combine_shards, forward, forward_backward, forward_backward_in_place, LossSpec, PreparedLoss};
 pub use error::LossError;
 pub use inputs::{BatchShard, IsRatio, Loss, PolicyInputs, Rows};
 pub use objective::{LossOutput, RowGradient};

@@ -30,8 +30,7 @@ pub enum LossType {
 
 impl LossType {
     /// Every accepted name, for error messages.
-    pub const NAMES: &'static [&'static str] =
-        &["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"];
+    pub const NAMES: &'static [&'static str] = &["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"];
 
     /// The PPO family shares the clipped surrogate `-min(r*A, clip(r)*A)`.
     pub fn is_ppo_family(self) -> bool {
@@ -152,10 +151,7 @@ impl LossOptions {
     /// Rejects values that would silently produce nonsense (NaN losses, sign flips).
     pub fn validate(&self) -> Result<(), LossError> {
         fn bad(name: &'static str, value: impl std::fmt::Display, rule: &str) -> LossError {
-            LossError::InvalidOption {
-                name,
-                message: format!("got {value}, but it must be {rule}"),
-            }
+            LossError::InvalidOption { name, message: format!("got {value}, but it must be {rule}") }
         }
         let positive = |name: &'static str, v: f64| {
             if v.is_finite() && v > 0.0 {
@@ -224,99 +220,36 @@ mod tests {
     fn names_cover_every_field() {
         let value = serde_saphyr::to_string(&LossOptions::default()).unwrap();
         for name in LossOptions::NAMES {
-            assert!(
-                value.contains(&format!("{name}:")),
-                "{name} missing from {value}"
-            );
+            assert!(value.contains(&format!("{name}:")), "{name} missing from {value}");
         }
         assert_eq!(value.lines().count(), LossOptions::NAMES.len());
     }
 
     #[test]
     fn yaml_round_trip_and_unknown_keys() {
-        let o: LossOptions = serde_saphyr::from_str(
-            "beta: 0.04\nloss_type: dr_grpo\nepsilon_high: 0.28\ndelta: null\n",
-        )
-        .unwrap();
+        let o: LossOptions =
+            serde_saphyr::from_str("beta: 0.04\nloss_type: dr_grpo\nepsilon_high: 0.28\ndelta: null\n").unwrap();
         assert_eq!(o.beta, 0.04);
         assert_eq!(o.loss_type, LossType::DrGrpo);
         assert_eq!(o.epsilon_high(), 0.28);
-        let err = serde_saphyr::from_str::<LossOptions>("betta: 0.1\n")
-            .unwrap_err()
-            .to_string();
+        let err = serde_saphyr::from_str::<LossOptions>("betta: 0.1\n").unwrap_err().to_string();
         assert!(err.contains("betta"), "{err}");
-        let err = serde_saphyr::from_str::<LossOptions>("loss_type: ppo\n")
-            .unwrap_err()
-            .to_string();
+        let err = serde_saphyr::from_str::<LossOptions>("loss_type: ppo\n").unwrap_err().to_string();
         assert!(err.contains("ppo"), "{err}");
     }
 
     #[test]
     fn validation_names_the_option() {
         for (name, o) in [
-            (
-                "temperature",
-                LossOptions {
-                    temperature: -1.0,
-                    ..Default::default()
-                },
-            ),
-            (
-                "temperature",
-                LossOptions {
-                    temperature: 0.0,
-                    ..Default::default()
-                },
-            ),
-            (
-                "epsilon_low",
-                LossOptions {
-                    epsilon_low: -0.1,
-                    ..Default::default()
-                },
-            ),
-            (
-                "epsilon_high",
-                LossOptions {
-                    epsilon_high: Some(f64::NAN),
-                    ..Default::default()
-                },
-            ),
-            (
-                "delta",
-                LossOptions {
-                    delta: Some(0.0),
-                    ..Default::default()
-                },
-            ),
-            (
-                "beta",
-                LossOptions {
-                    beta: -0.5,
-                    ..Default::default()
-                },
-            ),
-            (
-                "label_smoothing",
-                LossOptions {
-                    label_smoothing: 1.5,
-                    ..Default::default()
-                },
-            ),
-            (
-                "sapo_temperature_neg",
-                LossOptions {
-                    sapo_temperature_neg: 0.0,
-                    ..Default::default()
-                },
-            ),
-            (
-                "max_completion_length",
-                LossOptions {
-                    max_completion_length: Some(0),
-                    ..Default::default()
-                },
-            ),
+            ("temperature", LossOptions { temperature: -1.0, ..Default::default() }),
+            ("temperature", LossOptions { temperature: 0.0, ..Default::default() }),
+            ("epsilon_low", LossOptions { epsilon_low: -0.1, ..Default::default() }),
+            ("epsilon_high", LossOptions { epsilon_high: Some(f64::NAN), ..Default::default() }),
+            ("delta", LossOptions { delta: Some(0.0), ..Default::default() }),
+            ("beta", LossOptions { beta: -0.5, ..Default::default() }),
+            ("label_smoothing", LossOptions { label_smoothing: 1.5, ..Default::default() }),
+            ("sapo_temperature_neg", LossOptions { sapo_temperature_neg: 0.0, ..Default::default() }),
+            ("max_completion_length", LossOptions { max_completion_length: Some(0), ..Default::default() }),
         ] {
             let err = o.validate().unwrap_err().to_string();
             assert!(err.contains(name), "{err}");

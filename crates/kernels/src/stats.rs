@@ -25,13 +25,8 @@ pub struct PartialRowStats {
 
 impl PartialRowStats {
     /// The statistics of nothing: the identity of [`combine`](Self::combine).
-    pub const EMPTY: Self = Self {
-        max: f32::NEG_INFINITY,
-        sum_exp: 0.0,
-        sum_exp_shifted: 0.0,
-        sum_u: 0.0,
-        target_u: None,
-    };
+    pub const EMPTY: Self =
+        Self { max: f32::NEG_INFINITY, sum_exp: 0.0, sum_exp_shifted: 0.0, sum_u: 0.0, target_u: None };
 
     /// Combines the statistics of two disjoint parts of a row (what an all-reduce of max then sum
     /// carries between devices). Computed in f64, rounded once.
@@ -46,10 +41,7 @@ impl PartialRowStats {
                 }
                 let shift = p.max as f64 - m as f64;
                 let k = shift.exp();
-                (
-                    p.sum_exp as f64 * k,
-                    (p.sum_exp_shifted as f64 + shift * p.sum_exp as f64) * k,
-                )
+                (p.sum_exp as f64 * k, (p.sum_exp_shifted as f64 + shift * p.sum_exp as f64) * k)
             };
             let (s1, e1) = rescale(&self);
             let (s2, e2) = rescale(&other);
@@ -109,10 +101,7 @@ mod tests {
         PartialRowStats {
             max: m,
             sum_exp: u.iter().map(|&x| ((x - m) as f64).exp()).sum::<f64>() as f32,
-            sum_exp_shifted: u
-                .iter()
-                .map(|&x| ((x - m) as f64).exp() * (x - m) as f64)
-                .sum::<f64>() as f32,
+            sum_exp_shifted: u.iter().map(|&x| ((x - m) as f64).exp() * (x - m) as f64).sum::<f64>() as f32,
             sum_u: u.iter().map(|&x| x as f64).sum::<f64>() as f32,
             target_u: target.map(|t| u[t]),
         }
@@ -120,23 +109,13 @@ mod tests {
 
     #[test]
     fn combine_of_parts_equals_the_whole() {
-        let u: Vec<f32> = (0..37)
-            .map(|i| ((i * 7919) % 23) as f32 * 0.7 - 5.0)
-            .collect();
+        let u: Vec<f32> = (0..37).map(|i| ((i * 7919) % 23) as f32 * 0.7 - 5.0).collect();
         let whole = direct(&u, Some(30)).finish(u.len());
         for split in [1, 5, 20, 36] {
-            let (ta, tb) = if 30 < split {
-                (Some(30), None)
-            } else {
-                (None, Some(30 - split))
-            };
+            let (ta, tb) = if 30 < split { (Some(30), None) } else { (None, Some(30 - split)) };
             let a = direct(&u[..split], ta);
             let b = direct(&u[split..], tb);
-            for c in [
-                a.combine(b),
-                b.combine(a),
-                PartialRowStats::EMPTY.combine(a).combine(b),
-            ] {
+            for c in [a.combine(b), b.combine(a), PartialRowStats::EMPTY.combine(a).combine(b)] {
                 let got = c.finish(u.len());
                 assert!((got.lse - whole.lse).abs() < 1e-6);
                 assert!((got.entropy - whole.entropy).abs() < 1e-6);

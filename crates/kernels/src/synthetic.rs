@@ -65,12 +65,18 @@ pub struct SyntheticBatch {
 }
 
 impl SyntheticSpec {
+    /// Logits `N(0, logit_std^2)` and everything else to go with them.
     pub fn generate(&self) -> SyntheticBatch {
         let mut rng = Rng::new(self.seed);
+        let n = self.batch * self.seq_len * self.vocab;
+        let logits: Vec<f32> = (0..n).map(|_| (rng.normal() * self.logit_std) as f32).collect();
+        self.complete(logits, &mut rng)
+    }
+
+    /// Targets, mask, advantages and old/ref log-probs for the given logits `[B*T*V]`.
+    pub fn complete(&self, logits: Vec<f32>, rng: &mut Rng) -> SyntheticBatch {
         let (n, v) = (self.batch * self.seq_len, self.vocab);
-        let logits: Vec<f32> = (0..n * v)
-            .map(|_| (rng.normal() * self.logit_std) as f32)
-            .collect();
+        assert_eq!(logits.len(), n * v, "logits must be [B*T*V]");
         let targets: Vec<i64> = (0..n).map(|_| rng.below(v) as i64).collect();
         let mask: Vec<f32> = (0..n)
             .map(|i| {
@@ -83,24 +89,17 @@ impl SyntheticSpec {
             })
             .collect();
         let advantages = (0..self.batch).map(|_| rng.normal() as f32).collect();
+        // A non-finite row gets a finite stand-in, so that the kernels, not the generated inputs,
+        // report the bad logits.
         let logp: Vec<f64> = (0..n)
             .map(|i| true_logp(&logits[i * v..(i + 1) * v], targets[i] as usize))
+            .map(|l| if l.is_finite() { l } else { 0.0 })
             .collect();
-        let near = |rng: &mut Rng| -> Vec<f32> {
-            logp.iter()
-                .map(|&l| (l + self.logp_noise * rng.normal()) as f32)
-                .collect()
-        };
-        let old_logp = near(&mut rng);
-        let ref_logp = near(&mut rng);
-        SyntheticBatch {
-            logits,
-            targets,
-            mask,
-            advantages,
-            old_logp,
-            ref_logp,
-        }
+        let near =
+            |rng: &mut Rng| -> Vec<f32> { logp.iter().map(|&l| (l + self.logp_noise * rng.normal()) as f32).collect() };
+        let old_logp = near(rng);
+        let ref_logp = near(rng);
+        SyntheticBatch { logits, targets, mask, advantages, old_logp, ref_logp }
     }
 }
 

@@ -3,16 +3,11 @@
 mod common;
 
 use common::{Case, Op};
-use flashgrpo_kernels::{
-    forward_backward, forward_backward_in_place, Element, ImportanceSamplingLevel, LossOutput,
-};
+use flashgrpo_kernels::{forward_backward, forward_backward_in_place, Element, ImportanceSamplingLevel, LossOutput};
 use half::bf16;
 
 fn run<T: Element>(threads: usize, case: &Case) -> (LossOutput, Vec<T>, LossOutput, Vec<T>) {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     pool.install(|| {
         let data = case.data();
         let logits: Vec<T> = data.logits_as();
@@ -27,17 +22,10 @@ fn run<T: Element>(threads: usize, case: &Case) -> (LossOutput, Vec<T>, LossOutp
 fn check<T: Element>(case: &Case) {
     let (out1, grad1, ip_out1, ip_grad1) = run::<T>(1, case);
     assert_eq!(out1, ip_out1, "in place vs out of place outputs {case:?}");
-    assert_eq!(
-        grad1, ip_grad1,
-        "in place vs out of place gradient {case:?}"
-    );
+    assert_eq!(grad1, ip_grad1, "in place vs out of place gradient {case:?}");
     for threads in [2, 7, 2] {
         let (out, grad, _, _) = run::<T>(threads, case);
-        assert_eq!(
-            out.loss.to_bits(),
-            out1.loss.to_bits(),
-            "{threads} threads {case:?}"
-        );
+        assert_eq!(out.loss.to_bits(), out1.loss.to_bits(), "{threads} threads {case:?}");
         assert_eq!(out, out1, "{threads} threads {case:?}");
         assert_eq!(grad, grad1, "{threads} threads {case:?}");
     }

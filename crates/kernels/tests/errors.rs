@@ -5,8 +5,7 @@ mod common;
 
 use common::{Case, Op};
 use flashgrpo_kernels::{
-    forward, forward_backward, forward_backward_in_place, Loss, LossOptions, LossSpec,
-    PolicyInputs, Rows,
+    forward, forward_backward, forward_backward_in_place, Loss, LossOptions, LossSpec, PolicyInputs, Rows,
 };
 
 fn err_of(spec: LossSpec<'_>, logits: &[f32]) -> String {
@@ -19,10 +18,7 @@ fn target_out_of_range_names_the_row() {
     data.mask = None;
     data.targets[4] = 10;
     let e = err_of(data.spec(), &data.logits);
-    assert!(
-        e.contains("targets[1, 1] (row 4) = 10") && e.contains("[0, 10)"),
-        "{e}"
-    );
+    assert!(e.contains("targets[1, 1] (row 4) = 10") && e.contains("[0, 10)"), "{e}");
     data.targets[4] = -5;
     assert!(err_of(data.spec(), &data.logits).contains("= -5"));
     // Masked or ignored rows may hold anything.
@@ -42,16 +38,10 @@ fn non_finite_logits_name_the_row_and_leave_in_place_buffers_alone() {
         data.mask = None;
         data.logits[4 * 5000 + 4321] = bad;
         let e = err_of(data.spec(), &data.logits);
-        assert!(
-            e.contains("logits row 4 (b = 1, t = 1) contains NaN or Inf"),
-            "{bad}: {e}"
-        );
+        assert!(e.contains("logits row 4 (b = 1, t = 1) contains NaN or Inf"), "{bad}: {e}");
         let mut logits = data.logits.clone();
         assert!(forward_backward_in_place(data.spec(), &mut logits).is_err());
-        assert!(logits
-            .iter()
-            .zip(&data.logits)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(logits.iter().zip(&data.logits).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }
 
@@ -75,10 +65,7 @@ fn shapes_are_named() {
         p.advantages = &adv;
     }
     let e = err_of(spec, &data.logits);
-    assert!(
-        e.contains("`advantages` has shape [3]") && e.contains("[B] = [2]"),
-        "{e}"
-    );
+    assert!(e.contains("`advantages` has shape [3]") && e.contains("[B] = [2]"), "{e}");
     let mut spec = data.spec();
     let old = [0.0f32; 5];
     if let Loss::Grpo(p) = &mut spec.loss {
@@ -86,9 +73,7 @@ fn shapes_are_named() {
     }
     assert!(err_of(spec, &data.logits).contains("`old_logp` has shape [5]"));
     let mut grad = vec![0.0f32; 3];
-    let e = forward_backward(data.spec(), &data.logits, &mut grad)
-        .unwrap_err()
-        .to_string();
+    let e = forward_backward(data.spec(), &data.logits, &mut grad).unwrap_err().to_string();
     assert!(e.contains("gradient buffer"), "{e}");
 }
 
@@ -96,62 +81,20 @@ fn shapes_are_named() {
 fn missing_targets_mask_values_and_options() {
     let logits = [0.0f32; 8];
     let options = LossOptions::default();
-    let rows = Rows {
-        batch: 1,
-        seq_len: 2,
-        vocab: 4,
-        targets: None,
-        mask: None,
-    };
-    let spec = LossSpec {
-        loss: Loss::CrossEntropy,
-        rows,
-        options: &options,
-        batch_shard: None,
-    };
+    let rows = Rows { batch: 1, seq_len: 2, vocab: 4, targets: None, mask: None };
+    let spec = LossSpec { loss: Loss::CrossEntropy, rows, options: &options, batch_shard: None };
     assert!(err_of(spec, &logits).contains("missing input `targets`"));
     // Entropy needs no targets.
-    forward(
-        LossSpec {
-            loss: Loss::Entropy,
-            ..spec
-        },
-        &logits,
-    )
-    .unwrap();
+    forward(LossSpec { loss: Loss::Entropy, ..spec }, &logits).unwrap();
     let mask = [1.0f32, 0.5];
-    let spec = LossSpec {
-        rows: Rows {
-            mask: Some(&mask),
-            targets: Some(&[0, 1]),
-            ..rows
-        },
-        ..spec
-    };
+    let spec = LossSpec { rows: Rows { mask: Some(&mask), targets: Some(&[0, 1]), ..rows }, ..spec };
     assert!(err_of(spec, &logits).contains("mask[0, 1] (row 1) = 0.5"));
-    let bad = LossOptions {
-        temperature: -1.0,
-        ..Default::default()
-    };
-    let spec = LossSpec {
-        options: &bad,
-        rows: Rows {
-            targets: Some(&[0, 1]),
-            ..rows
-        },
-        ..spec
-    };
+    let bad = LossOptions { temperature: -1.0, ..Default::default() };
+    let spec = LossSpec { options: &bad, rows: Rows { targets: Some(&[0, 1]), ..rows }, ..spec };
     assert!(err_of(spec, &logits).contains("invalid option `temperature`"));
-    let spec = LossSpec {
-        loss: Loss::Entropy,
-        options: &options,
-        ..spec
-    };
+    let spec = LossSpec { loss: Loss::Entropy, options: &options, ..spec };
     let mut grad = [0.0f32; 8];
-    assert!(forward_backward(spec, &logits, &mut grad)
-        .unwrap_err()
-        .to_string()
-        .contains("no gradient"));
+    assert!(forward_backward(spec, &logits, &mut grad).unwrap_err().to_string().contains("no gradient"));
 }
 
 #[test]
@@ -161,14 +104,8 @@ fn non_finite_policy_inputs_are_named() {
     old[0] = f32::NAN;
     let mut spec = data.spec();
     if let Loss::Grpo(p) = &mut spec.loss {
-        *p = PolicyInputs {
-            old_logp: Some(&old),
-            ..*p
-        };
+        *p = PolicyInputs { old_logp: Some(&old), ..*p };
     }
     let e = err_of(spec, &data.logits);
-    assert!(
-        e.contains("`old_logp` has a non-finite value NaN at row 0"),
-        "{e}"
-    );
+    assert!(e.contains("`old_logp` has a non-finite value NaN at row 0"), "{e}");
 }

@@ -21,10 +21,7 @@ fn check(case: &Case) {
     }
     let h = 1e-6;
     let mut worst = 0.0f64;
-    let scale = analytic
-        .iter()
-        .fold(0.0f64, |m, g| m.max(g.abs()))
-        .max(1e-3);
+    let scale = analytic.iter().fold(0.0f64, |m, g| m.max(g.abs())).max(1e-3);
     for k in 0..x.len() {
         let mut plus = x.clone();
         let mut minus = x.clone();
@@ -35,10 +32,7 @@ fn check(case: &Case) {
         let numeric = (fp - fm) / (2.0 * h);
         worst = worst.max((numeric - analytic[k]).abs() / scale);
     }
-    assert!(
-        worst < 1e-6,
-        "finite differences disagree by {worst} (relative to max |g|) in {case:?}"
-    );
+    assert!(worst < 1e-6, "finite differences disagree by {worst} (relative to max |g|) in {case:?}");
 }
 
 #[test]
@@ -53,26 +47,17 @@ fn grpo_gradient_matches_finite_differences() {
             o.epsilon_high = Some(0.28);
         })
     };
-    for level in [
-        ImportanceSamplingLevel::Token,
-        ImportanceSamplingLevel::Sequence,
-    ] {
+    for level in [ImportanceSamplingLevel::Token, ImportanceSamplingLevel::Sequence] {
         // cispo's coefficient min(r, eps_high) is detached: with eps_high = 0.2 it is the
         // constant 0.2 on every row, which finite differences can check; the r < eps_high branch
         // is checked against the fused objective in reference_vs_fused.
         let cispo = base(LossType::Cispo, level).with(|o| o.epsilon_high = Some(0.2));
         check(&cispo);
-        for lt in [
-            LossType::Grpo,
-            LossType::Bnpo,
-            LossType::DrGrpo,
-            LossType::Dapo,
-            LossType::Sapo,
-        ] {
+        for lt in [LossType::Grpo, LossType::Bnpo, LossType::DrGrpo, LossType::Dapo, LossType::Sapo] {
             check(&base(lt, level));
             check(&base(lt, level).with(|o| {
                 o.use_bias_correction_kl = true;
-                o.delta = Some(1.15);
+                o.delta = Some(1.02);
             }));
             let mut on_policy = base(lt, level);
             on_policy.with_old = false;

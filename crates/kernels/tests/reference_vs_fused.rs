@@ -9,16 +9,8 @@ use half::{bf16, f16};
 
 /// Shapes: V = 1 and 2, V not a multiple of the 16 lanes nor of the 2048-element tile,
 /// V crossing a tile boundary by one, N = 1, and one large vocabulary.
-const SHAPES: &[(usize, usize, usize)] = &[
-    (1, 1, 1),
-    (1, 1, 2),
-    (2, 3, 5),
-    (3, 4, 17),
-    (2, 5, 2049),
-    (1, 3, 4097),
-    (4, 6, 100),
-    (1, 2, 151_936),
-];
+const SHAPES: &[(usize, usize, usize)] =
+    &[(1, 1, 1), (1, 1, 2), (2, 3, 5), (3, 4, 17), (2, 5, 2049), (1, 3, 4097), (4, 6, 100), (1, 2, 151_936)];
 
 fn check_all_dtypes(case: &Case) {
     let data = case.data();
@@ -44,9 +36,13 @@ fn grpo_variants() -> Vec<(&'static str, Case)> {
             }),
         ),
         (
-            "bias-corrected kl",
-            base(3, 5, 41).with(|o| o.use_bias_correction_kl = true),
+            "delta below 1 + eps_high: the clipped branch carries the gradient",
+            base(3, 8, 41).with(|o| {
+                o.epsilon_high = Some(0.28);
+                o.delta = Some(1.02);
+            }),
         ),
+        ("bias-corrected kl", base(3, 5, 41).with(|o| o.use_bias_correction_kl = true)),
         (
             "entropy bonus + temperature",
             base(2, 6, 57).with(|o| {
@@ -54,10 +50,7 @@ fn grpo_variants() -> Vec<(&'static str, Case)> {
                 o.temperature = 0.7;
             }),
         ),
-        (
-            "num_items",
-            base(2, 4, 19).with(|o| o.num_items = Some(3.0)),
-        ),
+        ("num_items", base(2, 4, 19).with(|o| o.num_items = Some(3.0))),
         (
             "dr_grpo max_completion_length",
             base(2, 4, 19).with(|o| {
@@ -91,18 +84,8 @@ fn grpo_variants() -> Vec<(&'static str, Case)> {
             c
         }),
     ];
-    for level in [
-        ImportanceSamplingLevel::Token,
-        ImportanceSamplingLevel::Sequence,
-    ] {
-        for lt in [
-            LossType::Grpo,
-            LossType::Bnpo,
-            LossType::DrGrpo,
-            LossType::Dapo,
-            LossType::Cispo,
-            LossType::Sapo,
-        ] {
+    for level in [ImportanceSamplingLevel::Token, ImportanceSamplingLevel::Sequence] {
+        for lt in [LossType::Grpo, LossType::Bnpo, LossType::DrGrpo, LossType::Dapo, LossType::Cispo, LossType::Sapo] {
             cases.push((
                 "loss type x level",
                 base(3, 7, 45).with(|o| {

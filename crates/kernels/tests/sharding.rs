@@ -4,8 +4,8 @@ mod common;
 
 use common::{relative_norm_error, Case, Data, Op};
 use flashgrpo_kernels::{
-    combine_shards, forward_backward, BatchShard, GradientTarget, ImportanceSamplingLevel,
-    LossSpec, LossType, PreparedLoss, Reduction, Rows,
+    combine_shards, forward_backward, BatchShard, GradientTarget, ImportanceSamplingLevel, LossSpec, LossType,
+    PreparedLoss, Reduction, Rows,
 };
 
 /// Runs the three steps over `bounds.len() - 1` vocabulary shards, as separate devices would.
@@ -16,34 +16,21 @@ fn vocab_sharded(data: &Data, bounds: &[usize]) -> (flashgrpo_kernels::LossOutpu
         .windows(2)
         .map(|w| {
             let cols = w[0]..w[1];
-            let local: Vec<f32> = (0..n)
-                .flat_map(|i| data.logits[i * v + cols.start..i * v + cols.end].to_vec())
-                .collect();
+            let local: Vec<f32> =
+                (0..n).flat_map(|i| data.logits[i * v + cols.start..i * v + cols.end].to_vec()).collect();
             (cols, local)
         })
         .collect();
-    let partials: Vec<_> = shards
-        .iter()
-        .map(|(c, l)| (c.clone(), prepared.statistics(l, c.clone()).unwrap()))
-        .collect();
+    let partials: Vec<_> =
+        shards.iter().map(|(c, l)| (c.clone(), prepared.statistics(l, c.clone()).unwrap())).collect();
     let combined = combine_shards(v, &partials).unwrap();
     let (out, grads) = prepared.objective(&combined).unwrap();
     let mut grad = vec![0.0f32; n * v];
     for (cols, local) in &shards {
         let mut g = vec![0.0f32; local.len()];
-        prepared
-            .gradient(
-                GradientTarget::Into {
-                    logits: local,
-                    out: &mut g,
-                },
-                cols.clone(),
-                &grads,
-            )
-            .unwrap();
+        prepared.gradient(GradientTarget::Into { logits: local, out: &mut g }, cols.clone(), &grads).unwrap();
         for i in 0..n {
-            grad[i * v + cols.start..i * v + cols.end]
-                .copy_from_slice(&g[i * cols.len()..(i + 1) * cols.len()]);
+            grad[i * v + cols.start..i * v + cols.end].copy_from_slice(&g[i * cols.len()..(i + 1) * cols.len()]);
         }
     }
     (out, grad)
@@ -71,17 +58,9 @@ fn vocabulary_shards_equal_unsharded() {
         let v = case.vocab;
         let mut full_grad = vec![0.0f32; data.logits.len()];
         let full = forward_backward(data.spec(), &data.logits, &mut full_grad).unwrap();
-        for bounds in [
-            vec![0, v],
-            vec![0, v / 2, v],
-            vec![0, 1, v / 3, v - 1, v],
-            vec![0, 3, 3, 10, v],
-        ] {
+        for bounds in [vec![0, v], vec![0, v / 2, v], vec![0, 1, v / 3, v - 1, v], vec![0, 3, 3, 10, v]] {
             let (out, grad) = vocab_sharded(&data, &bounds);
-            assert!(
-                (out.loss - full.loss).abs() <= 1e-6 * full.loss.abs().max(1e-2),
-                "{bounds:?} {case:?}"
-            );
+            assert!((out.loss - full.loss).abs() <= 1e-6 * full.loss.abs().max(1e-2), "{bounds:?} {case:?}");
             for (a, b) in out.per_token_loss.iter().zip(&full.per_token_loss) {
                 assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0));
             }
@@ -90,10 +69,7 @@ fn vocabulary_shards_equal_unsharded() {
             }
             let full64: Vec<f64> = full_grad.iter().map(|&x| x as f64).collect();
             let err = relative_norm_error(grad.iter().map(|&x| x as f64), &full64);
-            assert!(
-                err < 1e-6,
-                "gradient error {err} with shards {bounds:?} in {case:?}"
-            );
+            assert!(err < 1e-6, "gradient error {err} with shards {bounds:?} in {case:?}");
         }
     }
 }
@@ -103,41 +79,30 @@ fn shards_must_tile_the_vocabulary() {
     let data = Case::new(Op::Logprob, 1, 2, 10).data();
     let prepared = PreparedLoss::new(data.spec()).unwrap();
     let part = |cols: std::ops::Range<usize>| {
-        let local: Vec<f32> = (0..2)
-            .flat_map(|i| data.logits[i * 10 + cols.start..i * 10 + cols.end].to_vec())
-            .collect();
+        let local: Vec<f32> =
+            (0..2).flat_map(|i| data.logits[i * 10 + cols.start..i * 10 + cols.end].to_vec()).collect();
         (cols.clone(), prepared.statistics(&local, cols).unwrap())
     };
-    let err = combine_shards(10, &[part(0..4), part(5..10)])
-        .unwrap_err()
-        .to_string();
+    let err = combine_shards(10, &[part(0..4), part(5..10)]).unwrap_err().to_string();
     assert!(err.contains("gap or overlap at column 4"), "{err}");
-    let err = combine_shards(10, &[part(0..4), part(4..9)])
-        .unwrap_err()
-        .to_string();
+    let err = combine_shards(10, &[part(0..4), part(4..9)]).unwrap_err().to_string();
     assert!(err.contains("end at column 9"), "{err}");
 }
 
 #[test]
 fn batch_shards_sum_to_unsharded() {
-    let mut cases: Vec<Case> = [
-        LossType::Grpo,
-        LossType::Bnpo,
-        LossType::DrGrpo,
-        LossType::Dapo,
-        LossType::Cispo,
-        LossType::Sapo,
-    ]
-    .into_iter()
-    .map(|lt| {
-        Case::new(Op::Grpo, 6, 5, 23).with(|o| {
-            o.loss_type = lt;
-            o.beta = 0.04;
-            o.entropy_coef = 0.01;
-            o.importance_sampling_level = ImportanceSamplingLevel::Sequence;
-        })
-    })
-    .collect();
+    let mut cases: Vec<Case> =
+        [LossType::Grpo, LossType::Bnpo, LossType::DrGrpo, LossType::Dapo, LossType::Cispo, LossType::Sapo]
+            .into_iter()
+            .map(|lt| {
+                Case::new(Op::Grpo, 6, 5, 23).with(|o| {
+                    o.loss_type = lt;
+                    o.beta = 0.04;
+                    o.entropy_coef = 0.01;
+                    o.importance_sampling_level = ImportanceSamplingLevel::Sequence;
+                })
+            })
+            .collect();
     cases.push(Case::new(Op::CrossEntropy, 6, 5, 23).with(|o| o.label_smoothing = 0.1));
     cases.push(Case::new(Op::CrossEntropy, 6, 5, 23).with(|o| o.reduction = Reduction::Sum));
     for case in cases {
@@ -150,12 +115,7 @@ fn batch_shards_sum_to_unsharded() {
             global_batch: case.batch,
             global_valid_rows: prepared.active_rows().iter().filter(|&&a| a).count() as f64,
         };
-        for split in [
-            vec![0, 6],
-            vec![0, 1, 6],
-            vec![0, 2, 4, 6],
-            vec![0, 1, 2, 3, 4, 5, 6],
-        ] {
+        for split in [vec![0, 6], vec![0, 1, 6], vec![0, 2, 4, 6], vec![0, 1, 2, 3, 4, 5, 6]] {
             let mut loss = 0.0;
             let mut grad = Vec::new();
             for w in split.windows(2) {
@@ -193,14 +153,12 @@ fn slice_loss<'a>(
     rows: std::ops::Range<usize>,
 ) -> flashgrpo_kernels::Loss<'a> {
     match data.loss() {
-        flashgrpo_kernels::Loss::Grpo(p) => {
-            flashgrpo_kernels::Loss::Grpo(flashgrpo_kernels::PolicyInputs {
-                advantages: &p.advantages[seqs],
-                old_logp: p.old_logp.map(|x| &x[rows.clone()]),
-                ref_logp: p.ref_logp.map(|x| &x[rows.clone()]),
-                is_ratio: None,
-            })
-        }
+        flashgrpo_kernels::Loss::Grpo(p) => flashgrpo_kernels::Loss::Grpo(flashgrpo_kernels::PolicyInputs {
+            advantages: &p.advantages[seqs],
+            old_logp: p.old_logp.map(|x| &x[rows.clone()]),
+            ref_logp: p.ref_logp.map(|x| &x[rows.clone()]),
+            is_ratio: None,
+        }),
         other => other,
     }
 }

@@ -53,11 +53,7 @@ pub(crate) fn statistics<T: Element>(
             }
         })
         .collect();
-    if let Some(row) = stats
-        .iter()
-        .zip(active)
-        .position(|(s, &a)| a && !s.is_finite())
-    {
+    if let Some(row) = stats.iter().zip(active).position(|(s, &a)| a && !s.is_finite()) {
         let (b, t) = rows.position(row);
         return Err(LossError::NonFiniteLogits { row, b, t });
     }
@@ -93,24 +89,12 @@ pub(crate) fn gradient<T: Element>(
             .with_min_len(min_len)
             .enumerate()
             .for_each(|(i, (out, logits))| {
-                row::gradient(
-                    GradientTarget::Into { logits, out },
-                    &grads[i],
-                    inv_t,
-                    local_target(rows, i, &columns),
-                )
+                row::gradient(GradientTarget::Into { logits, out }, &grads[i], inv_t, local_target(rows, i, &columns))
             }),
-        GradientTarget::InPlace(logits) => logits
-            .par_chunks_mut(width)
-            .with_min_len(min_len)
-            .enumerate()
-            .for_each(|(i, r)| {
-                row::gradient(
-                    GradientTarget::InPlace(r),
-                    &grads[i],
-                    inv_t,
-                    local_target(rows, i, &columns),
-                )
-            }),
+        GradientTarget::InPlace(logits) => {
+            logits.par_chunks_mut(width).with_min_len(min_len).enumerate().for_each(|(i, r)| {
+                row::gradient(GradientTarget::InPlace(r), &grads[i], inv_t, local_target(rows, i, &columns))
+            })
+        }
     }
 }

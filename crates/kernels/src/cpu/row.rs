@@ -37,8 +37,7 @@ fn lanes_max(u: &[f32]) -> f32 {
     for (k, &x) in rest.iter().enumerate() {
         acc[k] = if x > acc[k] { x } else { acc[k] };
     }
-    acc.iter()
-        .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
+    acc.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
 }
 
 /// Pairwise sum of the lane accumulators.
@@ -90,11 +89,7 @@ fn tile_stats(u: &[f32]) -> PartialRowStats {
 
 /// Step 1 on one row part: `target` is the target's index within `row`, if it falls there.
 #[inline(always)]
-pub(crate) fn statistics<T: Element>(
-    row: &[T],
-    inv_t: f32,
-    target: Option<usize>,
-) -> PartialRowStats {
+pub(crate) fn statistics<T: Element>(row: &[T], inv_t: f32, target: Option<usize>) -> PartialRowStats {
     let mut buf = [0.0f32; TILE];
     let mut acc = PartialRowStats::EMPTY;
     for tile in row.chunks(TILE) {
@@ -108,12 +103,7 @@ pub(crate) fn statistics<T: Element>(
 
 /// Step 3 on one row part: `dlogits_j = a*[j = y] + p_j * (b + c * log p_j) + d`.
 #[inline(always)]
-pub(crate) fn gradient<T: Element>(
-    dst: GradientTarget<'_, T>,
-    g: &RowGradient,
-    inv_t: f32,
-    target: Option<usize>,
-) {
+pub(crate) fn gradient<T: Element>(dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>) {
     let (src, out): (Option<&[T]>, &mut [T]) = match dst {
         GradientTarget::Into { logits, out } => (Some(logits), out),
         GradientTarget::InPlace(row) => (None, row),

@@ -23,12 +23,7 @@ struct TokenTerms {
 }
 
 /// The policy term of one token: `(loss, d/dlogp, d/dlog_w, is_clipped)`.
-fn policy_term(
-    options: &LossOptions,
-    logp: f64,
-    log_w: f64,
-    advantage: f64,
-) -> (f64, f64, f64, bool) {
+fn policy_term(options: &LossOptions, logp: f64, log_w: f64, advantage: f64) -> (f64, f64, f64, bool) {
     let r = log_w.exp();
     let (lo, hi) = (1.0 - options.epsilon_low, 1.0 + options.epsilon_high());
     let ppo_clipped = (r < lo && advantage < 0.0) || (r > hi && advantage > 0.0);
@@ -40,27 +35,29 @@ fn policy_term(
             (-k * advantage * logp, -k * advantage, 0.0, clipped)
         }
         LossType::Sapo => {
-            let tau = if advantage > 0.0 {
-                options.sapo_temperature_pos
-            } else {
-                options.sapo_temperature_neg
-            };
+            let tau = if advantage > 0.0 { options.sapo_temperature_pos } else { options.sapo_temperature_neg };
             let sig = 1.0 / (1.0 + (-tau * (r - 1.0)).exp());
             let loss = -advantage * (4.0 / tau) * sig;
-            (
-                loss,
-                0.0,
-                -advantage * 4.0 * sig * (1.0 - sig) * r,
-                ppo_clipped,
-            )
+            (loss, 0.0, -advantage * 4.0 * sig * (1.0 - sig) * r, ppo_clipped)
         }
         LossType::Grpo | LossType::Bnpo | LossType::DrGrpo | LossType::Dapo => {
+            // -min(r1*A, clip(r)*A) with r1 = min(r, delta). Each branch passes d/dlog_w = r*A
+            // where its clamp is not active (closed interval, as torch.clamp); the smaller branch
+            // wins, and a tie splits the gradient evenly (torch.min). The clipped branch can carry
+            // the gradient when delta < 1 + epsilon_high.
             let r1 = options.delta.map_or(r, |d| r.min(d));
             let unclipped = r1 * advantage;
             let clipped = r.clamp(lo, hi) * advantage;
-            // Ties count as the unclipped branch; past delta, min(r, delta) is flat.
-            let takes_unclipped = unclipped <= clipped && options.delta.is_none_or(|d| r <= d);
-            let d_log_w = if takes_unclipped { -advantage * r } else { 0.0 };
+            let through = |passes: bool| if passes { -advantage * r } else { 0.0 };
+            let d_unclipped = through(options.delta.is_none_or(|d| r <= d));
+            let d_clipped = through(lo <= r && r <= hi);
+            let d_log_w = if unclipped < clipped {
+                d_unclipped
+            } else if clipped < unclipped {
+                d_clipped
+            } else {
+                0.5 * (d_unclipped + d_clipped)
+            };
             (-unclipped.min(clipped), 0.0, d_log_w, ppo_clipped)
         }
     }
@@ -103,13 +100,7 @@ fn token_terms(
         }
     }
     loss -= options.entropy_coef * entropy;
-    TokenTerms {
-        loss,
-        kl,
-        clipped,
-        d_logp,
-        d_log_w,
-    }
+    TokenTerms { loss, kl, clipped, d_logp, d_log_w }
 }
 
 pub(super) fn evaluate(
@@ -124,13 +115,7 @@ pub(super) fn evaluate(
     let logp = |i: usize| stats[i].logp.unwrap_or(0.0);
     let log_ratio = |i: usize| inputs.old_logp.map_or(0.0, |old| logp(i) - old[i] as f64);
     let counts: Vec<f64> = (0..rows.batch)
-        .map(|b| {
-            active[b * seq_len..(b + 1) * seq_len]
-                .iter()
-                .filter(|&&a| a)
-                .count()
-                .max(1) as f64
-        })
+        .map(|b| active[b * seq_len..(b + 1) * seq_len].iter().filter(|&&a| a).count().max(1) as f64)
         .collect();
     let count = |b: usize| counts[b];
 
@@ -139,12 +124,7 @@ pub(super) fn evaluate(
         ImportanceSamplingLevel::Token => Vec::new(),
         ImportanceSamplingLevel::Sequence => (0..rows.batch)
             .map(|b| {
-                ordered_sum(
-                    (0..seq_len)
-                        .map(|t| b * seq_len + t)
-                        .filter(|&i| active[i])
-                        .map(log_ratio),
-                ) / count(b)
+                ordered_sum((0..seq_len).map(|t| b * seq_len + t).filter(|&i| active[i]).map(log_ratio)) / count(b)
             })
             .collect(),
     };
@@ -166,15 +146,7 @@ pub(super) fn evaluate(
     let mut d_logp = vec![0.0; n];
     let mut d_log_w = vec![0.0; n];
     for i in (0..n).filter(|&i| active[i]) {
-        let t = token_terms(
-            options,
-            inputs,
-            rows,
-            i,
-            logp(i),
-            log_w(i),
-            stats[i].entropy,
-        );
+        let t = token_terms(options, inputs, rows, i, logp(i), log_w(i), stats[i].entropy);
         let w = weight(i);
         per_token[i] = t.loss;
         kl[i] = t.kl;
@@ -188,10 +160,7 @@ pub(super) fn evaluate(
         for b in 0..rows.batch {
             let range = b * seq_len..(b + 1) * seq_len;
             let shared = ordered_sum(d_log_w[range.clone()].iter().copied()) / count(b);
-            d_log_w[range.clone()]
-                .iter_mut()
-                .zip(&active[range])
-                .for_each(|(g, &a)| *g = if a { shared } else { 0.0 });
+            d_log_w[range.clone()].iter_mut().zip(&active[range]).for_each(|(g, &a)| *g = if a { shared } else { 0.0 });
         }
     }
     let grads = (0..n)

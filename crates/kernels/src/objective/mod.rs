@@ -40,13 +40,7 @@ pub struct RowGradient {
 }
 
 impl RowGradient {
-    pub const ZERO: Self = Self {
-        lse: 0.0,
-        a: 0.0,
-        b: 0.0,
-        c: 0.0,
-        d: 0.0,
-    };
+    pub const ZERO: Self = Self { lse: 0.0, a: 0.0, b: 0.0, c: 0.0, d: 0.0 };
 
     pub fn is_zero(&self) -> bool {
         self.a == 0.0 && self.b == 0.0 && self.c == 0.0 && self.d == 0.0
@@ -126,22 +120,12 @@ pub(crate) fn to_f32(values: &[f64]) -> Vec<f32> {
 
 /// `f(row)` on active rows, 0 elsewhere, as f32.
 pub(crate) fn per_active_row(active: &[bool], f: impl Fn(usize) -> f64) -> Vec<f32> {
-    active
-        .iter()
-        .enumerate()
-        .map(|(i, &a)| if a { f(i) as f32 } else { 0.0 })
-        .collect()
+    active.iter().enumerate().map(|(i, &a)| if a { f(i) as f32 } else { 0.0 }).collect()
 }
 
 /// The `logp` and `entropy` outputs every op shares.
 /// `logp` is there whenever the rows have targets.
-pub(crate) fn row_outputs(
-    rows: &Rows,
-    active: &[bool],
-    stats: &[RowStats],
-) -> (Option<Vec<f32>>, Vec<f32>) {
-    let logp = rows
-        .targets
-        .map(|_| per_active_row(active, |i| stats[i].logp.unwrap_or(0.0)));
+pub(crate) fn row_outputs(rows: &Rows, active: &[bool], stats: &[RowStats]) -> (Option<Vec<f32>>, Vec<f32>) {
+    let logp = rows.targets.map(|_| per_active_row(active, |i| stats[i].logp.unwrap_or(0.0)));
     (logp, per_active_row(active, |i| stats[i].entropy))
 }

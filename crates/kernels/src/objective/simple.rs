@@ -15,13 +15,7 @@ pub(super) fn entropy(
     stats: &[RowStats],
 ) -> (LossOutput, Vec<RowGradient>) {
     let (logp, entropy) = row_outputs(rows, active, stats);
-    let sum = ordered_sum(
-        active
-            .iter()
-            .zip(stats)
-            .filter(|(&a, _)| a)
-            .map(|(_, s)| s.entropy),
-    );
+    let sum = ordered_sum(active.iter().zip(stats).filter(|(&a, _)| a).map(|(_, s)| s.entropy));
     let output = LossOutput {
         loss: sum / norm.valid_rows.max(1.0),
         per_token_loss: entropy.clone(),
@@ -41,13 +35,7 @@ pub(super) fn logprob(
     stats: &[RowStats],
 ) -> (LossOutput, Vec<RowGradient>) {
     let logp = per_active_row(active, |i| stats[i].logp.unwrap_or(0.0));
-    let loss = ordered_sum(
-        active
-            .iter()
-            .zip(stats)
-            .filter(|(&a, _)| a)
-            .map(|(_, s)| s.logp.unwrap_or(0.0)),
-    );
+    let loss = ordered_sum(active.iter().zip(stats).filter(|(&a, _)| a).map(|(_, s)| s.logp.unwrap_or(0.0)));
     let grads = active
         .iter()
         .zip(stats)
@@ -61,13 +49,7 @@ pub(super) fn logprob(
         })
         .collect();
     let (_, entropy) = row_outputs(rows, active, stats);
-    let output = LossOutput {
-        loss,
-        per_token_loss: logp.clone(),
-        logp: Some(logp),
-        entropy,
-        kl: None,
-        is_clipped: None,
-    };
+    let output =
+        LossOutput { loss, per_token_loss: logp.clone(), logp: Some(logp), entropy, kl: None, is_clipped: None };
     (output, grads)
 }

@@ -9,12 +9,7 @@ use std::ops::{Add, Div, Mul, Neg, Sub};
 
 /// A number the reference losses are written over: `f64` for values, [`Dual`] for derivatives.
 pub trait Real:
-    Copy
-    + Add<Output = Self>
-    + Sub<Output = Self>
-    + Mul<Output = Self>
-    + Div<Output = Self>
-    + Neg<Output = Self>
+    Copy + Add<Output = Self> + Sub<Output = Self> + Mul<Output = Self> + Div<Output = Self> + Neg<Output = Self>
 {
     fn constant(value: f64) -> Self;
     fn value(self) -> f64;
@@ -49,59 +44,41 @@ pub struct Dual {
 
 impl Dual {
     pub fn variable(value: f64) -> Self {
-        Self {
-            value,
-            tangent: 1.0,
-        }
+        Self { value, tangent: 1.0 }
     }
 }
 
 impl Real for Dual {
     fn constant(value: f64) -> Self {
-        Self {
-            value,
-            tangent: 0.0,
-        }
+        Self { value, tangent: 0.0 }
     }
     fn value(self) -> f64 {
         self.value
     }
     fn exp(self) -> Self {
         let e = self.value.exp();
-        Self {
-            value: e,
-            tangent: e * self.tangent,
-        }
+        Self { value: e, tangent: e * self.tangent }
     }
 }
 
 impl Add for Dual {
     type Output = Self;
     fn add(self, o: Self) -> Self {
-        Self {
-            value: self.value + o.value,
-            tangent: self.tangent + o.tangent,
-        }
+        Self { value: self.value + o.value, tangent: self.tangent + o.tangent }
     }
 }
 
 impl Sub for Dual {
     type Output = Self;
     fn sub(self, o: Self) -> Self {
-        Self {
-            value: self.value - o.value,
-            tangent: self.tangent - o.tangent,
-        }
+        Self { value: self.value - o.value, tangent: self.tangent - o.tangent }
     }
 }
 
 impl Mul for Dual {
     type Output = Self;
     fn mul(self, o: Self) -> Self {
-        Self {
-            value: self.value * o.value,
-            tangent: self.tangent * o.value + self.value * o.tangent,
-        }
+        Self { value: self.value * o.value, tangent: self.tangent * o.value + self.value * o.tangent }
     }
 }
 
@@ -118,10 +95,7 @@ impl Div for Dual {
 impl Neg for Dual {
     type Output = Self;
     fn neg(self) -> Self {
-        Self {
-            value: -self.value,
-            tangent: -self.tangent,
-        }
+        Self { value: -self.value, tangent: -self.tangent }
     }
 }
 

@@ -52,12 +52,7 @@ impl Softmax {
         let log_p: Vec<f64> = u.iter().map(|&x| x - lse).collect();
         let entropy = -log_p.iter().map(|&l| l.exp() * l).sum::<f64>();
         let mean_u = u.iter().sum::<f64>() / u.len() as f64;
-        Self {
-            log_p,
-            lse,
-            entropy,
-            mean_u,
-        }
+        Self { log_p, lse, entropy, mean_u }
     }
 }
 
@@ -83,10 +78,7 @@ pub fn evaluate(spec: LossSpec<'_>, logits: &[f64]) -> Result<ReferenceOutput, L
         return Err(LossError::Shape {
             tensor: "logits",
             got: vec![logits.len()],
-            expected: format!(
-                "it must hold B*T*V = {}*{}*{v} elements",
-                rows.batch, rows.seq_len
-            ),
+            expected: format!("it must hold B*T*V = {}*{}*{v} elements", rows.batch, rows.seq_len),
         });
     }
     let row = |i: usize| &logits[i * v..(i + 1) * v];
@@ -98,17 +90,11 @@ pub fn evaluate(spec: LossSpec<'_>, logits: &[f64]) -> Result<ReferenceOutput, L
         }
         let sm = Softmax::of(row(i), options.temperature);
         let logp = rows.targets.map_or(0.0, |y| sm.log_p[y[i] as usize]);
-        q[i] = RowQ {
-            logp,
-            entropy: sm.entropy,
-            lse: sm.lse,
-            mean_u: sm.mean_u,
-        };
+        q[i] = RowQ { logp, entropy: sm.entropy, lse: sm.lse, mean_u: sm.mean_u };
     }
     let norm = Normalisers::resolve(rows, &active, options, spec.batch_shard);
-    let masked = |f: &dyn Fn(usize) -> f64| -> Vec<f64> {
-        (0..n).map(|i| if active[i] { f(i) } else { 0.0 }).collect()
-    };
+    let masked =
+        |f: &dyn Fn(usize) -> f64| -> Vec<f64> { (0..n).map(|i| if active[i] { f(i) } else { 0.0 }).collect() };
 
     let mut out = ReferenceOutput {
         logp: rows.targets.map(|_| masked(&|i| q[i].logp)),
@@ -117,13 +103,7 @@ pub fn evaluate(spec: LossSpec<'_>, logits: &[f64]) -> Result<ReferenceOutput, L
     };
     let derivatives: Option<Vec<RowDerivatives>> = match &spec.loss {
         Loss::Grpo(inputs) => {
-            let g = Grpo {
-                inputs,
-                options,
-                rows: spec.rows,
-                active: &active,
-                norm,
-            };
+            let g = Grpo { inputs, options, rows: spec.rows, active: &active, norm };
             let mut per_token = vec![0.0; n];
             let mut kl = vec![0.0; n];
             let mut clipped = vec![0.0; n];
@@ -153,13 +133,8 @@ pub fn evaluate(spec: LossSpec<'_>, logits: &[f64]) -> Result<ReferenceOutput, L
                 Reduction::Sum | Reduction::None => 1.0,
             };
             out.per_token_loss = masked(&|i| cross_entropy(options, q[i]));
-            out.loss = (0..n)
-                .filter(|&i| active[i])
-                .map(|i| w * out.per_token_loss[i])
-                .sum();
-            Some(masked_derivatives(&active, &q, |x| {
-                cross_entropy(options, x[0]) * Dual::constant(w)
-            }))
+            out.loss = (0..n).filter(|&i| active[i]).map(|i| w * out.per_token_loss[i]).sum();
+            Some(masked_derivatives(&active, &q, |x| cross_entropy(options, x[0]) * Dual::constant(w)))
         }
         Loss::Logprob => {
             out.per_token_loss = masked(&|i| q[i].logp);
@@ -219,20 +194,8 @@ fn derivatives_of(x: &[RowQ<f64>], t: usize, f: impl Fn(&[RowQ<Dual>]) -> Dual) 
 }
 
 /// Derivatives of a row-local loss `f(&[row])` for every active row.
-fn masked_derivatives(
-    active: &[bool],
-    q: &[RowQ<f64>],
-    f: impl Fn(&[RowQ<Dual>]) -> Dual,
-) -> Vec<RowDerivatives> {
-    (0..q.len())
-        .map(|i| {
-            if active[i] {
-                derivatives_of(&q[i..=i], 0, &f)
-            } else {
-                RowDerivatives::default()
-            }
-        })
-        .collect()
+fn masked_derivatives(active: &[bool], q: &[RowQ<f64>], f: impl Fn(&[RowQ<Dual>]) -> Dual) -> Vec<RowDerivatives> {
+    (0..q.len()).map(|i| if active[i] { derivatives_of(&q[i..=i], 0, &f) } else { RowDerivatives::default() }).collect()
 }
 
 /// `(1-s) * (lse - u_y) + s * (lse - mean_j u_j) + z * lse^2`, with `u_y = logp + lse`.
@@ -268,11 +231,7 @@ impl Grpo<'_> {
         let count = (on.len() as f64).max(1.0);
         let advantage = self.inputs.advantages[b] as f64;
 
-        let old = |t: usize| {
-            self.inputs
-                .old_logp
-                .map_or(q[t].logp.detach(), |old| c(old[idx(t)] as f64))
-        };
+        let old = |t: usize| self.inputs.old_logp.map_or(q[t].logp.detach(), |old| c(old[idx(t)] as f64));
         let log_ratio = |t: usize| q[t].logp - old(t);
         let seq_log_w = on.iter().fold(c(0.0), |acc, &t| acc + log_ratio(t)) / c(count);
         let log_w = |t: usize| match o.importance_sampling_level {
@@ -293,15 +252,9 @@ impl Grpo<'_> {
             let r = coef_1.value();
             let (lo, hi) = (1.0 - o.epsilon_low, 1.0 + o.epsilon_high());
             let mut per_token = match o.loss_type {
-                LossType::Cispo => {
-                    -clamp(coef_1, None, Some(o.epsilon_high())).detach() * a * q[t].logp
-                }
+                LossType::Cispo => -clamp(coef_1, None, Some(o.epsilon_high())).detach() * a * q[t].logp,
                 LossType::Sapo => {
-                    let tau = if advantage > 0.0 {
-                        o.sapo_temperature_pos
-                    } else {
-                        o.sapo_temperature_neg
-                    };
+                    let tau = if advantage > 0.0 { o.sapo_temperature_pos } else { o.sapo_temperature_neg };
                     -((c(tau) * (coef_1 - c(1.0))).sigmoid() * c(4.0 / tau)) * a
                 }
                 _ => {

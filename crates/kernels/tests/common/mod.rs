@@ -4,8 +4,7 @@
 
 use flashgrpo_kernels::synthetic::{Rng, SyntheticSpec};
 use flashgrpo_kernels::{
-    forward, forward_backward, reference, Element, IsRatio, Loss, LossOptions, LossOutput,
-    LossSpec, PolicyInputs, Rows,
+    forward, forward_backward, reference, Element, IsRatio, Loss, LossOptions, LossOutput, LossSpec, PolicyInputs, Rows,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -100,11 +99,7 @@ impl Case {
         let is_ratio = match self.is_ratio {
             IsRatioKind::None => None,
             IsRatioKind::PerToken => Some((0..n).map(|_| 0.5 + rng.uniform() as f32).collect()),
-            IsRatioKind::PerSequence => Some(
-                (0..self.batch)
-                    .map(|_| 0.5 + rng.uniform() as f32)
-                    .collect(),
-            ),
+            IsRatioKind::PerSequence => Some((0..self.batch).map(|_| 0.5 + rng.uniform() as f32).collect()),
         };
         Data {
             logits: batch.logits,
@@ -162,12 +157,7 @@ impl Data {
     }
 
     pub fn spec(&self) -> LossSpec<'_> {
-        LossSpec {
-            loss: self.loss(),
-            rows: self.rows(),
-            options: &self.case.options,
-            batch_shard: None,
-        }
+        LossSpec { loss: self.loss(), rows: self.rows(), options: &self.case.options, batch_shard: None }
     }
 
     pub fn logits_as<T: Element>(&self) -> Vec<T> {
@@ -210,28 +200,16 @@ pub fn assert_matches_reference<T: Element>(data: &Data, grad_tol: f64) {
     let name = format!("{:?} {:?}", data.case, T::DTYPE);
 
     let loss_tol = 1e-5 * want.loss.abs().max(1e-2);
-    assert!(
-        (got.loss - want.loss).abs() <= loss_tol,
-        "loss {} vs reference {} in {name}",
-        got.loss,
-        want.loss
-    );
+    assert!((got.loss - want.loss).abs() <= loss_tol, "loss {} vs reference {} in {name}", got.loss, want.loss);
     let check = |what: &str, got: &[f32], want: &[f64]| {
         assert_eq!(got.len(), want.len(), "{what} length in {name}");
         for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            assert!(
-                (g as f64 - w).abs() <= 1e-5 * w.abs().max(1.0),
-                "{what}[{i}] = {g} vs reference {w} in {name}"
-            );
+            assert!((g as f64 - w).abs() <= 1e-5 * w.abs().max(1.0), "{what}[{i}] = {g} vs reference {w} in {name}");
         }
     };
     check("per_token_loss", &got.per_token_loss, &want.per_token_loss);
     check("entropy", &got.entropy, &want.entropy);
-    check(
-        "logp",
-        got.logp.as_deref().unwrap(),
-        want.logp.as_deref().unwrap(),
-    );
+    check("logp", got.logp.as_deref().unwrap(), want.logp.as_deref().unwrap());
     if let (Some(g), Some(w)) = (&got.kl, &want.kl) {
         check("kl", g, w);
     }
@@ -242,16 +220,9 @@ pub fn assert_matches_reference<T: Element>(data: &Data, grad_tol: f64) {
     match (grad, want.grad) {
         (Some(g), Some(w)) => {
             let err = relative_norm_error(g.iter().map(|x| x.to_f32() as f64), &w);
-            assert!(
-                err <= grad_tol,
-                "gradient relative error {err} > {grad_tol} in {name}"
-            );
+            assert!(err <= grad_tol, "gradient relative error {err} > {grad_tol} in {name}");
         }
         (None, None) => {}
-        (g, w) => panic!(
-            "gradient presence differs: fused {} reference {} in {name}",
-            g.is_some(),
-            w.is_some()
-        ),
+        (g, w) => panic!("gradient presence differs: fused {} reference {} in {name}", g.is_some(), w.is_some()),
     }
 }

@@ -1,0 +1,383 @@
+//! `flashgrpo gradcheck`: the original system's gradcheck. Seeded inputs (or logits from a
+//! file), the f64 reference against the streaming kernels, metrics printed by name, and
+//! tolerance gates: any breach or non-finite value is a non-zero exit with the reason.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use flashgrpo_kernels::synthetic::{Rng, SyntheticSpec};
+use flashgrpo_kernels::{LossOptions, LossOutput};
+use half::{bf16, f16};
+use serde::{Deserialize, Serialize};
+
+use crate::batch::{Batch, OpName};
+use crate::config;
+use crate::run::{reference_results, Fused, Impl};
+use crate::tensor_io::{expect_shape, LogitsData, TensorFile};
+
+#[derive(Debug, clap::Args)]
+pub struct GradcheckArgs {
+    /// YAML config (see configs/gradcheck-*.yaml); without it, the built-in default: the
+    /// original GRPO shape B=1, T=129, V=151936, f32.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override a key of the config or a loss option, e.g. `--set dtype=bf16 --set beta=0.04`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Print the metrics as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DTypeName {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+/// Gates; unset ones take LOSSES.md's tolerance for the dtype.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Tolerances {
+    /// `|loss - loss_ref| / |loss_ref|` (default 1e-5).
+    pub loss_rel: Option<f64>,
+    /// Per-token outputs: `|x - x_ref| <= per_token_abs * max(1, |x_ref|)` (default 1e-5).
+    pub per_token_abs: Option<f64>,
+    /// `||g - g_ref|| / ||g_ref||` (default 1e-5 for f32, 1e-2 for bf16 / f16).
+    pub dlogits_rel_norm: Option<f64>,
+    /// `max |g - g_ref|` (no gate by default).
+    pub dlogits_max_abs: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GradcheckConfig {
+    pub op: OpName,
+    pub batch: usize,
+    pub seq_len: usize,
+    pub vocab: usize,
+    pub dtype: DTypeName,
+    pub seed: u64,
+    /// Logits are `N(0, logit_std^2)`.
+    pub logit_std: f64,
+    /// Old / reference log-probs: the true ones plus `N(0, logp_noise^2)`.
+    pub logp_noise: f64,
+    /// Probability that a row is masked.
+    pub mask_fraction: f64,
+    /// Cross-entropy: probability that a target is replaced by `ignore_index`.
+    pub ignore_fraction: f64,
+    /// GRPO: pass `old_logp` (off-policy) rather than none (on-policy).
+    pub with_old_logp: bool,
+    /// GRPO: pass `ref_logp` (required when beta != 0).
+    pub with_ref_logp: bool,
+    /// Read `logits [B,T,V]` (and any other inputs present) from this safetensors file instead;
+    /// the shape comes from the file, missing inputs are generated from the seed.
+    pub logits_file: Option<PathBuf>,
+    /// The kernel variant to check.
+    #[serde(rename = "impl")]
+    pub implementation: Impl,
+    /// Kernel runs to time (the median is reported).
+    pub repeats: usize,
+    pub tolerances: Tolerances,
+}
+
+impl Default for GradcheckConfig {
+    fn default() -> Self {
+        Self {
+            op: OpName::Grpo,
+            batch: 1,
+            seq_len: 129,
+            vocab: 151_936,
+            dtype: DTypeName::F32,
+            seed: 0,
+            logit_std: 2.5,
+            logp_noise: 0.3,
+            mask_fraction: 0.1,
+            ignore_fraction: 0.0,
+            with_old_logp: true,
+            with_ref_logp: true,
+            logits_file: None,
+            implementation: Impl::Fused,
+            repeats: 3,
+            tolerances: Tolerances::default(),
+        }
+    }
+}
+
+/// The built-in default: GRPO at the original shape, as shipped in configs/.
+const DEFAULT_CONFIG: &str = include_str!("../../../configs/gradcheck-grpo-original.yaml");
+
+pub fn main(args: GradcheckArgs) -> Result<()> {
+    let source = match &args.config {
+        Some(path) => config::Source::File(path),
+        None => {
+            config::Source::BuiltIn { name: "configs/gradcheck-grpo-original.yaml (built in)", text: DEFAULT_CONFIG }
+        }
+    };
+    let loaded = config::load::<GradcheckConfig>(source, &args.sets)?;
+    let metrics = check(&loaded.command, &loaded.options)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&metrics.as_json())?);
+    } else {
+        metrics.print();
+    }
+    let breaches = metrics.breaches(&loaded.command);
+    if !breaches.is_empty() {
+        bail!("gradcheck failed:\n  {}", breaches.join("\n  "));
+    }
+    if !args.json {
+        println!("gradcheck passed");
+    }
+    Ok(())
+}
+
+/// Builds the batch: generated, or logits (and whatever else is there) from a file.
+fn build_batch(cfg: &GradcheckConfig, options: &LossOptions) -> Result<Batch> {
+    let mut spec = SyntheticSpec {
+        batch: cfg.batch,
+        seq_len: cfg.seq_len,
+        vocab: cfg.vocab,
+        seed: cfg.seed,
+        logit_std: cfg.logit_std,
+        logp_noise: cfg.logp_noise,
+        mask_fraction: cfg.mask_fraction,
+    };
+    let mut rng = Rng::new(cfg.seed ^ 0x5EED);
+    let (generated, file) = match &cfg.logits_file {
+        None => (spec.generate(), None),
+        Some(path) => {
+            let file = TensorFile::read(path)?;
+            let (logits, shape) = file.logits("logits")?;
+            let [b, t, v] = shape[..] else {
+                bail!("`logits` in {} has shape {shape:?}; expected [B, T, V]", path.display())
+            };
+            (spec.batch, spec.seq_len, spec.vocab) = (b, t, v);
+            let f32_logits = logits.to_f64().into_iter().map(|x| x as f32).collect();
+            (spec.complete(f32_logits, &mut rng), Some((file, logits)))
+        }
+    };
+    let mut targets = generated.targets;
+    if cfg.op == OpName::CrossEntropy {
+        for y in targets.iter_mut() {
+            if rng.uniform() < cfg.ignore_fraction {
+                *y = options.ignore_index;
+            }
+        }
+    }
+    let grpo = cfg.op == OpName::Grpo;
+    let mut batch = Batch {
+        op: cfg.op,
+        logits: match cfg.dtype {
+            DTypeName::F32 => LogitsData::F32(generated.logits),
+            DTypeName::Bf16 => LogitsData::BF16(generated.logits.iter().map(|&x| bf16::from_f32(x)).collect()),
+            DTypeName::F16 => LogitsData::F16(generated.logits.iter().map(|&x| f16::from_f32(x)).collect()),
+        },
+        batch: spec.batch,
+        seq_len: spec.seq_len,
+        vocab: spec.vocab,
+        targets: Some(targets),
+        mask: Some(generated.mask),
+        advantages: if grpo { generated.advantages } else { Vec::new() },
+        old_logp: (grpo && cfg.with_old_logp).then_some(generated.old_logp),
+        ref_logp: (grpo && cfg.with_ref_logp).then_some(generated.ref_logp),
+        is_ratio: None,
+    };
+    if let Some((file, logits)) = file {
+        batch.logits = logits;
+        overlay_file_inputs(&mut batch, &file)?;
+    }
+    Ok(batch)
+}
+
+/// Replaces generated inputs by those the file holds, each checked against the logits' shape.
+fn overlay_file_inputs(batch: &mut Batch, file: &TensorFile) -> Result<()> {
+    let bt = [batch.batch, batch.seq_len];
+    let because = format!("`logits` has shape [{}, {}, {}]", batch.batch, batch.seq_len, batch.vocab);
+    if file.shape("targets").is_some() {
+        let (t, s) = file.ids("targets", "")?;
+        expect_shape("targets", &s, &bt, &because)?;
+        batch.targets = Some(t);
+    }
+    if let Some((m, s)) = file.mask("mask")? {
+        expect_shape("mask", &s, &bt, &because)?;
+        batch.mask = Some(m);
+    }
+    if batch.op == OpName::Grpo {
+        if let Some((a, s)) = file.floats("advantages")? {
+            expect_shape("advantages", &s, &[batch.batch], &because)?;
+            batch.advantages = a;
+        }
+        for (name, slot) in [("old_logp", &mut batch.old_logp), ("ref_logp", &mut batch.ref_logp)] {
+            if let Some((v, s)) = file.floats(name)? {
+                expect_shape(name, &s, &bt, &because)?;
+                *slot = Some(v);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The metrics of one gradcheck, by their printed names.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    rows: Vec<(&'static str, Value)>,
+    low_precision: bool,
+    has_gradient: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Value {
+    Float(f64),
+    Int(usize),
+}
+
+impl Metrics {
+    fn get(&self, name: &str) -> f64 {
+        self.rows.iter().find(|(n, _)| *n == name).map_or(f64::NAN, |(_, v)| match v {
+            Value::Float(f) => *f,
+            Value::Int(i) => *i as f64,
+        })
+    }
+
+    fn print(&self) {
+        for (name, value) in &self.rows {
+            match value {
+                Value::Float(f) => println!("{name:<26} {f:.6e}"),
+                Value::Int(i) => println!("{name:<26} {i}"),
+            }
+        }
+    }
+
+    fn as_json(&self) -> serde_json::Value {
+        let mut map = serde_json::Map::new();
+        for (name, value) in &self.rows {
+            let v = match value {
+                Value::Float(f) => serde_json::json!(f),
+                Value::Int(i) => serde_json::json!(i),
+            };
+            map.insert((*name).to_string(), v);
+        }
+        serde_json::Value::Object(map)
+    }
+
+    /// Every gate that fails, and every metric that is not finite.
+    fn breaches(&self, cfg: &GradcheckConfig) -> Vec<String> {
+        let t = &cfg.tolerances;
+        let low_precision = self.low_precision;
+        let mut gates = vec![
+            ("loss_rel_err", t.loss_rel.unwrap_or(1e-5)),
+            ("fwd/per_token_worst", t.per_token_abs.unwrap_or(1e-5)),
+        ];
+        if self.has_gradient {
+            gates.push(("dlogits_rel_norm", t.dlogits_rel_norm.unwrap_or(if low_precision { 1e-2 } else { 1e-5 })));
+            if let Some(m) = t.dlogits_max_abs {
+                gates.push(("dlogits_max_abs", m));
+            }
+        }
+        let mut out: Vec<String> = self
+            .rows
+            .iter()
+            .filter_map(|(name, v)| match v {
+                Value::Float(f) if !f.is_finite() => Some(format!("{name} is not finite ({f})")),
+                _ => None,
+            })
+            .collect();
+        for (name, limit) in gates {
+            let v = self.get(name);
+            if v.is_finite() && v > limit {
+                out.push(format!("{name} = {v:.3e} exceeds the tolerance {limit:.1e}"));
+            }
+        }
+        out
+    }
+}
+
+fn max_abs_diff(got: &[f32], want: &[f64]) -> f64 {
+    got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max)
+}
+
+/// `max_i |x_i - ref_i| / max(1, |ref_i|)`, the per-token gate's quantity.
+fn worst_scaled(got: &[f32], want: &[f64]) -> f64 {
+    got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs() / w.abs().max(1.0)).fold(0.0, f64::max)
+}
+
+fn check(cfg: &GradcheckConfig, options: &LossOptions) -> Result<Metrics> {
+    if cfg.implementation == Impl::Reference {
+        bail!("`impl` must be a kernel variant (fused or fused-inplace): the reference is what it is checked against");
+    }
+    let batch = build_batch(cfg, options)?;
+    let start = Instant::now();
+    let (_, want) = reference_results(&batch, options)?;
+    let ref_s = start.elapsed().as_secs_f64();
+
+    let mut times = Vec::new();
+    let mut result: Option<(LossOutput, Option<LogitsData>)> = None;
+    for _ in 0..cfg.repeats.max(1) {
+        let start = Instant::now();
+        let r = batch
+            .logits
+            .visit(Fused { spec: batch.spec(options), in_place: cfg.implementation == Impl::FusedInplace })?;
+        times.push(start.elapsed().as_secs_f64());
+        result = Some(r);
+    }
+    times.sort_by(f64::total_cmp);
+    let (got, grad) = result.expect("at least one run");
+
+    let abs_diff_loss = (got.loss - want.loss).abs();
+    let mut rows = vec![
+        ("loss_ref", Value::Float(want.loss)),
+        ("loss_kernel", Value::Float(got.loss)),
+        ("abs_diff_loss", Value::Float(abs_diff_loss)),
+        ("loss_rel_err", Value::Float(abs_diff_loss / want.loss.abs().max(f64::MIN_POSITIVE))),
+    ];
+    let logp = match (&got.logp, &want.logp) {
+        (Some(g), Some(w)) => max_abs_diff(g, w),
+        _ => 0.0,
+    };
+    rows.push(("fwd/logp_max_abs", Value::Float(logp)));
+    rows.push(("fwd/per_loss_max_abs", Value::Float(max_abs_diff(&got.per_token_loss, &want.per_token_loss))));
+    rows.push(("fwd/entropy_max_abs", Value::Float(max_abs_diff(&got.entropy, &want.entropy))));
+    let mut worst =
+        worst_scaled(&got.per_token_loss, &want.per_token_loss).max(worst_scaled(&got.entropy, &want.entropy));
+    if let (Some(g), Some(w)) = (&got.logp, &want.logp) {
+        worst = worst.max(worst_scaled(g, w));
+    }
+    if let (Some(g), Some(w)) = (&got.kl, &want.kl) {
+        rows.push(("fwd/kl_max_abs", Value::Float(max_abs_diff(g, w))));
+        worst = worst.max(worst_scaled(g, w));
+    }
+    if let (Some(g), Some(w)) = (&got.is_clipped, &want.is_clipped) {
+        rows.push(("fwd/is_clipped_mismatches", Value::Int(g.iter().zip(w).filter(|(&a, &b)| a as f64 != b).count())));
+    }
+    rows.push(("fwd/per_token_worst", Value::Float(worst)));
+
+    if let (Some(g), Some(w)) = (&grad, &want.grad) {
+        let g = g.to_f64();
+        let (mut max_abs, mut sum_abs, mut diff2, mut norm2, mut ref_max) = (0.0f64, 0.0, 0.0, 0.0, 0.0f64);
+        for (&a, &b) in g.iter().zip(w) {
+            let d = (a - b).abs();
+            max_abs = max_abs.max(d);
+            sum_abs += d;
+            diff2 += d * d;
+            norm2 += b * b;
+            ref_max = ref_max.max(b.abs());
+        }
+        rows.push(("dlogits_max_abs", Value::Float(max_abs)));
+        rows.push(("dlogits_max_rel", Value::Float(if ref_max > 0.0 { max_abs / ref_max } else { max_abs })));
+        rows.push(("dlogits_mean_abs", Value::Float(sum_abs / g.len().max(1) as f64)));
+        rows.push(("dlogits_rel_norm", Value::Float(if norm2 > 0.0 { (diff2 / norm2).sqrt() } else { diff2.sqrt() })));
+    }
+    rows.extend([
+        ("shape/batch", Value::Int(batch.batch)),
+        ("shape/seq_len", Value::Int(batch.seq_len)),
+        ("shape/vocab", Value::Int(batch.vocab)),
+        ("time/ref_grad_s", Value::Float(ref_s)),
+        ("time/kernel_grad_s", Value::Float(times[times.len() / 2])),
+    ]);
+    let low_precision = batch.logits.dtype() != safetensors::Dtype::F32;
+    Ok(Metrics { rows, low_precision, has_gradient: want.grad.is_some() })
+}

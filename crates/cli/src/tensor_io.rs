@@ -1,0 +1,219 @@
+//! Reading named tensors from a safetensors file with dtype and shape checks that name the
+//! tensor, and writing outputs atomically (a temporary file renamed into place, so an error
+//! never leaves a partial output).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use half::{bf16, f16};
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+/// A safetensors file held in memory.
+pub struct TensorFile {
+    path: PathBuf,
+    bytes: Vec<u8>,
+}
+
+/// Logits in their stored dtype.
+pub enum LogitsData {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+/// A logits element type that can be wrapped back into [`LogitsData`].
+pub trait LogitElement: flashgrpo_kernels::Element {
+    fn wrap(values: Vec<Self>) -> LogitsData;
+}
+
+impl LogitElement for f32 {
+    fn wrap(values: Vec<Self>) -> LogitsData {
+        LogitsData::F32(values)
+    }
+}
+
+impl LogitElement for bf16 {
+    fn wrap(values: Vec<Self>) -> LogitsData {
+        LogitsData::BF16(values)
+    }
+}
+
+impl LogitElement for f16 {
+    fn wrap(values: Vec<Self>) -> LogitsData {
+        LogitsData::F16(values)
+    }
+}
+
+/// Code generic over the logits dtype, run on whichever [`LogitsData`] holds.
+pub trait LogitsVisitor {
+    type Out;
+    fn visit<T: LogitElement>(self, logits: &[T]) -> Self::Out;
+}
+
+impl LogitsData {
+    pub fn visit<V: LogitsVisitor>(&self, visitor: V) -> V::Out {
+        match self {
+            LogitsData::F32(v) => visitor.visit(v),
+            LogitsData::BF16(v) => visitor.visit(v),
+            LogitsData::F16(v) => visitor.visit(v),
+        }
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            LogitsData::F32(_) => Dtype::F32,
+            LogitsData::BF16(_) => Dtype::BF16,
+            LogitsData::F16(_) => Dtype::F16,
+        }
+    }
+
+    /// Widened to f64, for the reference.
+    pub fn to_f64(&self) -> Vec<f64> {
+        match self {
+            LogitsData::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            LogitsData::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            LogitsData::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
+        }
+    }
+}
+
+fn chunks<const K: usize>(data: &[u8]) -> impl Iterator<Item = [u8; K]> + '_ {
+    data.chunks_exact(K).map(|c| c.try_into().expect("chunks_exact yields K bytes"))
+}
+
+impl TensorFile {
+    pub fn read(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+        SafeTensors::deserialize(&bytes).with_context(|| format!("{} is not a safetensors file", path.display()))?;
+        Ok(Self { path: path.to_path_buf(), bytes })
+    }
+
+    fn tensors(&self) -> SafeTensors<'_> {
+        SafeTensors::deserialize(&self.bytes).expect("checked in read")
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tensors().names().into_iter().map(str::to_string).collect();
+        names.sort();
+        names
+    }
+
+    fn view(&self, name: &str) -> Option<TensorView<'_>> {
+        self.tensors().tensor(name).ok()
+    }
+
+    /// The shape of `name`, if present.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.view(name).map(|v| v.shape().to_vec())
+    }
+
+    fn mistyped(&self, name: &str, dtype: Dtype, accepted: &str) -> anyhow::Error {
+        anyhow::anyhow!("tensor `{name}` in {} has dtype {dtype:?}; expected {accepted}", self.path.display())
+    }
+
+    /// A required tensor's view, with a clear error when it is missing.
+    fn required(&self, name: &str, why: &str) -> Result<TensorView<'_>> {
+        self.view(name).with_context(|| {
+            format!("missing tensor `{name}` in {} ({why}); it holds: {}", self.path.display(), self.names().join(", "))
+        })
+    }
+
+    pub fn logits(&self, name: &str) -> Result<(LogitsData, Vec<usize>)> {
+        let v = self.required(name, "the logits [B, T, V]")?;
+        let data = match v.dtype() {
+            Dtype::F32 => LogitsData::F32(chunks::<4>(v.data()).map(f32::from_le_bytes).collect()),
+            Dtype::BF16 => LogitsData::BF16(chunks::<2>(v.data()).map(bf16::from_le_bytes).collect()),
+            Dtype::F16 => LogitsData::F16(chunks::<2>(v.data()).map(f16::from_le_bytes).collect()),
+            other => return Err(self.mistyped(name, other, "F32, BF16 or F16")),
+        };
+        Ok((data, v.shape().to_vec()))
+    }
+
+    /// Token ids, i64 or i32.
+    pub fn ids(&self, name: &str, why: &str) -> Result<(Vec<i64>, Vec<usize>)> {
+        let v = self.required(name, why)?;
+        let data = match v.dtype() {
+            Dtype::I64 => chunks::<8>(v.data()).map(i64::from_le_bytes).collect(),
+            Dtype::I32 => chunks::<4>(v.data()).map(|b| i32::from_le_bytes(b) as i64).collect(),
+            other => return Err(self.mistyped(name, other, "I64 or I32")),
+        };
+        Ok((data, v.shape().to_vec()))
+    }
+
+    /// An optional f32 tensor.
+    pub fn floats(&self, name: &str) -> Result<Option<(Vec<f32>, Vec<usize>)>> {
+        let Some(v) = self.view(name) else { return Ok(None) };
+        match v.dtype() {
+            Dtype::F32 => Ok(Some((chunks::<4>(v.data()).map(f32::from_le_bytes).collect(), v.shape().to_vec()))),
+            other => Err(self.mistyped(name, other, "F32")),
+        }
+    }
+
+    /// An optional 0/1 mask: f32, u8 or bool, returned as f32.
+    pub fn mask(&self, name: &str) -> Result<Option<(Vec<f32>, Vec<usize>)>> {
+        let Some(v) = self.view(name) else { return Ok(None) };
+        let data = match v.dtype() {
+            Dtype::F32 => chunks::<4>(v.data()).map(f32::from_le_bytes).collect(),
+            Dtype::U8 | Dtype::BOOL => v.data().iter().map(|&b| b as f32).collect(),
+            other => return Err(self.mistyped(name, other, "F32, U8 or BOOL")),
+        };
+        Ok(Some((data, v.shape().to_vec())))
+    }
+}
+
+/// One output tensor, little-endian bytes.
+pub struct Output {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
+}
+
+impl Output {
+    pub fn f32(name: &str, shape: Vec<usize>, values: &[f32]) -> Self {
+        Self {
+            name: name.into(),
+            dtype: Dtype::F32,
+            shape,
+            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+
+    pub fn logits_like(name: &str, shape: Vec<usize>, data: &LogitsData) -> Self {
+        let bytes = match data {
+            LogitsData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            LogitsData::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            LogitsData::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        };
+        Self { name: name.into(), dtype: data.dtype(), shape, bytes }
+    }
+}
+
+/// Writes `outputs` to `path` through a temporary file in the same directory.
+pub fn write_atomically(path: &Path, outputs: &[Output]) -> Result<()> {
+    let views = outputs
+        .iter()
+        .map(|o| Ok((o.name.clone(), TensorView::new(o.dtype, o.shape.clone(), &o.bytes)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let file_name = path.file_name().with_context(|| format!("{} is not a file path", path.display()))?;
+    let tmp = dir.join(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
+    let result = safetensors::serialize_to_file(views, None, &tmp)
+        .with_context(|| format!("cannot write {}", tmp.display()))
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).with_context(|| format!("cannot move the output into {}", path.display()))
+        });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Fails unless `shape` equals `want`, naming both tensors.
+pub fn expect_shape(tensor: &str, shape: &[usize], want: &[usize], because: &str) -> Result<()> {
+    if shape != want {
+        bail!("shape mismatch: `{tensor}` has shape {shape:?}, but {because}, so it must be {want:?}");
+    }
+    Ok(())
+}

@@ -1,0 +1,94 @@
+//! `flashgrpo gradcheck` on every shipped config, its metrics by name, and its gates.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn gradcheck(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_flashgrpo")).arg("gradcheck").args(args).output().unwrap()
+}
+
+const METRICS: &[&str] = &[
+    "loss_ref",
+    "loss_kernel",
+    "abs_diff_loss",
+    "fwd/logp_max_abs",
+    "fwd/per_loss_max_abs",
+    "dlogits_max_abs",
+    "dlogits_max_rel",
+    "dlogits_mean_abs",
+    "shape/batch",
+    "shape/seq_len",
+    "shape/vocab",
+    "time/ref_grad_s",
+    "time/kernel_grad_s",
+];
+
+#[test]
+fn every_shipped_config_passes_and_prints_the_metrics() {
+    let mut configs: Vec<PathBuf> = std::fs::read_dir(root().join("configs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("gradcheck-"))
+        .collect();
+    configs.sort();
+    assert!(configs.len() >= 3);
+    for config in configs {
+        let o = gradcheck(&["--config", config.to_str().unwrap(), "--set", "repeats=1"]);
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{}: {}{}", config.display(), stdout, String::from_utf8_lossy(&o.stderr));
+        for m in METRICS {
+            assert!(stdout.lines().any(|l| l.split_whitespace().next() == Some(m)), "{} lacks {m}", config.display());
+        }
+        assert!(stdout.contains("gradcheck passed"));
+    }
+}
+
+#[test]
+fn the_default_is_the_original_grpo_shape_and_json_works() {
+    let o = gradcheck(&["--json", "--set", "repeats=1"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["shape/batch"], 1);
+    assert_eq!(v["shape/seq_len"], 129);
+    assert_eq!(v["shape/vocab"], 151_936);
+    assert!(v["dlogits_max_rel"].as_f64().unwrap() < 1e-4);
+}
+
+#[test]
+fn a_breached_gate_fails_with_the_reason() {
+    let o = gradcheck(&["--set", "vocab=64", "--set", "seq_len=8", "--set", "tolerances.dlogits_rel_norm=0"]);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("gradcheck failed") && e.contains("dlogits_rel_norm"), "{e}");
+    let o = gradcheck(&["--set", "vocab=64", "--set", "tolerance.loss_rel=1"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown key `tolerance`"));
+}
+
+#[test]
+fn logits_from_a_file_and_non_finite_values() {
+    let dir = std::env::temp_dir().join(format!("flashgrpo-gradcheck-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("logits.safetensors");
+    let write = |values: &[f32]| {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 3, 10], &bytes).unwrap();
+        safetensors::serialize_to_file([("logits", view)], None, &path).unwrap();
+    };
+    let mut values: Vec<f32> = (0..60).map(|i| ((i * 37) % 11) as f32 * 0.3 - 1.5).collect();
+    write(&values);
+    let file = format!("logits_file={}", path.display());
+    let o = gradcheck(&["--set", &file, "--set", "mask_fraction=0"]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{stdout} {}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.contains("shape/vocab                10"), "{stdout}");
+    values[33] = f32::NAN;
+    write(&values);
+    let o = gradcheck(&["--set", &file, "--set", "mask_fraction=0"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("logits row 3 (b = 1, t = 0) contains NaN or Inf"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,264 @@
+//! `flashgrpo loss` end to end: tensors written by another writer, outputs read back and
+//! checked against the f64 reference, and every kind of bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use flashgrpo_kernels::synthetic::SyntheticSpec;
+use flashgrpo_kernels::{reference, Loss, LossOptions, LossSpec, PolicyInputs, Rows};
+use half::bf16;
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_flashgrpo"))
+}
+
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("flashgrpo-cli-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+    fn path(&self, f: &str) -> PathBuf {
+        self.0.join(f)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+struct T {
+    name: &'static str,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+fn f32s(name: &'static str, shape: Vec<usize>, v: &[f32]) -> T {
+    T { name, dtype: Dtype::F32, shape, bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
+}
+
+fn write(path: &Path, tensors: &[T]) {
+    let views: Vec<_> =
+        tensors.iter().map(|t| (t.name, TensorView::new(t.dtype, t.shape.clone(), &t.bytes).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+fn read_f32(bytes: &[u8], name: &str) -> (Vec<f32>, Vec<usize>) {
+    let st = SafeTensors::deserialize(bytes).unwrap();
+    let v = st.tensor(name).unwrap_or_else(|_| panic!("output has no `{name}`"));
+    let vals = match v.dtype() {
+        Dtype::F32 => v.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
+        Dtype::BF16 => v.data().chunks_exact(2).map(|c| bf16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect(),
+        other => panic!("unexpected dtype {other:?}"),
+    };
+    (vals, v.shape().to_vec())
+}
+
+const B: usize = 2;
+const L: usize = 3;
+const V: usize = 50;
+
+fn grpo_inputs(dir: &Dir, logits_dtype: Dtype) -> (PathBuf, flashgrpo_kernels::synthetic::SyntheticBatch) {
+    let data =
+        SyntheticSpec { batch: B, seq_len: L, vocab: V, seed: 7, logit_std: 2.5, logp_noise: 0.3, mask_fraction: 0.3 }
+            .generate();
+    let logits = match logits_dtype {
+        Dtype::BF16 => T {
+            name: "logits",
+            dtype: Dtype::BF16,
+            shape: vec![B, L, V],
+            bytes: data.logits.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
+        },
+        _ => f32s("logits", vec![B, L, V], &data.logits),
+    };
+    let path = dir.path("in.safetensors");
+    write(
+        &path,
+        &[
+            logits,
+            T {
+                name: "targets",
+                dtype: Dtype::I32,
+                shape: vec![B, L],
+                bytes: data.targets.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect(),
+            },
+            T {
+                name: "mask",
+                dtype: Dtype::U8,
+                shape: vec![B, L],
+                bytes: data.mask.iter().map(|&m| m as u8).collect(),
+            },
+            f32s("advantages", vec![B], &data.advantages),
+            f32s("old_logp", vec![B, L], &data.old_logp),
+            f32s("ref_logp", vec![B, L], &data.ref_logp),
+        ],
+    );
+    (path, data)
+}
+
+#[test]
+fn grpo_outputs_match_the_reference_in_every_impl_and_dtype() {
+    let dir = Dir::new("grpo");
+    for dtype in [Dtype::F32, Dtype::BF16] {
+        let (input, data) = grpo_inputs(&dir, dtype);
+        let logits64: Vec<f64> = data
+            .logits
+            .iter()
+            .map(|&x| if dtype == Dtype::BF16 { bf16::from_f32(x).to_f64() } else { x as f64 })
+            .collect();
+        let options = LossOptions {
+            beta: 0.04,
+            epsilon_high: Some(0.28),
+            loss_type: flashgrpo_kernels::LossType::Grpo,
+            ..Default::default()
+        };
+        let spec = LossSpec {
+            loss: Loss::Grpo(PolicyInputs {
+                advantages: &data.advantages,
+                old_logp: Some(&data.old_logp),
+                ref_logp: Some(&data.ref_logp),
+                is_ratio: None,
+            }),
+            rows: Rows { batch: B, seq_len: L, vocab: V, targets: Some(&data.targets), mask: Some(&data.mask) },
+            options: &options,
+            batch_shard: None,
+        };
+        let want = reference::evaluate(spec, &logits64).unwrap();
+        for imp in ["reference", "fused", "fused-inplace"] {
+            let out = dir.path("out.safetensors");
+            let status = bin()
+                .args(["loss", "--op", "grpo", "--impl", imp, "--set", "beta=0.04", "--set", "epsilon_high=0.28"])
+                .args(["--set", "loss_type=grpo", "--inputs"])
+                .arg(&input)
+                .arg("--out")
+                .arg(&out)
+                .status()
+                .unwrap();
+            assert!(status.success(), "{imp}");
+            let bytes = std::fs::read(&out).unwrap();
+            let (loss, shape) = read_f32(&bytes, "loss");
+            assert!(shape.is_empty());
+            assert!((loss[0] as f64 - want.loss).abs() < 1e-6 * want.loss.abs().max(1.0), "{imp} {dtype:?}");
+            for (name, w) in [
+                ("per_token_loss", &want.per_token_loss),
+                ("logp", want.logp.as_ref().unwrap()),
+                ("entropy", &want.entropy),
+                ("kl", want.kl.as_ref().unwrap()),
+                ("is_clipped", want.is_clipped.as_ref().unwrap()),
+            ] {
+                let (v, shape) = read_f32(&bytes, name);
+                assert_eq!(shape, vec![B, L], "{name}");
+                for (a, b) in v.iter().zip(w.iter()) {
+                    assert!((*a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0), "{name} {imp} {dtype:?}: {a} vs {b}");
+                }
+            }
+            let st = SafeTensors::deserialize(&bytes).unwrap();
+            assert_eq!(st.tensor("grad_logits").unwrap().dtype(), dtype, "gradient in the logits dtype");
+            let (g, shape) = read_f32(&bytes, "grad_logits");
+            assert_eq!(shape, vec![B, L, V]);
+            let g_ref = want.grad.as_ref().unwrap();
+            let err: f64 = g.iter().zip(g_ref).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt()
+                / g_ref.iter().map(|b| b * b).sum::<f64>().sqrt();
+            assert!(err < if dtype == Dtype::F32 { 1e-5 } else { 1e-2 }, "{imp} {dtype:?} grad err {err}");
+        }
+    }
+}
+
+#[test]
+fn every_op_writes_its_outputs() {
+    let dir = Dir::new("ops");
+    let (input, _) = grpo_inputs(&dir, Dtype::F32);
+    for (op, present, absent) in [
+        ("cross_entropy", vec!["loss", "per_token_loss", "logp", "entropy", "grad_logits"], vec!["kl", "is_clipped"]),
+        ("logprob", vec!["loss", "per_token_loss", "logp", "entropy", "grad_logits"], vec!["kl"]),
+        ("entropy", vec!["loss", "per_token_loss", "entropy", "logp"], vec!["grad_logits"]),
+        ("grpo", vec!["loss", "kl", "is_clipped", "grad_logits"], vec![]),
+    ] {
+        let out = dir.path(&format!("{op}.safetensors"));
+        let o = bin().args(["loss", "--op", op, "--inputs"]).arg(&input).arg("--out").arg(&out).output().unwrap();
+        assert!(o.status.success(), "{op}: {}", String::from_utf8_lossy(&o.stderr));
+        let bytes = std::fs::read(&out).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        for name in present {
+            assert!(st.tensor(name).is_ok(), "{op} lacks {name}");
+        }
+        for name in absent {
+            assert!(st.tensor(name).is_err(), "{op} has {name}");
+        }
+    }
+}
+
+/// Runs `flashgrpo loss` expecting failure; returns stderr and checks no output was written.
+fn fails(dir: &Dir, op: &str, tensors: &[T], sets: &[&str]) -> String {
+    let input = dir.path("bad.safetensors");
+    write(&input, tensors);
+    let out = dir.path("never.safetensors");
+    let mut cmd = bin();
+    cmd.args(["loss", "--op", op, "--inputs"]).arg(&input).arg("--out").arg(&out);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let o = cmd.output().unwrap();
+    assert!(!o.status.success());
+    assert!(!out.exists(), "an output file was written despite the error");
+    assert!(std::fs::read_dir(&dir.0).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp-")));
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn bad_input_is_a_clear_error_and_writes_nothing() {
+    let dir = Dir::new("bad");
+    let logits = vec![0.5f32; 2 * 3 * 4];
+    let lg = || f32s("logits", vec![2, 3, 4], &logits);
+    let ids = |v: &[i64], shape: Vec<usize>| T {
+        name: "targets",
+        dtype: Dtype::I64,
+        shape,
+        bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    };
+    let good_ids = || ids(&[0, 1, 2, 3, 0, 1], vec![2, 3]);
+
+    let e = fails(&dir, "cross_entropy", &[lg(), ids(&[0, 1, 2, 3, 0], vec![5])], &[]);
+    assert!(e.contains("`targets` has shape [5]") && e.contains("`logits` has shape [2, 3, 4]"), "{e}");
+
+    let e = fails(&dir, "cross_entropy", &[lg(), ids(&[0, 1, 2, 3, 9, 1], vec![2, 3])], &[]);
+    assert!(e.contains("targets[1, 1] (row 4) = 9"), "{e}");
+
+    let mut nan = logits.clone();
+    nan[5 * 4 + 2] = f32::NAN;
+    let e = fails(&dir, "logprob", &[f32s("logits", vec![2, 3, 4], &nan), good_ids()], &[]);
+    assert!(e.contains("logits row 5 (b = 1, t = 2) contains NaN or Inf"), "{e}");
+
+    let adv = f32s("advantages", vec![2], &[1.0, -1.0]);
+    let e = fails(&dir, "grpo", &[lg(), good_ids(), adv], &["beta=0.04"]);
+    assert!(e.contains("ref_logp"), "{e}");
+
+    let e = fails(&dir, "grpo", &[lg(), good_ids()], &[]);
+    assert!(e.contains("missing tensor `advantages`"), "{e}");
+
+    let e = fails(&dir, "cross_entropy", &[lg()], &[]);
+    assert!(e.contains("missing tensor `targets`"), "{e}");
+
+    let e = fails(&dir, "cross_entropy", &[lg(), f32s("targets", vec![2, 3], &[0.0; 6])], &[]);
+    assert!(e.contains("`targets`") && e.contains("dtype F32") && e.contains("I64 or I32"), "{e}");
+
+    let e = fails(&dir, "cross_entropy", &[lg(), good_ids()], &["label_smothing=0.1"]);
+    assert!(e.contains("unknown key `label_smothing`"), "{e}");
+
+    let e = fails(&dir, "cross_entropy", &[lg(), good_ids()], &["reduction=average"]);
+    assert!(e.contains("average"), "{e}");
+
+    let e = fails(&dir, "grpo", &[lg(), good_ids(), f32s("advantages", vec![3], &[1.0; 3])], &[]);
+    assert!(e.contains("`advantages` has shape [3]") && e.contains("[2]"), "{e}");
+
+    let e = fails(&dir, "logprob", &[f32s("logits", vec![6, 4], &logits), good_ids()], &[]);
+    assert!(e.contains("[B, T, V]"), "{e}");
+}
