@@ -45,8 +45,9 @@ pub fn main(args: LossArgs) -> Result<()> {
     Ok(())
 }
 
-fn outputs(batch: &Batch, r: Results) -> Vec<Output> {
+fn outputs(batch: &Batch, results: Results) -> Vec<Output> {
     let bt = vec![batch.batch, batch.seq_len];
+    let r = &results.output;
     let mut out = vec![
         Output::f32("loss", vec![], &[r.loss as f32]),
         Output::f32("per_token_loss", bt.clone(), &r.per_token_loss),
@@ -57,7 +58,7 @@ fn outputs(batch: &Batch, r: Results) -> Vec<Output> {
             out.push(Output::f32(name, bt.clone(), v));
         }
     }
-    if let Some(g) = &r.grad {
+    if let Some(g) = &results.grad {
         out.push(Output::logits_like("grad_logits", vec![batch.batch, batch.seq_len, batch.vocab], g));
     }
     out

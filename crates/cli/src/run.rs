@@ -22,30 +22,10 @@ pub enum Impl {
     FusedInplace,
 }
 
-/// What a loss call produces, in the output dtypes.
+/// What a loss call produces: the outputs, and the gradient in the logits' dtype.
 pub struct Results {
-    pub loss: f64,
-    pub per_token_loss: Vec<f32>,
-    pub logp: Option<Vec<f32>>,
-    pub entropy: Vec<f32>,
-    pub kl: Option<Vec<f32>>,
-    pub is_clipped: Option<Vec<f32>>,
-    /// In the logits' dtype.
+    pub output: LossOutput,
     pub grad: Option<LogitsData>,
-}
-
-impl Results {
-    fn from_fused(out: LossOutput, grad: Option<LogitsData>) -> Self {
-        Self {
-            loss: out.loss,
-            per_token_loss: out.per_token_loss,
-            logp: out.logp,
-            entropy: out.entropy,
-            kl: out.kl,
-            is_clipped: out.is_clipped,
-            grad,
-        }
-    }
 }
 
 /// The streaming kernels on logits of any dtype.
@@ -92,15 +72,15 @@ fn to_f32(v: &[f64]) -> Vec<f32> {
 /// Runs the reference; returns its f64 output and the same rounded to the contract's dtypes.
 pub fn reference_results(batch: &Batch, options: &LossOptions) -> Result<(Results, reference::ReferenceOutput)> {
     let r = reference::evaluate(batch.spec(options), &batch.logits.to_f64())?;
-    let results = Results {
+    let output = LossOutput {
         loss: r.loss,
         per_token_loss: to_f32(&r.per_token_loss),
         logp: r.logp.as_deref().map(to_f32),
         entropy: to_f32(&r.entropy),
         kl: r.kl.as_deref().map(to_f32),
         is_clipped: r.is_clipped.as_deref().map(to_f32),
-        grad: r.grad.as_deref().map(|g| batch.logits.visit(RoundLike(g))),
     };
+    let results = Results { output, grad: r.grad.as_deref().map(|g| batch.logits.visit(RoundLike(g))) };
     Ok((results, r))
 }
 
@@ -112,6 +92,6 @@ pub fn run(batch: &Batch, options: &LossOptions, imp: Impl) -> Result<Results> {
         Impl::Fused => false,
         Impl::FusedInplace => true,
     };
-    let (out, grad) = batch.logits.visit(Fused { spec, in_place })?;
-    Ok(Results::from_fused(out, grad))
+    let (output, grad) = batch.logits.visit(Fused { spec, in_place })?;
+    Ok(Results { output, grad })
 }
