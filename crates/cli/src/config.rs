@@ -65,7 +65,7 @@ pub fn load<C: DeserializeOwned + Serialize + Default>(source: Source<'_>, sets:
             ),
         ),
         Source::BuiltIn { name, text } => (name.to_string(), Some(text.to_string())),
-        Source::Defaults => ("the defaults".to_string(), None),
+        Source::Defaults => (String::new(), None),
     };
     let mut map = match text {
         Some(text) => {
@@ -83,7 +83,7 @@ pub fn load<C: DeserializeOwned + Serialize + Default>(source: Source<'_>, sets:
         };
         insert(&mut map, key.trim(), parse_value(raw.trim())?)?;
     }
-    let source = format!("{name} / --set");
+    let source = if name.is_empty() { "--set".to_string() } else { format!("{name} / --set") };
     let mut options = Map::new();
     let mut command = Map::new();
     for (key, value) in map {
