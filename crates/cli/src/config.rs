@@ -7,15 +7,21 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use flashgrpo_kernels::LossOptions;
 use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-/// A command's configuration and the loss options found beside it.
+/// A command's configuration, its inputs' description, and the loss options found beside them.
 #[derive(Debug, Clone)]
-pub struct Loaded<C> {
+pub struct Loaded<C, I> {
     pub command: C,
+    pub inputs: I,
     pub options: LossOptions,
 }
+
+/// For commands without keys of their own.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoKeys {}
 
 /// Parses one `--set` value as a YAML scalar (`0.04`, `true`, `dapo`, `null`).
 fn parse_value(raw: &str) -> Result<Value> {
@@ -49,13 +55,22 @@ pub enum Source<'a> {
     Defaults,
 }
 
-/// Reads the source, applies `sets`, and splits the keys between the loss options and the
-/// command's configuration `C` (which must reject unknown fields and give every field a default;
-/// its keys are those of `C::default()`).
-pub fn load<C: DeserializeOwned + Serialize + Default>(source: Source<'_>, sets: &[String]) -> Result<Loaded<C>> {
+/// The keys of a configuration section: those of its default value.
+fn keys_of<C: Serialize + Default>() -> Result<Vec<String>> {
     let defaults = serde_json::to_value(C::default())?;
-    let command_keys: Vec<&str> =
-        defaults.as_object().map(|m| m.keys().map(String::as_str).collect()).unwrap_or_default();
+    Ok(defaults.as_object().map(|m| m.keys().cloned().collect()).unwrap_or_default())
+}
+
+/// Reads the source, applies `sets`, and splits the flat keys between the loss options, the
+/// command's own section `C` and the inputs section `I` (each must reject unknown fields and give
+/// every field a default; a section's keys are those of its default value).
+pub fn load<C, I>(source: Source<'_>, sets: &[String]) -> Result<Loaded<C, I>>
+where
+    C: DeserializeOwned + Serialize + Default,
+    I: DeserializeOwned + Serialize + Default,
+{
+    let command_keys = keys_of::<C>()?;
+    let input_keys = keys_of::<I>()?;
     let (name, text) = match source {
         Source::File(path) => (
             path.display().to_string(),
@@ -86,17 +101,22 @@ pub fn load<C: DeserializeOwned + Serialize + Default>(source: Source<'_>, sets:
     let source = if name.is_empty() { "--set".to_string() } else { format!("{name} / --set") };
     let mut options = Map::new();
     let mut command = Map::new();
+    let mut inputs = Map::new();
     for (key, value) in map {
         if LossOptions::NAMES.contains(&key.as_str()) {
             // `delta: none` reads as unset, as in Python; `reduction: none` is a value of its own.
             let unset = key != "reduction" && value.as_str().is_some_and(|s| s.eq_ignore_ascii_case("none"));
             options.insert(key, if unset { Value::Null } else { value });
-        } else if command_keys.contains(&key.as_str()) {
+        } else if command_keys.contains(&key) {
             command.insert(key, value);
+        } else if input_keys.contains(&key) {
+            inputs.insert(key, value);
         } else {
+            let mut valid: Vec<&str> = command_keys.iter().chain(&input_keys).map(String::as_str).collect();
+            valid.sort();
             bail!(
                 "unknown key `{key}` in {source}; valid keys are {} and the loss options {}",
-                list(&command_keys),
+                list(&valid),
                 list(LossOptions::NAMES)
             );
         }
@@ -105,7 +125,8 @@ pub fn load<C: DeserializeOwned + Serialize + Default>(source: Source<'_>, sets:
         serde_json::from_value(Value::Object(options)).with_context(|| format!("bad loss option in {source}"))?;
     options.validate()?;
     let command: C = serde_json::from_value(Value::Object(command)).with_context(|| format!("bad key in {source}"))?;
-    Ok(Loaded { command, options })
+    let inputs: I = serde_json::from_value(Value::Object(inputs)).with_context(|| format!("bad key in {source}"))?;
+    Ok(Loaded { command, inputs, options })
 }
 
 fn list(keys: &[&str]) -> String {
@@ -145,7 +166,7 @@ mod tests {
             "tolerances.loss_rel=0.5".into(),
             "temperature=2".into(),
         ];
-        let loaded: Loaded<Cmd> = load(Source::File(&path), &sets).unwrap();
+        let loaded: Loaded<Cmd, NoKeys> = load(Source::File(&path), &sets).unwrap();
         assert_eq!(loaded.command, Cmd { vocab: 10, tolerances: Tol { loss_rel: 0.5 } });
         assert_eq!(loaded.options.beta, 0.04);
         assert_eq!(loaded.options.temperature, 2.0);
@@ -155,14 +176,14 @@ mod tests {
 
     #[test]
     fn errors_name_the_key() {
-        let e = load::<Cmd>(Source::Defaults, &["betta=1".into()]).unwrap_err().to_string();
+        let e = load::<Cmd, NoKeys>(Source::Defaults, &["betta=1".into()]).unwrap_err().to_string();
         assert!(e.contains("unknown key `betta`") && e.contains("`beta`"), "{e}");
-        let e = format!("{:#}", load::<Cmd>(Source::Defaults, &["loss_type=ppo".into()]).unwrap_err());
+        let e = format!("{:#}", load::<Cmd, NoKeys>(Source::Defaults, &["loss_type=ppo".into()]).unwrap_err());
         assert!(e.contains("ppo"), "{e}");
-        let e = format!("{:#}", load::<Cmd>(Source::Defaults, &["temperature=-1".into()]).unwrap_err());
+        let e = format!("{:#}", load::<Cmd, NoKeys>(Source::Defaults, &["temperature=-1".into()]).unwrap_err());
         assert!(e.contains("temperature"), "{e}");
-        let e = format!("{:#}", load::<Cmd>(Source::Defaults, &["tolerances.nope=1".into()]).unwrap_err());
+        let e = format!("{:#}", load::<Cmd, NoKeys>(Source::Defaults, &["tolerances.nope=1".into()]).unwrap_err());
         assert!(e.contains("nope"), "{e}");
-        assert!(load::<Cmd>(Source::Defaults, &["beta".into()]).is_err());
+        assert!(load::<Cmd, NoKeys>(Source::Defaults, &["beta".into()]).is_err());
     }
 }

@@ -6,15 +6,14 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use flashgrpo_kernels::synthetic::{Rng, SyntheticSpec};
 use flashgrpo_kernels::{LossOptions, LossOutput};
-use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{Batch, OpName};
+use crate::batch::Batch;
 use crate::config;
+use crate::input_spec::InputSpec;
 use crate::run::{reference_results, Fused, Impl};
-use crate::tensor_io::{expect_shape, LogitsData, TensorFile};
+use crate::tensor_io::LogitsData;
 
 #[derive(Debug, clap::Args)]
 pub struct GradcheckArgs {
@@ -28,15 +27,6 @@ pub struct GradcheckArgs {
     /// Print the metrics as one JSON object.
     #[arg(long)]
     pub json: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum DTypeName {
-    #[default]
-    F32,
-    Bf16,
-    F16,
 }
 
 /// Gates; unset ones take LOSSES.md's tolerance for the dtype.
@@ -53,30 +43,10 @@ pub struct Tolerances {
     pub dlogits_max_abs: Option<f64>,
 }
 
+/// The gradcheck's own keys (the inputs are described by [`InputSpec`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GradcheckConfig {
-    pub op: OpName,
-    pub batch: usize,
-    pub seq_len: usize,
-    pub vocab: usize,
-    pub dtype: DTypeName,
-    pub seed: u64,
-    /// Logits are `N(0, logit_std^2)`.
-    pub logit_std: f64,
-    /// Old / reference log-probs: the true ones plus `N(0, logp_noise^2)`.
-    pub logp_noise: f64,
-    /// Probability that a row is masked.
-    pub mask_fraction: f64,
-    /// Cross-entropy: probability that a target is replaced by `ignore_index`.
-    pub ignore_fraction: f64,
-    /// GRPO: pass `old_logp` (off-policy) rather than none (on-policy).
-    pub with_old_logp: bool,
-    /// GRPO: pass `ref_logp` (required when beta != 0).
-    pub with_ref_logp: bool,
-    /// Read `logits [B,T,V]` (and any other inputs present) from this safetensors file instead;
-    /// the shape comes from the file, missing inputs are generated from the seed.
-    pub logits_file: Option<PathBuf>,
     /// The kernel variant to check.
     #[serde(rename = "impl")]
     pub implementation: Impl,
@@ -87,24 +57,7 @@ pub struct GradcheckConfig {
 
 impl Default for GradcheckConfig {
     fn default() -> Self {
-        Self {
-            op: OpName::Grpo,
-            batch: 1,
-            seq_len: 129,
-            vocab: 151_936,
-            dtype: DTypeName::F32,
-            seed: 0,
-            logit_std: 2.5,
-            logp_noise: 0.3,
-            mask_fraction: 0.1,
-            ignore_fraction: 0.0,
-            with_old_logp: true,
-            with_ref_logp: true,
-            logits_file: None,
-            implementation: Impl::Fused,
-            repeats: 3,
-            tolerances: Tolerances::default(),
-        }
+        Self { implementation: Impl::Fused, repeats: 3, tolerances: Tolerances::default() }
     }
 }
 
@@ -118,8 +71,9 @@ pub fn main(args: GradcheckArgs) -> Result<()> {
             config::Source::BuiltIn { name: "configs/gradcheck-grpo-original.yaml (built in)", text: DEFAULT_CONFIG }
         }
     };
-    let loaded = config::load::<GradcheckConfig>(source, &args.sets)?;
-    let metrics = check(&loaded.command, &loaded.options)?;
+    let loaded = config::load::<GradcheckConfig, InputSpec>(source, &args.sets)?;
+    let batch = loaded.inputs.build(&loaded.options)?;
+    let metrics = check(&loaded.command, &batch, &loaded.options)?;
     if args.json {
         println!("{}", serde_json::to_string(&metrics.as_json())?);
     } else {
@@ -131,92 +85,6 @@ pub fn main(args: GradcheckArgs) -> Result<()> {
     }
     if !args.json {
         println!("gradcheck passed");
-    }
-    Ok(())
-}
-
-/// Builds the batch: generated, or logits (and whatever else is there) from a file.
-fn build_batch(cfg: &GradcheckConfig, options: &LossOptions) -> Result<Batch> {
-    let mut spec = SyntheticSpec {
-        batch: cfg.batch,
-        seq_len: cfg.seq_len,
-        vocab: cfg.vocab,
-        seed: cfg.seed,
-        logit_std: cfg.logit_std,
-        logp_noise: cfg.logp_noise,
-        mask_fraction: cfg.mask_fraction,
-    };
-    let mut rng = Rng::new(cfg.seed ^ 0x5EED);
-    let (generated, file) = match &cfg.logits_file {
-        None => (spec.generate(), None),
-        Some(path) => {
-            let file = TensorFile::read(path)?;
-            let (logits, shape) = file.logits("logits")?;
-            let [b, t, v] = shape[..] else {
-                bail!("`logits` in {} has shape {shape:?}; expected [B, T, V]", path.display())
-            };
-            (spec.batch, spec.seq_len, spec.vocab) = (b, t, v);
-            let f32_logits = logits.to_f64().into_iter().map(|x| x as f32).collect();
-            (spec.complete(f32_logits, &mut rng), Some((file, logits)))
-        }
-    };
-    let mut targets = generated.targets;
-    if cfg.op == OpName::CrossEntropy {
-        for y in targets.iter_mut() {
-            if rng.uniform() < cfg.ignore_fraction {
-                *y = options.ignore_index;
-            }
-        }
-    }
-    let grpo = cfg.op == OpName::Grpo;
-    let mut batch = Batch {
-        op: cfg.op,
-        logits: match cfg.dtype {
-            DTypeName::F32 => LogitsData::F32(generated.logits),
-            DTypeName::Bf16 => LogitsData::BF16(generated.logits.iter().map(|&x| bf16::from_f32(x)).collect()),
-            DTypeName::F16 => LogitsData::F16(generated.logits.iter().map(|&x| f16::from_f32(x)).collect()),
-        },
-        batch: spec.batch,
-        seq_len: spec.seq_len,
-        vocab: spec.vocab,
-        targets: Some(targets),
-        mask: Some(generated.mask),
-        advantages: if grpo { generated.advantages } else { Vec::new() },
-        old_logp: (grpo && cfg.with_old_logp).then_some(generated.old_logp),
-        ref_logp: (grpo && cfg.with_ref_logp).then_some(generated.ref_logp),
-        is_ratio: None,
-    };
-    if let Some((file, logits)) = file {
-        batch.logits = logits;
-        overlay_file_inputs(&mut batch, &file)?;
-    }
-    Ok(batch)
-}
-
-/// Replaces generated inputs by those the file holds, each checked against the logits' shape.
-fn overlay_file_inputs(batch: &mut Batch, file: &TensorFile) -> Result<()> {
-    let bt = [batch.batch, batch.seq_len];
-    let because = format!("`logits` has shape [{}, {}, {}]", batch.batch, batch.seq_len, batch.vocab);
-    if file.shape("targets").is_some() {
-        let (t, s) = file.ids("targets", "")?;
-        expect_shape("targets", &s, &bt, &because)?;
-        batch.targets = Some(t);
-    }
-    if let Some((m, s)) = file.mask("mask")? {
-        expect_shape("mask", &s, &bt, &because)?;
-        batch.mask = Some(m);
-    }
-    if batch.op == OpName::Grpo {
-        if let Some((a, s)) = file.floats("advantages")? {
-            expect_shape("advantages", &s, &[batch.batch], &because)?;
-            batch.advantages = a;
-        }
-        for (name, slot) in [("old_logp", &mut batch.old_logp), ("ref_logp", &mut batch.ref_logp)] {
-            if let Some((v, s)) = file.floats(name)? {
-                expect_shape(name, &s, &bt, &because)?;
-                *slot = Some(v);
-            }
-        }
     }
     Ok(())
 }
@@ -305,13 +173,12 @@ fn worst_scaled(got: &[f32], want: &[f64]) -> f64 {
     got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs() / w.abs().max(1.0)).fold(0.0, f64::max)
 }
 
-fn check(cfg: &GradcheckConfig, options: &LossOptions) -> Result<Metrics> {
+fn check(cfg: &GradcheckConfig, batch: &Batch, options: &LossOptions) -> Result<Metrics> {
     if cfg.implementation == Impl::Reference {
         bail!("`impl` must be a kernel variant (fused or fused-inplace): the reference is what it is checked against");
     }
-    let batch = build_batch(cfg, options)?;
     let start = Instant::now();
-    let (_, want) = reference_results(&batch, options)?;
+    let (_, want) = reference_results(batch, options)?;
     let ref_s = start.elapsed().as_secs_f64();
 
     let mut times = Vec::new();

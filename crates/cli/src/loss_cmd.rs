@@ -4,10 +4,9 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use serde::{Deserialize, Serialize};
 
 use crate::batch::{Batch, OpName};
-use crate::config;
+use crate::config::{self, NoKeys};
 use crate::run::{run, Impl, Results};
 use crate::tensor_io::{write_atomically, Output, TensorFile};
 
@@ -30,13 +29,8 @@ pub struct LossArgs {
     pub sets: Vec<String>,
 }
 
-/// `flashgrpo loss` takes no keys of its own: only loss options.
-#[derive(Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NoKeys {}
-
 pub fn main(args: LossArgs) -> Result<()> {
-    let options = config::load::<NoKeys>(config::Source::Defaults, &args.sets)?.options;
+    let options = config::load::<NoKeys, NoKeys>(config::Source::Defaults, &args.sets)?.options;
     let file = TensorFile::read(&args.inputs)?;
     let batch = Batch::read(&file, args.op).with_context(|| format!("in {}", args.inputs.display()))?;
     drop(file);

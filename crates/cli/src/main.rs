@@ -1,9 +1,13 @@
 //! `flashgrpo`: fused loss kernels for RL fine-tuning of language models, from the command line.
 
+mod baseline;
 mod batch;
+mod bench;
 mod config;
 mod gradcheck;
+mod input_spec;
 mod loss_cmd;
+mod memory;
 mod run;
 mod tensor_io;
 
@@ -11,6 +15,10 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+
+/// Counts heap bytes for `flashgrpo bench`'s `mem/peak_bytes`.
+#[global_allocator]
+static ALLOCATOR: memory::CountingAllocator = memory::CountingAllocator;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -32,6 +40,8 @@ enum Command {
     Loss(loss_cmd::LossArgs),
     /// Compare the fused kernels with the f64 reference on seeded inputs, with tolerance gates.
     Gradcheck(gradcheck::GradcheckArgs),
+    /// Time forward + backward and measure peak memory (fused, fused-inplace, or the candle baseline).
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -52,5 +62,6 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Loss(args) => loss_cmd::main(args),
         Command::Gradcheck(args) => gradcheck::main(args),
+        Command::Bench(args) => bench::main(args),
     }
 }

@@ -22,9 +22,13 @@ pub enum LogitsData {
     F16(Vec<f16>),
 }
 
-/// A logits element type that can be wrapped back into [`LogitsData`].
-pub trait LogitElement: flashgrpo_kernels::Element {
+/// A logits element type that can be wrapped back into [`LogitsData`] or handed to candle.
+pub trait LogitElement: flashgrpo_kernels::Element + candle_core::WithDType {
     fn wrap(values: Vec<Self>) -> LogitsData;
+
+    fn candle_tensor(values: &[Self], shape: (usize, usize)) -> candle_core::Result<candle_core::Tensor> {
+        candle_core::Tensor::from_slice(values, shape, &candle_core::Device::Cpu)
+    }
 }
 
 impl LogitElement for f32 {
@@ -65,6 +69,14 @@ impl LogitsData {
             LogitsData::F32(_) => Dtype::F32,
             LogitsData::BF16(_) => Dtype::BF16,
             LogitsData::F16(_) => Dtype::F16,
+        }
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        match self {
+            LogitsData::F32(v) => std::mem::size_of_val(v.as_slice()),
+            LogitsData::BF16(v) => std::mem::size_of_val(v.as_slice()),
+            LogitsData::F16(v) => std::mem::size_of_val(v.as_slice()),
         }
     }
 

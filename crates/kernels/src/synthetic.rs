@@ -3,6 +3,8 @@
 //! log-probs near the true ones. The generator is ours (SplitMix64 + Box-Muller), so a seed
 //! gives the same batch on every machine and every version of every dependency.
 
+use rayon::prelude::*;
+
 /// SplitMix64: tiny, fast, and good enough for test data.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
@@ -32,9 +34,16 @@ impl Rng {
 
     /// Standard normal (Box-Muller).
     pub fn normal(&mut self) -> f64 {
+        self.normal_pair().0
+    }
+
+    /// Two independent standard normals (both halves of Box-Muller).
+    pub fn normal_pair(&mut self) -> (f64, f64) {
         let u1 = 1.0 - self.uniform();
         let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+        let r = (-2.0 * u1.ln()).sqrt();
+        let (s, c) = (2.0 * std::f64::consts::PI * u2).sin_cos();
+        (r * c, r * s)
     }
 }
 
@@ -67,10 +76,21 @@ pub struct SyntheticBatch {
 impl SyntheticSpec {
     /// Logits `N(0, logit_std^2)` and everything else to go with them.
     pub fn generate(&self) -> SyntheticBatch {
-        let mut rng = Rng::new(self.seed);
-        let n = self.batch * self.seq_len * self.vocab;
-        let logits: Vec<f32> = (0..n).map(|_| (rng.normal() * self.logit_std) as f32).collect();
-        self.complete(logits, &mut rng)
+        let v = self.vocab;
+        let mut logits = vec![0.0f32; self.batch * self.seq_len * v];
+        // One generator per row, so rows fill in parallel and the batch is the same for any
+        // thread count.
+        logits.par_chunks_mut(v.max(1)).enumerate().for_each(|(row, out)| {
+            let mut rng = Rng::new(self.seed ^ (row as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03));
+            for pair in out.chunks_mut(2) {
+                let (a, b) = rng.normal_pair();
+                pair[0] = (a * self.logit_std) as f32;
+                if let Some(x) = pair.get_mut(1) {
+                    *x = (b * self.logit_std) as f32;
+                }
+            }
+        });
+        self.complete(logits, &mut Rng::new(self.seed))
     }
 
     /// Targets, mask, advantages and old/ref log-probs for the given logits `[B*T*V]`.
@@ -92,6 +112,7 @@ impl SyntheticSpec {
         // A non-finite row gets a finite stand-in, so that the kernels, not the generated inputs,
         // report the bad logits.
         let logp: Vec<f64> = (0..n)
+            .into_par_iter()
             .map(|i| true_logp(&logits[i * v..(i + 1) * v], targets[i] as usize))
             .map(|l| if l.is_finite() { l } else { 0.0 })
             .collect();

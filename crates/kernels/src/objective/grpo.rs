@@ -6,7 +6,7 @@
 //! sequence level it is the masked mean over the sequence, so its gradient is shared evenly by
 //! the sequence's unmasked rows.
 
-use super::{ordered_sum, row_outputs, to_f32, GradTerms, LossOutput, RowGradient};
+use super::{ordered_sum, GradTerms, RowGradient, RowOutcome};
 use crate::inputs::{Normalisers, PolicyInputs, Rows};
 use crate::options::{ImportanceSamplingLevel, LossOptions, LossType};
 use crate::stats::RowStats;
@@ -103,86 +103,98 @@ fn token_terms(
     TokenTerms { loss, kl, clipped, d_logp, d_log_w }
 }
 
-pub(super) fn evaluate(
-    inputs: &PolicyInputs,
-    rows: &Rows,
-    options: &LossOptions,
-    norm: &Normalisers,
-    active: &[bool],
-    stats: &[RowStats],
-) -> (LossOutput, Vec<RowGradient>) {
-    let (n, seq_len) = (rows.len(), rows.seq_len);
-    let logp = |i: usize| stats[i].logp.unwrap_or(0.0);
-    let log_ratio = |i: usize| inputs.old_logp.map_or(0.0, |old| logp(i) - old[i] as f64);
-    let counts: Vec<f64> = (0..rows.batch)
-        .map(|b| active[b * seq_len..(b + 1) * seq_len].iter().filter(|&&a| a).count().max(1) as f64)
-        .collect();
-    let count = |b: usize| counts[b];
+/// GRPO prepared for a batch: normalisers and per-sequence counts resolved.
+pub(crate) struct Grpo<'a> {
+    inputs: PolicyInputs<'a>,
+    rows: Rows<'a>,
+    options: &'a LossOptions,
+    norm: Normalisers,
+    /// Unmasked rows per sequence, at least 1.
+    counts: Vec<f64>,
+}
 
-    // Sequence level (GSPO): one log-weight per sequence, the masked mean of the log-ratios.
-    let seq_log_w: Vec<f64> = match options.importance_sampling_level {
-        ImportanceSamplingLevel::Token => Vec::new(),
-        ImportanceSamplingLevel::Sequence => (0..rows.batch)
-            .map(|b| {
-                ordered_sum((0..seq_len).map(|t| b * seq_len + t).filter(|&i| active[i]).map(log_ratio)) / count(b)
-            })
-            .collect(),
-    };
-    let log_w = |i: usize| match options.importance_sampling_level {
-        ImportanceSamplingLevel::Token => log_ratio(i),
-        ImportanceSamplingLevel::Sequence => seq_log_w[i / seq_len],
-    };
-    let weight = |i: usize| match options.loss_type {
-        LossType::Grpo | LossType::Sapo => 1.0 / (norm.batch * count(i / seq_len)),
-        LossType::Bnpo => 1.0 / norm.valid_rows.max(1.0),
-        LossType::DrGrpo => 1.0 / (norm.batch * norm.max_completion_length),
-        LossType::Dapo | LossType::Cispo => 1.0 / norm.num_items.max(1.0),
-    };
-
-    let mut per_token = vec![0.0; n];
-    let mut kl = vec![0.0; n];
-    let mut clipped = vec![0.0f32; n];
-    let mut weighted = vec![0.0; n];
-    let mut d_logp = vec![0.0; n];
-    let mut d_log_w = vec![0.0; n];
-    for i in (0..n).filter(|&i| active[i]) {
-        let t = token_terms(options, inputs, rows, i, logp(i), log_w(i), stats[i].entropy);
-        let w = weight(i);
-        per_token[i] = t.loss;
-        kl[i] = t.kl;
-        clipped[i] = if t.clipped { 1.0 } else { 0.0 };
-        weighted[i] = w * t.loss;
-        d_logp[i] = w * t.d_logp;
-        d_log_w[i] = w * t.d_log_w;
+impl<'a> Grpo<'a> {
+    pub fn new(inputs: PolicyInputs<'a>, rows: Rows<'a>, options: &'a LossOptions, norm: Normalisers, active: &[bool]) -> Self {
+        let t = rows.seq_len;
+        let counts =
+            (0..rows.batch).map(|b| active[b * t..(b + 1) * t].iter().filter(|&&a| a).count().max(1) as f64).collect();
+        Self { inputs, rows, options, norm, counts }
     }
-    if options.importance_sampling_level == ImportanceSamplingLevel::Sequence {
-        // d log_w_b / d logp_t = 1 / count(b) for each unmasked t of sequence b.
-        for b in 0..rows.batch {
-            let range = b * seq_len..(b + 1) * seq_len;
-            let shared = ordered_sum(d_log_w[range.clone()].iter().copied()) / count(b);
-            d_log_w[range.clone()].iter_mut().zip(&active[range]).for_each(|(g, &a)| *g = if a { shared } else { 0.0 });
+
+    /// Token level: each row's loss depends on that row alone.
+    pub fn is_row_local(&self) -> bool {
+        self.options.importance_sampling_level == ImportanceSamplingLevel::Token
+    }
+
+    /// The reduction weight of an unmasked row.
+    fn weight(&self, row: usize) -> f64 {
+        let n = &self.norm;
+        match self.options.loss_type {
+            LossType::Grpo | LossType::Sapo => 1.0 / (n.batch * self.counts[row / self.rows.seq_len]),
+            LossType::Bnpo => 1.0 / n.valid_rows.max(1.0),
+            LossType::DrGrpo => 1.0 / (n.batch * n.max_completion_length),
+            LossType::Dapo | LossType::Cispo => 1.0 / n.num_items.max(1.0),
         }
     }
-    let grads = (0..n)
-        .map(|i| {
-            if !active[i] {
-                return RowGradient::ZERO;
-            }
-            let mut terms = GradTerms::default();
-            terms.logp(d_logp[i] + d_log_w[i]);
-            terms.entropy(-options.entropy_coef * weight(i), stats[i].entropy);
-            terms.finish(&stats[i], options.temperature)
-        })
-        .collect();
 
-    let (logp, entropy) = row_outputs(rows, active, stats);
-    let output = LossOutput {
-        loss: ordered_sum(weighted.iter().copied()),
-        per_token_loss: to_f32(&per_token),
-        logp,
-        entropy,
-        kl: Some(to_f32(&kl)),
-        is_clipped: Some(clipped),
-    };
-    (output, grads)
+    fn log_ratio(&self, row: usize, stats: &RowStats) -> f64 {
+        self.inputs.old_logp.map_or(0.0, |old| stats.logp.unwrap_or(0.0) - old[row] as f64)
+    }
+
+    /// One unmasked row, given its log importance weight; the gradient through `log_w` is
+    /// returned separately (already weighted) so a sequence can share it.
+    fn row_with(&self, row: usize, stats: &RowStats, log_w: f64) -> (RowOutcome, f64, f64) {
+        let logp = stats.logp.unwrap_or(0.0);
+        let t = token_terms(self.options, &self.inputs, &self.rows, row, logp, log_w, stats.entropy);
+        let w = self.weight(row);
+        let outcome = RowOutcome {
+            loss: t.loss,
+            weighted_loss: w * t.loss,
+            kl: t.kl,
+            clipped: t.clipped,
+            grad: RowGradient::ZERO,
+        };
+        (outcome, w * t.d_logp, w * t.d_log_w)
+    }
+
+    fn gradient(&self, row: usize, stats: &RowStats, d_logp: f64) -> RowGradient {
+        let mut terms = GradTerms::default();
+        terms.logp(d_logp);
+        terms.entropy(-self.options.entropy_coef * self.weight(row), stats.entropy);
+        terms.finish(stats, self.options.temperature)
+    }
+
+    /// Token level only.
+    pub fn row(&self, row: usize, stats: &RowStats) -> RowOutcome {
+        let (mut outcome, d_logp, d_log_w) = self.row_with(row, stats, self.log_ratio(row, stats));
+        outcome.grad = self.gradient(row, stats, d_logp + d_log_w);
+        outcome
+    }
+
+    /// Every row; at sequence level (GSPO) the log-weight is the masked mean of the sequence's
+    /// log-ratios, and its gradient is shared evenly by the sequence's unmasked rows.
+    pub fn all(&self, active: &[bool], stats: &[RowStats]) -> Vec<RowOutcome> {
+        if self.is_row_local() {
+            return (0..stats.len()).map(|i| if active[i] { self.row(i, &stats[i]) } else { RowOutcome::ZERO }).collect();
+        }
+        let t_len = self.rows.seq_len;
+        let mut outcomes = vec![RowOutcome::ZERO; stats.len()];
+        for b in 0..self.rows.batch {
+            let on: Vec<usize> = (b * t_len..(b + 1) * t_len).filter(|&i| active[i]).collect();
+            let log_w = ordered_sum(on.iter().map(|&i| self.log_ratio(i, &stats[i]))) / self.counts[b];
+            let parts: Vec<(usize, RowOutcome, f64, f64)> = on
+                .iter()
+                .map(|&i| {
+                    let (o, d_logp, d_log_w) = self.row_with(i, &stats[i], log_w);
+                    (i, o, d_logp, d_log_w)
+                })
+                .collect();
+            let shared = ordered_sum(parts.iter().map(|p| p.3)) / self.counts[b];
+            for (i, mut o, d_logp, _) in parts {
+                o.grad = self.gradient(i, &stats[i], d_logp + shared);
+                outcomes[i] = o;
+            }
+        }
+        outcomes
+    }
 }

@@ -91,6 +91,82 @@ impl GradTerms {
     }
 }
 
+/// One row's share of the result.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct RowOutcome {
+    /// The per-token loss.
+    pub loss: f64,
+    /// Its contribution to the reduced loss.
+    pub weighted_loss: f64,
+    pub kl: f64,
+    pub clipped: bool,
+    pub grad: RowGradient,
+}
+
+impl RowOutcome {
+    pub const ZERO: Self = Self { loss: 0.0, weighted_loss: 0.0, kl: 0.0, clipped: false, grad: RowGradient::ZERO };
+}
+
+/// A loss's objective, prepared for one batch (normalisers resolved).
+pub(crate) enum Objective<'a> {
+    Grpo(grpo::Grpo<'a>),
+    CrossEntropy(cross_entropy::CrossEntropy<'a>),
+    Entropy(Normalisers),
+    Logprob(f64),
+}
+
+impl<'a> Objective<'a> {
+    pub fn new(loss: &Loss<'a>, rows: &Rows<'a>, options: &'a LossOptions, shard: Option<BatchShard>, active: &[bool]) -> Self {
+        let norm = Normalisers::resolve(rows, active, options, shard);
+        match loss {
+            Loss::Grpo(inputs) => Objective::Grpo(grpo::Grpo::new(*inputs, *rows, options, norm, active)),
+            Loss::CrossEntropy => Objective::CrossEntropy(cross_entropy::CrossEntropy::new(options, rows.vocab, &norm)),
+            Loss::Entropy => Objective::Entropy(norm),
+            Loss::Logprob => Objective::Logprob(options.temperature),
+        }
+    }
+
+    /// Whether [`row`](Self::row) may be used: each row's outcome depends on that row alone, so
+    /// the gradient pass can follow a row's statistics pass while the row is still in cache.
+    pub fn is_row_local(&self) -> bool {
+        match self {
+            Objective::Grpo(g) => g.is_row_local(),
+            _ => true,
+        }
+    }
+
+    /// The outcome of one unmasked row (row-local objectives only).
+    pub fn row(&self, row: usize, stats: &RowStats) -> RowOutcome {
+        match self {
+            Objective::Grpo(g) => g.row(row, stats),
+            Objective::CrossEntropy(c) => c.row(stats),
+            Objective::Entropy(norm) => simple::entropy(stats, norm),
+            Objective::Logprob(temperature) => simple::logprob(stats, *temperature),
+        }
+    }
+
+    /// The outcome of every row.
+    pub fn all(&self, active: &[bool], stats: &[RowStats]) -> Vec<RowOutcome> {
+        match self {
+            Objective::Grpo(g) => g.all(active, stats),
+            _ => (0..stats.len()).map(|i| if active[i] { self.row(i, &stats[i]) } else { RowOutcome::ZERO }).collect(),
+        }
+    }
+
+    /// Gathers the rows' outcomes into the op's outputs; the loss is summed in row order.
+    pub fn output(&self, rows: &Rows, active: &[bool], stats: &[RowStats], outcomes: &[RowOutcome]) -> LossOutput {
+        let grpo = matches!(self, Objective::Grpo(_));
+        LossOutput {
+            loss: ordered_sum(outcomes.iter().map(|o| o.weighted_loss)),
+            per_token_loss: outcomes.iter().map(|o| o.loss as f32).collect(),
+            logp: rows.targets.map(|_| per_active_row(active, |i| stats[i].logp.unwrap_or(0.0))),
+            entropy: per_active_row(active, |i| stats[i].entropy),
+            kl: grpo.then(|| outcomes.iter().map(|o| o.kl as f32).collect()),
+            is_clipped: grpo.then(|| outcomes.iter().map(|o| if o.clipped { 1.0 } else { 0.0 }).collect()),
+        }
+    }
+}
+
 /// Evaluates the objective of `loss` over the rows. `stats[i]` is ignored where `active[i]` is false.
 pub fn evaluate(
     loss: &Loss,
@@ -100,13 +176,10 @@ pub fn evaluate(
     active: &[bool],
     stats: &[RowStats],
 ) -> (LossOutput, Vec<RowGradient>) {
-    let norm = Normalisers::resolve(rows, active, options, shard);
-    match loss {
-        Loss::Grpo(inputs) => grpo::evaluate(inputs, rows, options, &norm, active, stats),
-        Loss::CrossEntropy => cross_entropy::evaluate(rows, options, &norm, active, stats),
-        Loss::Entropy => simple::entropy(rows, options, &norm, active, stats),
-        Loss::Logprob => simple::logprob(rows, options, active, stats),
-    }
+    let objective = Objective::new(loss, rows, options, shard, active);
+    let outcomes = objective.all(active, stats);
+    let output = objective.output(rows, active, stats, &outcomes);
+    (output, outcomes.into_iter().map(|o| o.grad).collect())
 }
 
 /// Fixed-order f64 sum, so the loss is the same bits for any thread count.
@@ -114,18 +187,8 @@ pub(crate) fn ordered_sum(values: impl Iterator<Item = f64>) -> f64 {
     values.fold(0.0, |acc, v| acc + v)
 }
 
-pub(crate) fn to_f32(values: &[f64]) -> Vec<f32> {
-    values.iter().map(|&v| v as f32).collect()
-}
-
 /// `f(row)` on active rows, 0 elsewhere, as f32.
 pub(crate) fn per_active_row(active: &[bool], f: impl Fn(usize) -> f64) -> Vec<f32> {
     active.iter().enumerate().map(|(i, &a)| if a { f(i) as f32 } else { 0.0 }).collect()
 }
 
-/// The `logp` and `entropy` outputs every op shares.
-/// `logp` is there whenever the rows have targets.
-pub(crate) fn row_outputs(rows: &Rows, active: &[bool], stats: &[RowStats]) -> (Option<Vec<f32>>, Vec<f32>) {
-    let logp = rows.targets.map(|_| per_active_row(active, |i| stats[i].logp.unwrap_or(0.0)));
-    (logp, per_active_row(active, |i| stats[i].entropy))
-}

@@ -1,0 +1,245 @@
+//! `flashgrpo bench`: the original microbenchmark. Forward + backward (the loss and its gradient,
+//! as the original timed `value_and_grad`), step time statistics, peak heap bytes from the
+//! counting allocator, peak RSS, and the memory floor from a copy bandwidth measured in the
+//! same run.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use flashgrpo_kernels::{forward, forward_backward, forward_backward_in_place, LossOptions, LossSpec};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::baseline;
+use crate::batch::Batch;
+use crate::config::{self, Source};
+use crate::input_spec::{DTypeName, InputSpec};
+use crate::memory;
+use crate::tensor_io::{LogitElement, LogitsVisitor};
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// YAML config (see configs/bench-*.yaml); without it, the built-in default:
+    /// GRPO (dapo, beta = 0.04) at N = 1024, V = 151936, f32, fused-inplace.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override any key: op, impl, batch, seq_len, vocab, dtype, warmup, steps, threads, or a loss
+    /// option (`--set beta=0.04`).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Print one JSON object per run.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What is timed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum BenchImpl {
+    /// The same loss written with candle tensor ops and candle autograd.
+    Baseline,
+    /// The streaming kernels, gradient into a separate buffer (allocated once, reused by every step).
+    Fused,
+    /// The streaming kernels, gradient written over the logits.
+    #[default]
+    FusedInplace,
+}
+
+impl BenchImpl {
+    fn name(self) -> &'static str {
+        match self {
+            BenchImpl::Baseline => "baseline",
+            BenchImpl::Fused => "fused",
+            BenchImpl::FusedInplace => "fused-inplace",
+        }
+    }
+}
+
+/// The bench's own keys (the inputs are described by [`InputSpec`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BenchConfig {
+    #[serde(rename = "impl")]
+    pub implementation: BenchImpl,
+    pub warmup: usize,
+    pub steps: usize,
+    /// Worker threads (default: one per core).
+    pub threads: Option<usize>,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        Self { implementation: BenchImpl::FusedInplace, warmup: 2, steps: 10, threads: None }
+    }
+}
+
+const DEFAULT_CONFIG: &str = include_str!("../../../configs/bench-grpo-n1024-f32.yaml");
+
+pub fn main(args: BenchArgs) -> Result<()> {
+    let source = match &args.config {
+        Some(path) => Source::File(path),
+        None => Source::BuiltIn { name: "configs/bench-grpo-n1024-f32.yaml (built in)", text: DEFAULT_CONFIG },
+    };
+    let loaded = config::load::<BenchConfig, InputSpec>(source, &args.sets)?;
+    if loaded.inputs.dtype == DTypeName::F16 && loaded.command.implementation == BenchImpl::Baseline {
+        bail!("the candle baseline is benchmarked in f32 and bf16 only");
+    }
+    let run = || -> Result<Report> { run(&loaded.command, &loaded.inputs, &loaded.options) };
+    let report = match loaded.command.threads {
+        Some(n) => rayon::ThreadPoolBuilder::new().num_threads(n).build()?.install(run)?,
+        None => run()?,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report.json())?);
+    } else {
+        report.print();
+    }
+    Ok(())
+}
+
+/// Bytes per second of a parallel copy of `bytes` bytes (read + written), best of three.
+fn copy_bandwidth(bytes: usize) -> f64 {
+    let n = bytes / 4;
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let chunk = n.div_ceil(rayon::current_num_threads()).max(1);
+    let mut best = f64::INFINITY;
+    for _ in 0..4 {
+        let start = Instant::now();
+        dst.par_chunks_mut(chunk).zip(src.par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    2.0 * (n * 4) as f64 / best
+}
+
+/// Step times and memory of one run.
+struct Measured {
+    times: Vec<f64>,
+    loss: f64,
+    /// Peak heap bytes during a step above those live when it started, plus buffers the impl
+    /// keeps between steps (the `fused` gradient buffer).
+    peak_bytes: usize,
+}
+
+struct Timer<'a> {
+    spec: LossSpec<'a>,
+    cfg: &'a BenchConfig,
+}
+
+impl Timer<'_> {
+    /// Runs `warmup + steps` steps of `step`, preceded each time by the untimed `prepare`.
+    fn time<S>(&self, mut state: S, prepare: impl Fn(&mut S), step: impl Fn(&mut S) -> Result<f64>, kept: usize) -> Result<Measured> {
+        let mut times = Vec::new();
+        let mut loss = 0.0;
+        let mut peak = 0;
+        for i in 0..self.cfg.warmup + self.cfg.steps.max(1) {
+            prepare(&mut state);
+            let live = memory::live_bytes();
+            memory::reset_peak();
+            let start = Instant::now();
+            loss = step(&mut state)?;
+            let elapsed = start.elapsed().as_secs_f64();
+            peak = peak.max(memory::peak_bytes().saturating_sub(live));
+            if i >= self.cfg.warmup {
+                times.push(elapsed);
+            }
+        }
+        Ok(Measured { times, loss, peak_bytes: peak + kept })
+    }
+}
+
+impl LogitsVisitor for Timer<'_> {
+    type Out = Result<Measured>;
+
+    fn visit<T: LogitElement>(self, logits: &[T]) -> Result<Measured> {
+        let spec = self.spec;
+        if !spec.loss.has_gradient() {
+            return self.time((), |_| {}, |_| Ok(forward(spec, logits)?.loss), 0);
+        }
+        match self.cfg.implementation {
+            BenchImpl::Fused => {
+                // Filled once so the timed steps do not pay for the first touch of its pages.
+                let grad = vec![T::from_f32(1.0); logits.len()];
+                let bytes = std::mem::size_of_val(grad.as_slice());
+                self.time(grad, |_| {}, |g| Ok(forward_backward(spec, logits, g)?.loss), bytes)
+            }
+            BenchImpl::FusedInplace => self.time(
+                logits.to_vec(),
+                |work| work.copy_from_slice(logits),
+                |work| Ok(forward_backward_in_place(spec, work)?.loss),
+                0,
+            ),
+            BenchImpl::Baseline => {
+                let inputs = baseline::Inputs::new(spec, logits)?;
+                self.time((), |_| {}, |_| Ok(inputs.value_and_grad()?.0), 0)
+            }
+        }
+    }
+}
+
+fn run(cfg: &BenchConfig, inputs: &InputSpec, options: &LossOptions) -> Result<Report> {
+    let batch = inputs.build(options)?;
+    let logits_bytes = batch.logits.size_in_bytes();
+    let copy_bps = copy_bandwidth(logits_bytes.min(1 << 30));
+    let measured = batch.logits.visit(Timer { spec: batch.spec(options), cfg })?;
+    Ok(Report::new(cfg, &batch, measured, copy_bps, logits_bytes))
+}
+
+/// The printed metrics.
+struct Report {
+    rows: Vec<(&'static str, serde_json::Value)>,
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+impl Report {
+    fn new(cfg: &BenchConfig, batch: &Batch, m: Measured, copy_bps: f64, logits_bytes: usize) -> Self {
+        use serde_json::json;
+        let mut sorted = m.times.clone();
+        sorted.sort_by(f64::total_cmp);
+        let mean = sorted.iter().sum::<f64>() / sorted.len() as f64;
+        let p50 = percentile(&sorted, 0.5);
+        // The floor: the logits read once and the gradient written once, at the copy bandwidth.
+        let floor_s = 2.0 * logits_bytes as f64 / copy_bps;
+        let rows = vec![
+            ("bench/op", json!(format!("{:?}", batch.op).to_lowercase())),
+            ("bench/impl", json!(cfg.implementation.name())),
+            ("shape/batch", json!(batch.batch)),
+            ("shape/seq_len", json!(batch.seq_len)),
+            ("shape/vocab", json!(batch.vocab)),
+            ("shape/dtype", json!(format!("{:?}", batch.logits.dtype()).to_lowercase())),
+            ("bench/threads", json!(rayon::current_num_threads())),
+            ("bench/steps", json!(sorted.len())),
+            ("bench/step_s_mean", json!(mean)),
+            ("bench/step_s_p50", json!(p50)),
+            ("bench/step_s_p90", json!(percentile(&sorted, 0.9))),
+            ("bench/step_s_min", json!(sorted[0])),
+            ("bench/loss", json!(m.loss)),
+            ("bench/copy_gbps", json!(copy_bps / 1e9)),
+            ("bench/floor_s", json!(floor_s)),
+            ("bench/p50_over_floor", json!(p50 / floor_s)),
+            ("mem/logits_bytes", json!(logits_bytes)),
+            ("mem/peak_bytes", json!(m.peak_bytes)),
+            ("mem/peak_rss_bytes", json!(memory::peak_rss_bytes())),
+        ];
+        Self { rows }
+    }
+
+    fn print(&self) {
+        for (name, value) in &self.rows {
+            match value {
+                serde_json::Value::Number(n) if n.is_f64() => println!("{name:<22} {:.6}", n.as_f64().unwrap_or(f64::NAN)),
+                serde_json::Value::String(s) => println!("{name:<22} {s}"),
+                other => println!("{name:<22} {other}"),
+            }
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::Value::Object(self.rows.iter().map(|(k, v)| ((*k).to_string(), v.clone())).collect())
+    }
+}
