@@ -130,7 +130,13 @@ struct Timer<'a> {
 
 impl Timer<'_> {
     /// Runs `warmup + steps` steps of `step`, preceded each time by the untimed `prepare`.
-    fn time<S>(&self, mut state: S, prepare: impl Fn(&mut S), step: impl Fn(&mut S) -> Result<f64>, kept: usize) -> Result<Measured> {
+    fn time<S>(
+        &self,
+        mut state: S,
+        prepare: impl Fn(&mut S),
+        step: impl Fn(&mut S) -> Result<f64>,
+        kept: usize,
+    ) -> Result<Measured> {
         let mut times = Vec::new();
         let mut loss = 0.0;
         let mut peak = 0;
@@ -232,7 +238,9 @@ impl Report {
     fn print(&self) {
         for (name, value) in &self.rows {
             match value {
-                serde_json::Value::Number(n) if n.is_f64() => println!("{name:<22} {:.6}", n.as_f64().unwrap_or(f64::NAN)),
+                serde_json::Value::Number(n) if n.is_f64() => {
+                    println!("{name:<22} {:.6}", n.as_f64().unwrap_or(f64::NAN))
+                }
                 serde_json::Value::String(s) => println!("{name:<22} {s}"),
                 other => println!("{name:<22} {other}"),
             }

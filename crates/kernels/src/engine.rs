@@ -12,7 +12,7 @@ use crate::cpu::{self, GradientTarget};
 use crate::element::Element;
 use crate::error::LossError;
 use crate::inputs::{validate, BatchShard, Loss, Rows};
-use crate::objective::{self, LossOutput, RowGradient};
+use crate::objective::{self, LossOutput, Objective, RowGradient};
 use crate::options::LossOptions;
 use crate::stats::{PartialRowStats, RowStats};
 
@@ -163,6 +163,34 @@ pub fn combine_shards(
     Ok((0..n).map(|i| shards.iter().fold(PartialRowStats::EMPTY, |acc, (_, s)| acc.combine(s[i]))).collect())
 }
 
+/// Steps 1 to 3 over the whole vocabulary: row by row (one read of the logits) when the
+/// objective is row-local, else statistics of all rows, then the objective, then the gradients.
+fn run_with_gradient<T: Element>(
+    prepared: &PreparedLoss<'_>,
+    target: GradientTarget<'_, T>,
+) -> Result<LossOutput, LossError> {
+    let spec = &prepared.spec;
+    let objective = Objective::new(&spec.loss, &spec.rows, spec.options, spec.batch_shard, &prepared.active);
+    if !objective.is_row_local() {
+        let logits: &[T] = match &target {
+            GradientTarget::Into { logits, .. } => logits,
+            GradientTarget::InPlace(l) => l,
+        };
+        let stats = prepared.statistics(logits, 0..spec.rows.vocab)?;
+        let (output, grads) = prepared.objective(&stats)?;
+        prepared.gradient(target, 0..spec.rows.vocab, &grads)?;
+        return Ok(output);
+    }
+    let len = match &target {
+        GradientTarget::Into { logits, .. } => logits.len(),
+        GradientTarget::InPlace(l) => l.len(),
+    };
+    prepared.check_shard_len(len, &(0..spec.rows.vocab))?;
+    let rows = cpu::sweep(target, &spec.rows, &prepared.active, &objective, spec.options.temperature)?;
+    let (stats, outcomes): (Vec<RowStats>, Vec<_>) = rows.into_iter().unzip();
+    Ok(objective.output(&spec.rows, &prepared.active, &stats, &outcomes))
+}
+
 /// The loss and per-token outputs, no gradient.
 pub fn forward<T: Element>(spec: LossSpec<'_>, logits: &[T]) -> Result<LossOutput, LossError> {
     let prepared = PreparedLoss::new(spec)?;
@@ -177,18 +205,13 @@ pub fn forward_backward<T: Element>(spec: LossSpec<'_>, logits: &[T], grad: &mut
     if grad.len() != logits.len() {
         return Err(LossError::GradientBuffer { got: grad.len(), expected: logits.len() });
     }
-    let stats = prepared.statistics(logits, 0..spec.rows.vocab)?;
-    let (output, grads) = prepared.objective(&stats)?;
-    prepared.gradient(GradientTarget::Into { logits, out: grad }, 0..spec.rows.vocab, &grads)?;
-    Ok(output)
+    run_with_gradient(&prepared, GradientTarget::Into { logits, out: grad })
 }
 
 /// Like [`forward_backward`], with the gradient written over the logits: the peak memory is
-/// the logits and O(N). On error the logits are left untouched.
+/// the logits and O(N). Invalid inputs are reported before the logits are touched; but NaN or
+/// Inf logits are found while streaming, and by then other rows may have been overwritten.
 pub fn forward_backward_in_place<T: Element>(spec: LossSpec<'_>, logits: &mut [T]) -> Result<LossOutput, LossError> {
     let prepared = PreparedLoss::new(spec)?.expecting_gradient()?;
-    let stats = prepared.statistics(logits, 0..spec.rows.vocab)?;
-    let (output, grads) = prepared.objective(&stats)?;
-    prepared.gradient(GradientTarget::InPlace(logits), 0..spec.rows.vocab, &grads)?;
-    Ok(output)
+    run_with_gradient(&prepared, GradientTarget::InPlace(logits))
 }

@@ -45,6 +45,7 @@ pub mod reference;
 pub mod stats;
 pub mod synthetic;
 
+pub use cpu::isa::{with_isa, Isa};
 pub use cpu::GradientTarget;
 pub use element::{DType, Element};
 pub use engine::{combine_shards, forward, forward_backward, forward_backward_in_place, LossSpec, PreparedLoss};

@@ -56,13 +56,13 @@ impl PartialRowStats {
         }
     }
 
-    /// True when every accumulator is finite: a NaN or Inf anywhere in the part poisons at least
-    /// one of them, so this is the non-finite check, at no extra pass over the logits.
+    /// The non-finite check, at no extra pass over the logits: a NaN poisons `sum_exp`, a +Inf
+    /// the maximum, a -Inf `sum_exp_shifted` (`exp(-inf) * -inf`). `sum_u` is not consulted: it
+    /// may overflow for finite logits near `f32::MIN` (used to mask vocabulary entries).
     pub fn is_finite(&self) -> bool {
         self.max.is_finite()
             && self.sum_exp.is_finite()
             && self.sum_exp_shifted.is_finite()
-            && self.sum_u.is_finite()
             && self.target_u.is_none_or(f32::is_finite)
     }
 

@@ -32,17 +32,44 @@ fn target_out_of_range_names_the_row() {
 }
 
 #[test]
-fn non_finite_logits_name_the_row_and_leave_in_place_buffers_alone() {
+fn non_finite_logits_name_the_lowest_row() {
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
         let mut data = Case::new(Op::Grpo, 2, 3, 5000).data();
         data.mask = None;
         data.logits[4 * 5000 + 4321] = bad;
+        data.logits[5 * 5000 + 7] = bad;
         let e = err_of(data.spec(), &data.logits);
         assert!(e.contains("logits row 4 (b = 1, t = 1) contains NaN or Inf"), "{bad}: {e}");
         let mut logits = data.logits.clone();
-        assert!(forward_backward_in_place(data.spec(), &mut logits).is_err());
-        assert!(logits.iter().zip(&data.logits).all(|(a, b)| a.to_bits() == b.to_bits()));
+        let e = forward_backward_in_place(data.spec(), &mut logits).unwrap_err().to_string();
+        assert!(e.contains("logits row 4"), "{e}");
+        let mut grad = vec![0.0; logits.len()];
+        let e = forward_backward(data.spec(), &data.logits, &mut grad).unwrap_err().to_string();
+        assert!(e.contains("logits row 4"), "{e}");
     }
+}
+
+#[test]
+fn invalid_inputs_leave_in_place_buffers_alone() {
+    let mut data = Case::new(Op::Grpo, 2, 3, 50).data();
+    data.mask = None;
+    data.targets[2] = 50;
+    let mut logits = data.logits.clone();
+    assert!(forward_backward_in_place(data.spec(), &mut logits).is_err());
+    assert!(logits.iter().zip(&data.logits).all(|(a, b)| a.to_bits() == b.to_bits()));
+}
+
+#[test]
+fn huge_negative_logits_are_fine() {
+    // torch.finfo(float32).min is a common way to mask vocabulary entries.
+    let mut data = Case::new(Op::Grpo, 1, 2, 3000).with(|o| o.beta = 0.0);
+    data.with_ref = false;
+    let mut data = data.data();
+    for j in 100..2500 {
+        data.logits[j] = f32::MIN;
+    }
+    let out = forward(data.spec(), &data.logits).unwrap();
+    assert!(out.loss.is_finite() && out.entropy.iter().all(|h| h.is_finite()));
 }
 
 #[test]

@@ -188,3 +188,49 @@ fn large_logits_stay_accurate() {
         assert_matches_reference::<f32>(&case.data(), 1e-5);
     }
 }
+
+#[test]
+fn spiky_rows_where_a_later_tile_holds_a_much_larger_logit() {
+    // Tiles are 2048 wide: spikes in later tiles exceed the first tile's maximum by more than
+    // the kernels' headroom (8), and by less, and a dip lowers one tile far below.
+    for op in [Op::Grpo, Op::CrossEntropy, Op::Logprob] {
+        let case = Case::new(op, 2, 3, 9000).with(|o| {
+            o.beta = 0.04;
+            o.entropy_coef = 0.01;
+            o.label_smoothing = 0.1;
+        });
+        let mut data = case.data();
+        for row in 0..6 {
+            let base = row * 9000;
+            data.logits[base + 2500] += 12.0 + row as f32 * 10.0;
+            data.logits[base + 4500] += 5.0;
+            data.logits[base + 7000] += 40.0 + row as f32;
+            data.logits[base + 8999] -= 80.0;
+            data.targets[row] = [2500, 7000, 11, 4500, 8999, 7000][row];
+            // Old and reference log-probs near the new ones, so the ratios stay moderate.
+            let logp =
+                flashgrpo_kernels::synthetic::true_logp(&data.logits[base..base + 9000], data.targets[row] as usize);
+            data.old_logp.as_mut().unwrap()[row] = (logp + 0.1) as f32;
+            data.ref_logp.as_mut().unwrap()[row] = (logp - 0.2) as f32;
+        }
+        common::assert_data_matches_reference::<f32>(&data, 1e-5);
+        common::assert_data_matches_reference::<bf16>(&data, 1e-2);
+    }
+}
+
+#[test]
+fn every_instruction_set_matches_reference() {
+    for isa in flashgrpo_kernels::Isa::available() {
+        flashgrpo_kernels::with_isa(isa, || {
+            for (name, case) in grpo_variants().into_iter().step_by(3) {
+                println!("{isa:?} {name}");
+                check_all_dtypes(&case);
+            }
+            for &(b, t, v) in &SHAPES[..7] {
+                for op in [Op::CrossEntropy, Op::Entropy, Op::Logprob] {
+                    check_all_dtypes(&Case::new(op, b, t, v).with(|o| o.label_smoothing = 0.1));
+                }
+            }
+        });
+    }
+}

@@ -1,9 +1,16 @@
 //! The CPU streaming engine: steps 1 and 3 over all rows, rows spread over rayon's threads.
 //! Each row is computed by one thread in a fixed order, so the results do not depend on the
 //! number of threads; rows are whole cache lines apart, so threads never share one.
+//!
+//! Where the objective is row-local (everything but sequence-level GRPO), [`sweep`] runs all
+//! three steps on a row before moving on: the row is read from memory once, and the gradient pass
+//! rereads it from cache (a 151936-wide f32 row is 594 KiB and fits in L2).
 
+pub mod isa;
 mod math;
 mod row;
+mod simd;
+mod stream;
 
 use std::ops::Range;
 
@@ -12,8 +19,99 @@ use rayon::prelude::*;
 use crate::element::Element;
 use crate::error::LossError;
 use crate::inputs::Rows;
-use crate::objective::RowGradient;
-use crate::stats::PartialRowStats;
+use crate::objective::{Objective, RowGradient, RowOutcome};
+use crate::stats::{PartialRowStats, RowStats};
+use isa::Isa;
+
+/// Where step 3 writes (for a whole batch, or for one row).
+pub enum GradientTarget<'a, T> {
+    /// Read the logits, write the gradient into `out` (same shape).
+    Into { logits: &'a [T], out: &'a mut [T] },
+    /// Overwrite the logits with their gradient.
+    InPlace(&'a mut [T]),
+}
+
+type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>) -> PartialRowStats;
+type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>);
+type Finish<'f> = &'f mut dyn FnMut(PartialRowStats) -> Option<RowGradient>;
+type SweepFn<T> = for<'a, 'f> unsafe fn(GradientTarget<'a, T>, f32, Option<usize>, Finish<'f>) -> bool;
+
+/// The row kernels compiled for one instruction set.
+#[derive(Clone, Copy)]
+struct Kernels<T> {
+    statistics: StatsFn<T>,
+    gradient: GradFn<T>,
+    sweep: SweepFn<T>,
+}
+
+/// Compiles the row kernels for one instruction set: `$simd` is the [`simd::Simd`] token,
+/// `$stream` whether new gradient buffers are written with non-temporal stores.
+macro_rules! isa_kernels {
+    ($module:ident, [$(#[$attr:meta])*], $simd:expr, $stream:literal) => {
+        mod $module {
+            use super::*;
+
+            /// # Safety
+            /// The CPU must support the features this module is compiled for.
+            $(#[$attr])*
+            pub unsafe fn statistics<T: Element>(row: &[T], inv_t: f32, target: Option<usize>) -> PartialRowStats {
+                row::statistics($simd, row, inv_t, target)
+            }
+
+            /// # Safety
+            /// As for `statistics`.
+            $(#[$attr])*
+            pub unsafe fn gradient<T: Element>(dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>) {
+                row::gradient::<_, T, $stream>($simd, dst, g, inv_t, target)
+            }
+
+            /// # Safety
+            /// As for `statistics`.
+            $(#[$attr])*
+            pub unsafe fn sweep<T: Element>(dst: GradientTarget<'_, T>, inv_t: f32, target: Option<usize>, finish: Finish<'_>) -> bool {
+                row::sweep::<_, T, $stream>($simd, dst, inv_t, target, finish)
+            }
+
+            pub fn kernels<T: Element>() -> Kernels<T> {
+                Kernels { statistics: statistics::<T>, gradient: gradient::<T>, sweep: sweep::<T> }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+isa_kernels!(avx512, [#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi1,bmi2")]], simd::Avx512, true);
+#[cfg(target_arch = "x86_64")]
+isa_kernels!(avx2, [#[target_feature(enable = "avx2,fma,bmi1,bmi2")]], simd::Portable::<true>, false);
+isa_kernels!(generic, [], simd::Portable::<false>, false);
+
+impl<T: Element> Kernels<T> {
+    /// The kernels of the calling thread's instruction set ([`isa::current`]).
+    fn select() -> Self {
+        match isa::current() {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => avx512::kernels(),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => avx2::kernels(),
+            _ => generic::kernels(),
+        }
+    }
+
+    fn statistics(&self, row: &[T], inv_t: f32, target: Option<usize>) -> PartialRowStats {
+        // SAFETY: `select` only picks kernels whose features `Isa::detected` found on this CPU.
+        unsafe { (self.statistics)(row, inv_t, target) }
+    }
+
+    fn gradient(&self, dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>) {
+        // SAFETY: as in `statistics`.
+        unsafe { (self.gradient)(dst, g, inv_t, target) }
+    }
+
+    fn sweep(&self, dst: GradientTarget<'_, T>, inv_t: f32, target: Option<usize>, finish: Finish<'_>) -> bool {
+        // SAFETY: as in `statistics`.
+        unsafe { (self.sweep)(dst, inv_t, target, finish) }
+    }
+}
 
 /// Rows per rayon task: enough elements that scheduling costs nothing next to the work.
 fn rows_per_task(width: usize) -> usize {
@@ -24,6 +122,11 @@ fn rows_per_task(width: usize) -> usize {
 fn local_target(rows: &Rows, row: usize, columns: &Range<usize>) -> Option<usize> {
     let y = *rows.targets?.get(row)?;
     (y >= columns.start as i64 && y < columns.end as i64).then(|| y as usize - columns.start)
+}
+
+fn non_finite(rows: &Rows, row: usize) -> LossError {
+    let (b, t) = rows.position(row);
+    LossError::NonFiniteLogits { row, b, t }
 }
 
 /// Step 1: partial statistics of every active row over the columns `columns` of the vocabulary
@@ -41,31 +144,24 @@ pub(crate) fn statistics<T: Element>(
     if width == 0 {
         return Ok(vec![PartialRowStats::EMPTY; rows.len()]);
     }
-    let stats: Vec<PartialRowStats> = logits
-        .par_chunks(width)
-        .with_min_len(rows_per_task(width))
-        .enumerate()
-        .map(|(i, r)| {
-            if active[i] {
-                row::statistics(r, inv_t, local_target(rows, i, &columns))
-            } else {
-                PartialRowStats::EMPTY
-            }
-        })
-        .collect();
-    if let Some(row) = stats.iter().zip(active).position(|(s, &a)| a && !s.is_finite()) {
-        let (b, t) = rows.position(row);
-        return Err(LossError::NonFiniteLogits { row, b, t });
+    let k = Kernels::<T>::select();
+    let stats: Vec<PartialRowStats> =
+        logits
+            .par_chunks(width)
+            .with_min_len(rows_per_task(width))
+            .enumerate()
+            .map(|(i, r)| {
+                if active[i] {
+                    k.statistics(r, inv_t, local_target(rows, i, &columns))
+                } else {
+                    PartialRowStats::EMPTY
+                }
+            })
+            .collect();
+    match stats.iter().zip(active).position(|(s, &a)| a && !s.is_finite()) {
+        Some(row) => Err(non_finite(rows, row)),
+        None => Ok(stats),
     }
-    Ok(stats)
-}
-
-/// Where step 3 writes (for a whole batch, or for one row).
-pub enum GradientTarget<'a, T> {
-    /// Read the logits, write the gradient into `out` (same shape).
-    Into { logits: &'a [T], out: &'a mut [T] },
-    /// Overwrite the logits with their gradient.
-    InPlace(&'a mut [T]),
 }
 
 /// Step 3: the gradient of every row over the columns `columns`.
@@ -82,19 +178,75 @@ pub(crate) fn gradient<T: Element>(
     }
     let inv_t = (1.0 / temperature) as f32;
     let min_len = rows_per_task(width);
+    let k = Kernels::<T>::select();
     match target {
+        GradientTarget::Into { logits, out } => {
+            out.par_chunks_mut(width).zip(logits.par_chunks(width)).with_min_len(min_len).enumerate().for_each(
+                |(i, (out, logits))| {
+                    k.gradient(GradientTarget::Into { logits, out }, &grads[i], inv_t, local_target(rows, i, &columns))
+                },
+            )
+        }
+        GradientTarget::InPlace(logits) => {
+            logits.par_chunks_mut(width).with_min_len(min_len).enumerate().for_each(|(i, r)| {
+                k.gradient(GradientTarget::InPlace(r), &grads[i], inv_t, local_target(rows, i, &columns))
+            })
+        }
+    }
+}
+
+/// Steps 1 to 3 row by row, for a row-local objective over the whole vocabulary. Returns each
+/// row's statistics and outcome in order, or the lowest row with a NaN or Inf (whose gradient is
+/// not written; other rows' may be).
+pub(crate) fn sweep<T: Element>(
+    target: GradientTarget<'_, T>,
+    rows: &Rows,
+    active: &[bool],
+    objective: &Objective<'_>,
+    temperature: f64,
+) -> Result<Vec<(RowStats, RowOutcome)>, LossError> {
+    debug_assert!(objective.is_row_local());
+    let width = rows.vocab;
+    let inv_t = (1.0 / temperature) as f32;
+    let columns = 0..width;
+    let k = Kernels::<T>::select();
+    let one_row = |i: usize, write: GradientTarget<'_, T>| -> Option<(RowStats, RowOutcome)> {
+        let y = local_target(rows, i, &columns);
+        if !active[i] {
+            k.gradient(write, &RowGradient::ZERO, inv_t, y);
+            return Some((RowStats::default(), RowOutcome::ZERO));
+        }
+        let mut result = None;
+        let mut finish = |partial: PartialRowStats| {
+            if !partial.is_finite() {
+                return None;
+            }
+            let stats = partial.finish(width);
+            let outcome = objective.row(i, &stats);
+            result = Some((stats, outcome));
+            Some(outcome.grad)
+        };
+        k.sweep(write, inv_t, y, &mut finish);
+        result
+    };
+    let min_len = rows_per_task(width);
+    let results: Vec<Option<(RowStats, RowOutcome)>> = match target {
         GradientTarget::Into { logits, out } => out
             .par_chunks_mut(width)
             .zip(logits.par_chunks(width))
             .with_min_len(min_len)
             .enumerate()
-            .for_each(|(i, (out, logits))| {
-                row::gradient(GradientTarget::Into { logits, out }, &grads[i], inv_t, local_target(rows, i, &columns))
-            }),
-        GradientTarget::InPlace(logits) => {
-            logits.par_chunks_mut(width).with_min_len(min_len).enumerate().for_each(|(i, r)| {
-                row::gradient(GradientTarget::InPlace(r), &grads[i], inv_t, local_target(rows, i, &columns))
-            })
-        }
+            .map(|(i, (out, logits))| one_row(i, GradientTarget::Into { logits, out }))
+            .collect(),
+        GradientTarget::InPlace(logits) => logits
+            .par_chunks_mut(width)
+            .with_min_len(min_len)
+            .enumerate()
+            .map(|(i, r)| one_row(i, GradientTarget::InPlace(r)))
+            .collect(),
+    };
+    match results.iter().position(Option::is_none) {
+        Some(row) => Err(non_finite(rows, row)),
+        None => Ok(results.into_iter().flatten().collect()),
     }
 }

@@ -1,17 +1,27 @@
-//! The two passes over one row of logits (or one vocabulary shard of it), tile by tile.
+//! The passes over one row of logits (or one vocabulary shard of it), tile by tile.
 //!
 //! A tile of `TILE` elements is widened to f32 (and divided by the temperature) once into a
-//! stack buffer, then swept from L1. Sums run in `LANES` independent accumulators in a fixed
-//! order, so the result is the same bits whatever SIMD width the loop is compiled to, and the
-//! f32 rounding error grows with `TILE / LANES` rather than with the vocabulary size.
+//! stack buffer, then swept from L1 in 16-lane vectors ([`Simd`]). Sums run in 16 independent
+//! lanes in a fixed order, reduced pairwise per tile, so the f32 rounding error grows with
+//! `TILE / 16` rather than with the vocabulary size, and the result does not depend on threads.
+//!
+//! Two ways to produce a row's gradient:
+//! - [`gradient`] recomputes `p_j = exp(u_j - lse)` from the logits (after all rows' statistics,
+//!   for sequence-level objectives and vocabulary shards);
+//! - [`sweep`] keeps `exp(u_j - m_tile)` from the statistics pass in a per-thread scratch row
+//!   and rescales it once the objective has given `lse` and the row's scalars: one `exp` per
+//!   element instead of two, and the logits are read from memory once.
+//!
+//! Everything is `#[inline(always)]` and generic: `mod.rs` compiles it once per instruction set.
 
-use super::math::exp;
+use std::cell::RefCell;
+
+use super::simd::{Simd, LANES};
 use super::GradientTarget;
 use crate::element::Element;
 use crate::objective::RowGradient;
 use crate::stats::PartialRowStats;
 
-pub(crate) const LANES: usize = 16;
 pub(crate) const TILE: usize = 2048;
 
 /// Loads `src` into `dst` as `u = x * inv_t`.
@@ -22,27 +32,9 @@ fn load<T: Element>(src: &[T], dst: &mut [f32], inv_t: f32) {
     }
 }
 
-// Explicit lane indices are the point: they fix the summation order.
-#[allow(clippy::needless_range_loop)]
+/// Pairwise sum of 16 lanes.
 #[inline(always)]
-fn lanes_max(u: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; LANES];
-    let chunks = u.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for k in 0..LANES {
-            acc[k] = if c[k] > acc[k] { c[k] } else { acc[k] };
-        }
-    }
-    for (k, &x) in rest.iter().enumerate() {
-        acc[k] = if x > acc[k] { x } else { acc[k] };
-    }
-    acc.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
-}
-
-/// Pairwise sum of the lane accumulators.
-#[inline(always)]
-fn lanes_sum(mut acc: [f32; LANES]) -> f32 {
+fn pairwise(mut acc: [f32; LANES]) -> f32 {
     let mut width = LANES;
     while width > 1 {
         width /= 2;
@@ -53,86 +45,308 @@ fn lanes_sum(mut acc: [f32; LANES]) -> f32 {
     acc[0]
 }
 
-/// Statistics of one tile relative to its own maximum.
-#[allow(clippy::needless_range_loop)]
 #[inline(always)]
-fn tile_stats(u: &[f32]) -> PartialRowStats {
-    let m = lanes_max(u);
-    let mut s = [0.0f32; LANES];
-    let mut e = [0.0f32; LANES];
-    let mut su = [0.0f32; LANES];
-    let mut step = |k: usize, x: f32| {
-        let d = x - m;
-        let p = exp(d);
-        s[k] += p;
-        e[k] += p * d;
-        su[k] += x;
-    };
-    let chunks = u.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for k in 0..LANES {
-            step(k, c[k]);
-        }
+fn lanes_max<S: Simd>(s: S, u: &[f32]) -> f32 {
+    let full = u.len() / LANES * LANES;
+    let mut acc = s.splat(f32::NEG_INFINITY);
+    for c in u[..full].chunks_exact(LANES) {
+        acc = s.max(acc, s.load(c));
     }
-    for (k, &x) in rest.iter().enumerate() {
-        step(k, x);
+    let mut a = s.to_array(acc);
+    for (k, &x) in u[full..].iter().enumerate() {
+        a[k] = if a[k] >= x { a[k] } else { x };
+    }
+    a.iter().fold(f32::NEG_INFINITY, |m, &x| if m >= x { m } else { x })
+}
+
+/// A tile's sums relative to a reference `m`, and its maximum.
+struct TileSums {
+    sum_exp: f32,
+    sum_exp_shifted: f32,
+    sum_u: f32,
+    max: f32,
+}
+
+/// `sum exp(u - m)`, `sum exp(u - m) (u - m)`, `sum u` and `max u` over a tile, in one sweep;
+/// with `STORE`, `exp(u - m)` is also written to `scratch`. `m` need not be the tile's maximum:
+/// the caller only requires `max u <= m + HEADROOM`.
+#[inline(always)]
+fn tile_sums<S: Simd, const STORE: bool>(s: S, u: &[f32], m: f32, scratch: &mut [f32]) -> TileSums {
+    let full = u.len() / LANES * LANES;
+    let mv = s.splat(m);
+    let (mut sv, mut ev, mut uv) = (s.splat(0.0), s.splat(0.0), s.splat(0.0));
+    let mut maxv = s.splat(f32::NEG_INFINITY);
+    for (j, c) in u[..full].chunks_exact(LANES).enumerate() {
+        let x = s.load(c);
+        maxv = s.max(maxv, x);
+        let d = s.sub(x, mv);
+        let p = s.exp(d);
+        if STORE {
+            s.store(p, &mut scratch[j * LANES..]);
+        }
+        sv = s.add(sv, p);
+        ev = s.mul_add(p, d, ev);
+        uv = s.add(uv, x);
+    }
+    let (mut sa, mut ea, mut ua, mut ma) = (s.to_array(sv), s.to_array(ev), s.to_array(uv), s.to_array(maxv));
+    for (k, &x) in u[full..].iter().enumerate() {
+        ma[k] = if ma[k] >= x { ma[k] } else { x };
+        let d = x - m;
+        let p = s.scalar_exp(d);
+        if STORE {
+            scratch[full + k] = p;
+        }
+        sa[k] += p;
+        ea[k] = s.scalar_mul_add(p, d, ea[k]);
+        ua[k] += x;
+    }
+    TileSums {
+        sum_exp: pairwise(sa),
+        sum_exp_shifted: pairwise(ea),
+        sum_u: pairwise(ua),
+        max: ma.iter().fold(f32::NEG_INFINITY, |a, &x| if a >= x { a } else { x }),
+    }
+}
+
+/// How far above the reference a tile's values may go before the tile is redone relative to its
+/// own maximum: `exp(8)` is far from overflow, and the rounding it costs the entropy is ~8 ulp.
+const HEADROOM: f32 = 8.0;
+
+/// Step 1 on one row part; `target` is the target's index within `row`, if it falls there.
+///
+/// The sums are kept relative to a reference `m`: the first tile's maximum, raised only when a
+/// later tile exceeds it by more than [`HEADROOM`] (that tile is then summed again relative to
+/// its own maximum, and the running sums rescaled — `stats.rs` explains the shifted entropy
+/// accumulator). So each element is read once per tile, with its maximum found in the same sweep.
+/// With `STORE`, each tile's `exp(u - m)` goes to `scratch` and the `m` it used to `tile_max`.
+#[inline(always)]
+fn statistics_impl<S: Simd, T: Element, const STORE: bool>(
+    s: S,
+    row: &[T],
+    inv_t: f32,
+    target: Option<usize>,
+    scratch: &mut [f32],
+    tile_max: &mut [f32],
+) -> PartialRowStats {
+    let mut buf = [0.0f32; TILE];
+    let (mut m, mut sum, mut e, mut su, mut max) = (f32::NEG_INFINITY, 0.0f32, 0.0f32, 0.0f32, f32::NEG_INFINITY);
+    for (t, tile) in row.chunks(TILE).enumerate() {
+        let u: &[f32] = match T::as_f32_slice(tile) {
+            Some(values) if inv_t == 1.0 => values,
+            _ => {
+                load(tile, &mut buf[..tile.len()], inv_t);
+                &buf[..tile.len()]
+            }
+        };
+        if m == f32::NEG_INFINITY {
+            m = lanes_max(s, u);
+        }
+        let scratch_tile: &mut [f32] = if STORE { &mut scratch[t * TILE..t * TILE + tile.len()] } else { &mut [] };
+        let mut sums = tile_sums::<S, STORE>(s, u, m, scratch_tile);
+        if sums.max > m + HEADROOM {
+            let shift = m - sums.max;
+            let k = s.scalar_exp(shift);
+            e = s.scalar_mul_add(shift, sum, e) * k;
+            sum *= k;
+            m = sums.max;
+            sums = tile_sums::<S, STORE>(s, u, m, scratch_tile);
+        }
+        if STORE {
+            tile_max[t] = m;
+        }
+        max = if max >= sums.max { max } else { sums.max };
+        sum += sums.sum_exp;
+        e += sums.sum_exp_shifted;
+        su += sums.sum_u;
+    }
+    if m == f32::NEG_INFINITY && !row.is_empty() {
+        // Every value was -inf or NaN: make the row non-finite for the caller's check.
+        sum = f32::NAN;
+    }
+    // Report the sums relative to the row's true maximum, as `PartialRowStats` defines them.
+    if max > m && sum != 0.0 {
+        let shift = m - max;
+        let k = s.scalar_exp(shift);
+        e = s.scalar_mul_add(shift, sum, e) * k;
+        sum *= k;
+        m = max;
     }
     PartialRowStats {
         max: m,
-        sum_exp: lanes_sum(s),
-        sum_exp_shifted: lanes_sum(e),
-        sum_u: lanes_sum(su),
-        target_u: None,
+        sum_exp: sum,
+        sum_exp_shifted: e,
+        sum_u: su,
+        target_u: target.map(|y| row[y].to_f32() * inv_t),
     }
 }
 
-/// Step 1 on one row part: `target` is the target's index within `row`, if it falls there.
 #[inline(always)]
-pub(crate) fn statistics<T: Element>(row: &[T], inv_t: f32, target: Option<usize>) -> PartialRowStats {
-    let mut buf = [0.0f32; TILE];
-    let mut acc = PartialRowStats::EMPTY;
-    for tile in row.chunks(TILE) {
-        let u = &mut buf[..tile.len()];
-        load(tile, u, inv_t);
-        acc = acc.combine(tile_stats(u));
-    }
-    acc.target_u = target.map(|y| row[y].to_f32() * inv_t);
-    acc
+pub(crate) fn statistics<S: Simd, T: Element>(s: S, row: &[T], inv_t: f32, target: Option<usize>) -> PartialRowStats {
+    statistics_impl::<S, T, false>(s, row, inv_t, target, &mut [], &mut [])
 }
 
-/// Step 3 on one row part: `dlogits_j = a*[j = y] + p_j * (b + c * log p_j) + d`.
+/// Writes one tile of gradient values (`u`, f32) to `dst` in its dtype; with `stream`, by
+/// non-temporal stores through a staging buffer.
 #[inline(always)]
-pub(crate) fn gradient<T: Element>(dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>) {
-    let (src, out): (Option<&[T]>, &mut [T]) = match dst {
-        GradientTarget::Into { logits, out } => (Some(logits), out),
-        GradientTarget::InPlace(row) => (None, row),
-    };
-    if g.is_zero() {
-        out.fill(T::default());
-        return;
-    }
-    let mut buf = [0.0f32; TILE];
-    let len = out.len();
-    for start in (0..len).step_by(TILE) {
-        let end = (start + TILE).min(len);
-        let u = &mut buf[..end - start];
-        load(src.map_or(&out[start..end], |s| &s[start..end]), u, inv_t);
-        if g.c == 0.0 {
-            for x in u.iter_mut() {
-                *x = exp(*x - g.lse) * g.b + g.d;
-            }
-        } else {
-            for x in u.iter_mut() {
-                let log_p = *x - g.lse;
-                *x = exp(log_p) * (g.b + g.c * log_p) + g.d;
-            }
-        }
-        if let Some(y) = target.filter(|y| (start..end).contains(y)) {
-            u[y - start] += g.a;
-        }
-        for (o, &v) in out[start..end].iter_mut().zip(u.iter()) {
+fn store_tile<T: Element>(u: &[f32], dst: &mut [T], stream: bool) {
+    if stream {
+        let mut staged = [T::default(); TILE];
+        let staged = &mut staged[..u.len()];
+        for (o, &v) in staged.iter_mut().zip(u) {
             *o = T::from_f32(v);
         }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `stream` is only set in the AVX-512 kernels (`mod.rs`), after detection;
+        // `staged` and `dst` are distinct slices of the same length.
+        unsafe {
+            super::stream::copy_nontemporal(dst.as_mut_ptr().cast(), staged.as_ptr().cast(), std::mem::size_of_val(dst))
+        };
+    } else {
+        for (o, &v) in dst.iter_mut().zip(u) {
+            *o = T::from_f32(v);
+        }
+    }
+}
+
+/// `out = p (b + c log p) + d` over a tile, given `p` and `log p` per element.
+#[allow(clippy::needless_range_loop)] // `j` also indexes what `p_of` reads
+#[inline(always)]
+fn combine_tile<S: Simd>(s: S, g: &RowGradient, u: &mut [f32], p_of: impl Fn(S, usize, S::V) -> S::V) {
+    let full = u.len() / LANES * LANES;
+    let (lse, b, c, d) = (s.splat(g.lse), s.splat(g.b), s.splat(g.c), s.splat(g.d));
+    for j in (0..full).step_by(LANES) {
+        let x = s.load(&u[j..]);
+        let log_p = s.sub(x, lse);
+        let p = p_of(s, j, log_p);
+        let out = if g.c == 0.0 { s.mul_add(p, b, d) } else { s.mul_add(p, s.mul_add(c, log_p, b), d) };
+        s.store(out, &mut u[j..]);
+    }
+    for j in full..u.len() {
+        let log_p = u[j] - g.lse;
+        let p = s.to_array(p_of(s, j, s.splat(log_p)))[0];
+        u[j] = s.scalar_mul_add(p, s.scalar_mul_add(g.c, log_p, g.b), g.d);
+    }
+}
+
+/// Splits a gradient target into what is read and what is written.
+#[inline(always)]
+fn parts<'a, T>(dst: GradientTarget<'a, T>, stream: bool) -> (Option<&'a [T]>, &'a mut [T], bool) {
+    match dst {
+        GradientTarget::Into { logits, out } => (Some(logits), out, stream && cfg!(target_arch = "x86_64")),
+        GradientTarget::InPlace(row) => (None, row, false),
+    }
+}
+
+#[inline(always)]
+fn finish_row(stream: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if stream {
+        super::stream::fence();
+    }
+    let _ = stream;
+}
+
+/// Step 3 on one row part, recomputing `p` from the logits:
+/// `dlogits_j = a*[j = y] + p_j * (b + c * log p_j) + d`.
+#[inline(always)]
+pub(crate) fn gradient<S: Simd, T: Element, const STREAM: bool>(
+    s: S,
+    dst: GradientTarget<'_, T>,
+    g: &RowGradient,
+    inv_t: f32,
+    target: Option<usize>,
+) {
+    let (src, out, stream) = parts(dst, STREAM);
+    let mut buf = [0.0f32; TILE];
+    for start in (0..out.len()).step_by(TILE) {
+        let end = (start + TILE).min(out.len());
+        let u = &mut buf[..end - start];
+        if g.is_zero() {
+            u.fill(0.0);
+        } else {
+            load(src.map_or(&out[start..end], |l| &l[start..end]), u, inv_t);
+            combine_tile(s, g, u, |s, _, log_p| s.exp(log_p));
+            if let Some(y) = target.filter(|y| (start..end).contains(y)) {
+                u[y - start] += g.a;
+            }
+        }
+        store_tile(u, &mut out[start..end], stream);
+    }
+    finish_row(stream);
+}
+
+thread_local! {
+    /// Per-thread scratch of [`sweep`]: `exp(u - m_tile)` of the row being processed, and the
+    /// `m_tile` of each tile. Grows to the widest row seen; a 151936-wide row takes 594 KiB.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Steps 1 to 3 on one whole row: the statistics (keeping `exp(u - m_tile)`), then `finish`
+/// (the objective) turns them into the row's gradient scalars, then the gradient from the kept
+/// values. Returns false, writing nothing, when `finish` refuses the statistics (NaN or Inf).
+#[inline(always)]
+pub(crate) fn sweep<S: Simd, T: Element, const STREAM: bool>(
+    s: S,
+    dst: GradientTarget<'_, T>,
+    inv_t: f32,
+    target: Option<usize>,
+    finish: &mut dyn FnMut(PartialRowStats) -> Option<RowGradient>,
+) -> bool {
+    let (src, out, stream) = parts(dst, STREAM);
+    let len = out.len();
+    // Taken out of the thread-local and put back after, so that the work below is compiled in
+    // this function (with its target features), not in a closure of `LocalKey::with`.
+    let (mut scratch, mut tile_max) = SCRATCH.with_borrow_mut(std::mem::take);
+    scratch.resize(scratch.len().max(len), 0.0);
+    tile_max.resize(tile_max.len().max(len.div_ceil(TILE)), 0.0);
+    let done = 'row: {
+        let stats = statistics_impl::<S, T, true>(s, src.unwrap_or(out), inv_t, target, &mut scratch, &mut tile_max);
+        let Some(g) = finish(stats) else { break 'row false };
+        let mut buf = [0.0f32; TILE];
+        for (t, start) in (0..len).step_by(TILE).enumerate() {
+            let end = (start + TILE).min(len);
+            let u = &mut buf[..end - start];
+            if g.is_zero() {
+                u.fill(0.0);
+            } else {
+                // p_j = exp(u_j - m_t) * exp(m_t - lse), the first factor kept by the statistics.
+                let k = s.scalar_exp(tile_max[t] - g.lse);
+                let kept = &scratch[start..end];
+                if g.c == 0.0 {
+                    // No log p needed: out = kept * (k b) + d.
+                    let (kb, d) = (k * g.b, g.d);
+                    let (kbv, dv) = (s.splat(kb), s.splat(d));
+                    let full = u.len() / LANES * LANES;
+                    for j in (0..full).step_by(LANES) {
+                        s.store(s.mul_add(s.load(&kept[j..]), kbv, dv), &mut u[j..]);
+                    }
+                    for j in full..u.len() {
+                        u[j] = s.scalar_mul_add(kept[j], kb, d);
+                    }
+                } else {
+                    let kv = s.splat(k);
+                    load(src.map_or(&out[start..end], |l| &l[start..end]), u, inv_t);
+                    combine_tile(s, &g, u, |s, j, _| s.mul(load_lanes(s, kept, j), kv));
+                }
+                if let Some(y) = target.filter(|y| (start..end).contains(y)) {
+                    u[y - start] += g.a;
+                }
+            }
+            store_tile(u, &mut out[start..end], stream);
+        }
+        finish_row(stream);
+        true
+    };
+    SCRATCH.with_borrow_mut(|slot| *slot = (scratch, tile_max));
+    done
+}
+
+/// 16 lanes of `v` from `j`, or the single element `v[j]` (broadcast) in a tail.
+#[inline(always)]
+fn load_lanes<S: Simd>(s: S, v: &[f32], j: usize) -> S::V {
+    if j + LANES <= v.len() {
+        s.load(&v[j..])
+    } else {
+        s.splat(v[j])
     }
 }

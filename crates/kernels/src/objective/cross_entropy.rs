@@ -30,6 +30,11 @@ impl<'a> CrossEntropy<'a> {
         terms.logp(-(1.0 - s) * w);
         terms.lse((s + 2.0 * z * st.lse) * w);
         terms.mean_u(-s * w, self.vocab);
-        RowOutcome { loss, weighted_loss: w * loss, grad: terms.finish(st, self.options.temperature), ..RowOutcome::ZERO }
+        RowOutcome {
+            loss,
+            weighted_loss: w * loss,
+            grad: terms.finish(st, self.options.temperature),
+            ..RowOutcome::ZERO
+        }
     }
 }

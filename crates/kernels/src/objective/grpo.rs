@@ -114,7 +114,13 @@ pub(crate) struct Grpo<'a> {
 }
 
 impl<'a> Grpo<'a> {
-    pub fn new(inputs: PolicyInputs<'a>, rows: Rows<'a>, options: &'a LossOptions, norm: Normalisers, active: &[bool]) -> Self {
+    pub fn new(
+        inputs: PolicyInputs<'a>,
+        rows: Rows<'a>,
+        options: &'a LossOptions,
+        norm: Normalisers,
+        active: &[bool],
+    ) -> Self {
         let t = rows.seq_len;
         let counts =
             (0..rows.batch).map(|b| active[b * t..(b + 1) * t].iter().filter(|&&a| a).count().max(1) as f64).collect();
@@ -175,7 +181,9 @@ impl<'a> Grpo<'a> {
     /// log-ratios, and its gradient is shared evenly by the sequence's unmasked rows.
     pub fn all(&self, active: &[bool], stats: &[RowStats]) -> Vec<RowOutcome> {
         if self.is_row_local() {
-            return (0..stats.len()).map(|i| if active[i] { self.row(i, &stats[i]) } else { RowOutcome::ZERO }).collect();
+            return (0..stats.len())
+                .map(|i| if active[i] { self.row(i, &stats[i]) } else { RowOutcome::ZERO })
+                .collect();
         }
         let t_len = self.rows.seq_len;
         let mut outcomes = vec![RowOutcome::ZERO; stats.len()];

@@ -116,7 +116,13 @@ pub(crate) enum Objective<'a> {
 }
 
 impl<'a> Objective<'a> {
-    pub fn new(loss: &Loss<'a>, rows: &Rows<'a>, options: &'a LossOptions, shard: Option<BatchShard>, active: &[bool]) -> Self {
+    pub fn new(
+        loss: &Loss<'a>,
+        rows: &Rows<'a>,
+        options: &'a LossOptions,
+        shard: Option<BatchShard>,
+        active: &[bool],
+    ) -> Self {
         let norm = Normalisers::resolve(rows, active, options, shard);
         match loss {
             Loss::Grpo(inputs) => Objective::Grpo(grpo::Grpo::new(*inputs, *rows, options, norm, active)),
@@ -191,4 +197,3 @@ pub(crate) fn ordered_sum(values: impl Iterator<Item = f64>) -> f64 {
 pub(crate) fn per_active_row(active: &[bool], f: impl Fn(usize) -> f64) -> Vec<f32> {
     active.iter().enumerate().map(|(i, &a)| if a { f(i) as f32 } else { 0.0 }).collect()
 }
-

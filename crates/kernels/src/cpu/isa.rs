@@ -1,0 +1,80 @@
+//! Which instruction set the row kernels run with, chosen at run time.
+//!
+//! The row kernels are written once, generically, and compiled three times: for AVX-512 (with FMA
+//! and streaming stores), for AVX2 + FMA, and for the baseline target (no FMA). The best one the
+//! CPU supports is used unless [`with_isa`] asks for another (tests use it to check every path).
+//! Results are identical for any thread count on one path; paths differ by FMA rounding.
+
+use std::cell::Cell;
+use std::sync::OnceLock;
+
+/// An instruction-set level of the row kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// Plain Rust, autovectorised for the compilation target (SSE2 on x86-64), no FMA.
+    Generic,
+    /// AVX2 and FMA.
+    Avx2,
+    /// AVX-512 (F, BW, DQ, VL), FMA, and non-temporal stores for gradients written to new buffers.
+    Avx512,
+}
+
+impl Isa {
+    /// The best level this CPU supports.
+    pub fn detected() -> Isa {
+        static DETECTED: OnceLock<Isa> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+                let avx512 = avx2
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512dq")
+                    && is_x86_feature_detected!("avx512vl");
+                if avx512 {
+                    return Isa::Avx512;
+                }
+                if avx2 {
+                    return Isa::Avx2;
+                }
+            }
+            Isa::Generic
+        })
+    }
+
+    /// Every level this CPU can run, lowest first.
+    pub fn available() -> Vec<Isa> {
+        [Isa::Generic, Isa::Avx2, Isa::Avx512].into_iter().filter(|&i| i <= Isa::detected()).collect()
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Generic => "generic",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}
+
+thread_local! {
+    static OVERRIDE: Cell<Option<Isa>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with the row kernels of `isa` for calls made from this thread (the kernels are
+/// chosen on the calling thread, before rows are spread over rayon's workers).
+///
+/// # Panics
+/// If the CPU does not support `isa`.
+pub fn with_isa<R>(isa: Isa, f: impl FnOnce() -> R) -> R {
+    assert!(isa <= Isa::detected(), "this CPU does not support {isa:?}");
+    let previous = OVERRIDE.with(|o| o.replace(Some(isa)));
+    let result = f();
+    OVERRIDE.with(|o| o.set(previous));
+    result
+}
+
+/// The level calls from this thread use now.
+pub fn current() -> Isa {
+    OVERRIDE.with(Cell::get).unwrap_or_else(Isa::detected)
+}
