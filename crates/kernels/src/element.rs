@@ -31,12 +31,21 @@ pub trait Element: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 
         let _ = values;
         None
     }
+    /// As [`as_f32_slice`](Self::as_f32_slice), mutably.
+    fn as_f32_slice_mut(values: &mut [Self]) -> Option<&mut [f32]> {
+        let _ = values;
+        None
+    }
 }
 
 impl Element for f32 {
     const DTYPE: DType = DType::F32;
     #[inline(always)]
     fn as_f32_slice(values: &[Self]) -> Option<&[f32]> {
+        Some(values)
+    }
+    #[inline(always)]
+    fn as_f32_slice_mut(values: &mut [Self]) -> Option<&mut [f32]> {
         Some(values)
     }
     #[inline(always)]

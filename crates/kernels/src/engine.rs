@@ -48,6 +48,11 @@ impl<'a> PreparedLoss<'a> {
         }
     }
 
+    /// `sum u` feeds label smoothing only; the statistics skip it otherwise.
+    fn needs_sum_u(&self) -> bool {
+        matches!(self.spec.loss, Loss::CrossEntropy) && self.spec.options.label_smoothing != 0.0
+    }
+
     /// Whether each row takes part (mask 1, and not cross-entropy's `ignore_index`).
     pub fn active_rows(&self) -> &[bool] {
         &self.active
@@ -78,7 +83,14 @@ impl<'a> PreparedLoss<'a> {
         columns: Range<usize>,
     ) -> Result<Vec<PartialRowStats>, LossError> {
         self.check_shard_len(logits.len(), &columns)?;
-        cpu::statistics(logits, columns, &self.spec.rows, &self.active, self.spec.options.temperature)
+        cpu::statistics(
+            logits,
+            columns,
+            &self.spec.rows,
+            &self.active,
+            self.spec.options.temperature,
+            self.needs_sum_u(),
+        )
     }
 
     /// Step 2 from the statistics of the whole vocabulary (one shard's, or [`combine_shards`]'s).
@@ -186,7 +198,8 @@ fn run_with_gradient<T: Element>(
         GradientTarget::InPlace(l) => l.len(),
     };
     prepared.check_shard_len(len, &(0..spec.rows.vocab))?;
-    let rows = cpu::sweep(target, &spec.rows, &prepared.active, &objective, spec.options.temperature)?;
+    let rows =
+        cpu::sweep(target, &spec.rows, &prepared.active, &objective, spec.options.temperature, prepared.needs_sum_u())?;
     let (stats, outcomes): (Vec<RowStats>, Vec<_>) = rows.into_iter().unzip();
     Ok(objective.output(&spec.rows, &prepared.active, &stats, &outcomes))
 }

@@ -1,7 +1,7 @@
 //! Which instruction set the row kernels run with, chosen at run time.
 //!
-//! The row kernels are written once, generically, and compiled three times: for AVX-512 (with FMA
-//! and streaming stores), for AVX2 + FMA, and for the baseline target (no FMA). The best one the
+//! The row kernels are written once, generically, and compiled three times: for AVX-512 (intrinsics,
+//! `vscalefps` exp), for AVX2 + FMA, and for the baseline target (no FMA). The best one the
 //! CPU supports is used unless [`with_isa`] asks for another (tests use it to check every path).
 //! Results are identical for any thread count on one path; paths differ by FMA rounding.
 
@@ -15,7 +15,7 @@ pub enum Isa {
     Generic,
     /// AVX2 and FMA.
     Avx2,
-    /// AVX-512 (F, BW, DQ, VL), FMA, and non-temporal stores for gradients written to new buffers.
+    /// AVX-512 (F, BW, DQ, VL) and FMA, with intrinsics.
     Avx512,
 }
 

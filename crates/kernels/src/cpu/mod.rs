@@ -10,7 +10,6 @@ pub mod isa;
 mod math;
 mod row;
 mod simd;
-mod stream;
 
 use std::ops::Range;
 
@@ -31,10 +30,10 @@ pub enum GradientTarget<'a, T> {
     InPlace(&'a mut [T]),
 }
 
-type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>) -> PartialRowStats;
+type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>, bool) -> PartialRowStats;
 type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>);
 type Finish<'f> = &'f mut dyn FnMut(PartialRowStats) -> Option<RowGradient>;
-type SweepFn<T> = for<'a, 'f> unsafe fn(GradientTarget<'a, T>, f32, Option<usize>, Finish<'f>) -> bool;
+type SweepFn<T> = for<'a, 'f> unsafe fn(GradientTarget<'a, T>, f32, Option<usize>, bool, Finish<'f>) -> bool;
 
 /// The row kernels compiled for one instruction set.
 #[derive(Clone, Copy)]
@@ -44,32 +43,31 @@ struct Kernels<T> {
     sweep: SweepFn<T>,
 }
 
-/// Compiles the row kernels for one instruction set: `$simd` is the [`simd::Simd`] token,
-/// `$stream` whether new gradient buffers are written with non-temporal stores.
+/// Compiles the row kernels for one instruction set: `$simd` is the [`simd::Simd`] token.
 macro_rules! isa_kernels {
-    ($module:ident, [$(#[$attr:meta])*], $simd:expr, $stream:literal) => {
+    ($module:ident, [$(#[$attr:meta])*], $simd:expr) => {
         mod $module {
             use super::*;
 
             /// # Safety
             /// The CPU must support the features this module is compiled for.
             $(#[$attr])*
-            pub unsafe fn statistics<T: Element>(row: &[T], inv_t: f32, target: Option<usize>) -> PartialRowStats {
-                row::statistics($simd, row, inv_t, target)
+            pub unsafe fn statistics<T: Element>(row: &[T], inv_t: f32, target: Option<usize>, sum_u: bool) -> PartialRowStats {
+                row::statistics($simd, row, inv_t, target, sum_u)
             }
 
             /// # Safety
             /// As for `statistics`.
             $(#[$attr])*
             pub unsafe fn gradient<T: Element>(dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>) {
-                row::gradient::<_, T, $stream>($simd, dst, g, inv_t, target)
+                row::gradient($simd, dst, g, inv_t, target)
             }
 
             /// # Safety
             /// As for `statistics`.
             $(#[$attr])*
-            pub unsafe fn sweep<T: Element>(dst: GradientTarget<'_, T>, inv_t: f32, target: Option<usize>, finish: Finish<'_>) -> bool {
-                row::sweep::<_, T, $stream>($simd, dst, inv_t, target, finish)
+            pub unsafe fn sweep<T: Element>(dst: GradientTarget<'_, T>, inv_t: f32, target: Option<usize>, sum_u: bool, finish: Finish<'_>) -> bool {
+                row::sweep($simd, dst, inv_t, target, sum_u, finish)
             }
 
             pub fn kernels<T: Element>() -> Kernels<T> {
@@ -80,10 +78,10 @@ macro_rules! isa_kernels {
 }
 
 #[cfg(target_arch = "x86_64")]
-isa_kernels!(avx512, [#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi1,bmi2")]], simd::Avx512, true);
+isa_kernels!(avx512, [#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi1,bmi2")]], simd::Avx512);
 #[cfg(target_arch = "x86_64")]
-isa_kernels!(avx2, [#[target_feature(enable = "avx2,fma,bmi1,bmi2")]], simd::Portable::<true>, false);
-isa_kernels!(generic, [], simd::Portable::<false>, false);
+isa_kernels!(avx2, [#[target_feature(enable = "avx2,fma,bmi1,bmi2")]], simd::Portable::<true>);
+isa_kernels!(generic, [], simd::Portable::<false>);
 
 impl<T: Element> Kernels<T> {
     /// The kernels of the calling thread's instruction set ([`isa::current`]).
@@ -97,9 +95,9 @@ impl<T: Element> Kernels<T> {
         }
     }
 
-    fn statistics(&self, row: &[T], inv_t: f32, target: Option<usize>) -> PartialRowStats {
+    fn statistics(&self, row: &[T], inv_t: f32, target: Option<usize>, sum_u: bool) -> PartialRowStats {
         // SAFETY: `select` only picks kernels whose features `Isa::detected` found on this CPU.
-        unsafe { (self.statistics)(row, inv_t, target) }
+        unsafe { (self.statistics)(row, inv_t, target, sum_u) }
     }
 
     fn gradient(&self, dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>) {
@@ -107,9 +105,16 @@ impl<T: Element> Kernels<T> {
         unsafe { (self.gradient)(dst, g, inv_t, target) }
     }
 
-    fn sweep(&self, dst: GradientTarget<'_, T>, inv_t: f32, target: Option<usize>, finish: Finish<'_>) -> bool {
+    fn sweep(
+        &self,
+        dst: GradientTarget<'_, T>,
+        inv_t: f32,
+        target: Option<usize>,
+        sum_u: bool,
+        finish: Finish<'_>,
+    ) -> bool {
         // SAFETY: as in `statistics`.
-        unsafe { (self.sweep)(dst, inv_t, target, finish) }
+        unsafe { (self.sweep)(dst, inv_t, target, sum_u, finish) }
     }
 }
 
@@ -130,14 +135,15 @@ fn non_finite(rows: &Rows, row: usize) -> LossError {
 }
 
 /// Step 1: partial statistics of every active row over the columns `columns` of the vocabulary
-/// (`logits` holds `[N, columns.len()]`). Inactive rows are not read. A NaN or Inf makes the
-/// lowest such row an error.
+/// (`logits` holds `[N, columns.len()]`); `sum u` only when `sum_u`. Inactive rows are not read.
+/// A NaN or Inf makes the lowest such row an error.
 pub(crate) fn statistics<T: Element>(
     logits: &[T],
     columns: Range<usize>,
     rows: &Rows,
     active: &[bool],
     temperature: f64,
+    sum_u: bool,
 ) -> Result<Vec<PartialRowStats>, LossError> {
     let width = columns.len();
     let inv_t = (1.0 / temperature) as f32;
@@ -145,19 +151,18 @@ pub(crate) fn statistics<T: Element>(
         return Ok(vec![PartialRowStats::EMPTY; rows.len()]);
     }
     let k = Kernels::<T>::select();
-    let stats: Vec<PartialRowStats> =
-        logits
-            .par_chunks(width)
-            .with_min_len(rows_per_task(width))
-            .enumerate()
-            .map(|(i, r)| {
-                if active[i] {
-                    k.statistics(r, inv_t, local_target(rows, i, &columns))
-                } else {
-                    PartialRowStats::EMPTY
-                }
-            })
-            .collect();
+    let stats: Vec<PartialRowStats> = logits
+        .par_chunks(width)
+        .with_min_len(rows_per_task(width))
+        .enumerate()
+        .map(|(i, r)| {
+            if active[i] {
+                k.statistics(r, inv_t, local_target(rows, i, &columns), sum_u)
+            } else {
+                PartialRowStats::EMPTY
+            }
+        })
+        .collect();
     match stats.iter().zip(active).position(|(s, &a)| a && !s.is_finite()) {
         Some(row) => Err(non_finite(rows, row)),
         None => Ok(stats),
@@ -204,6 +209,7 @@ pub(crate) fn sweep<T: Element>(
     active: &[bool],
     objective: &Objective<'_>,
     temperature: f64,
+    sum_u: bool,
 ) -> Result<Vec<(RowStats, RowOutcome)>, LossError> {
     debug_assert!(objective.is_row_local());
     let width = rows.vocab;
@@ -226,7 +232,7 @@ pub(crate) fn sweep<T: Element>(
             result = Some((stats, outcome));
             Some(outcome.grad)
         };
-        k.sweep(write, inv_t, y, &mut finish);
+        k.sweep(write, inv_t, y, sum_u, &mut finish);
         result
     };
     let min_len = rows_per_task(width);

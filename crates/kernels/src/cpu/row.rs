@@ -1,9 +1,9 @@
 //! The passes over one row of logits (or one vocabulary shard of it), tile by tile.
 //!
-//! A tile of `TILE` elements is widened to f32 (and divided by the temperature) once into a
-//! stack buffer, then swept from L1 in 16-lane vectors ([`Simd`]). Sums run in 16 independent
-//! lanes in a fixed order, reduced pairwise per tile, so the f32 rounding error grows with
-//! `TILE / 16` rather than with the vocabulary size, and the result does not depend on threads.
+//! A tile of `TILE` elements is swept in 16-lane vectors ([`Simd`]), widened to f32 (and divided
+//! by the temperature) in registers. Sums run in 16 independent lanes in a fixed order, reduced
+//! pairwise per tile, so the f32 rounding error grows with `TILE / 16` rather than with the
+//! vocabulary size, and the result does not depend on threads.
 //!
 //! Two ways to produce a row's gradient:
 //! - [`gradient`] recomputes `p_j = exp(u_j - lse)` from the logits (after all rows' statistics,
@@ -13,6 +13,8 @@
 //!   element instead of two, and the logits are read from memory once.
 //!
 //! Everything is `#[inline(always)]` and generic: `mod.rs` compiles it once per instruction set.
+//! (Non-temporal stores for new gradient buffers were tried and measured no faster here; see
+//! docs/BENCHMARKS.md.)
 
 use std::cell::RefCell;
 
@@ -27,8 +29,14 @@ pub(crate) const TILE: usize = 2048;
 /// Loads `src` into `dst` as `u = x * inv_t`.
 #[inline(always)]
 fn load<T: Element>(src: &[T], dst: &mut [f32], inv_t: f32) {
-    for (d, &x) in dst.iter_mut().zip(src) {
-        *d = x.to_f32() * inv_t;
+    if inv_t == 1.0 {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = x.to_f32();
+        }
+    } else {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = x.to_f32() * inv_t;
+        }
     }
 }
 
@@ -45,15 +53,27 @@ fn pairwise(mut acc: [f32; LANES]) -> f32 {
     acc[0]
 }
 
+/// `x * inv_t` for 16 logits; `inv_t == 1` (no temperature) skips the exact multiply by one.
 #[inline(always)]
-fn lanes_max<S: Simd>(s: S, u: &[f32]) -> f32 {
-    let full = u.len() / LANES * LANES;
+fn load_u<S: Simd, T: Element>(s: S, src: &[T], inv_t: f32) -> S::V {
+    let x = s.load_t(src);
+    if inv_t == 1.0 {
+        x
+    } else {
+        s.mul(x, s.splat(inv_t))
+    }
+}
+
+#[inline(always)]
+fn lanes_max<S: Simd, T: Element>(s: S, tile: &[T], inv_t: f32) -> f32 {
+    let full = tile.len() / LANES * LANES;
     let mut acc = s.splat(f32::NEG_INFINITY);
-    for c in u[..full].chunks_exact(LANES) {
-        acc = s.max(acc, s.load(c));
+    for c in tile[..full].chunks_exact(LANES) {
+        acc = s.max(acc, load_u(s, c, inv_t));
     }
     let mut a = s.to_array(acc);
-    for (k, &x) in u[full..].iter().enumerate() {
+    for (k, x) in tile[full..].iter().enumerate() {
+        let x = x.to_f32() * inv_t;
         a[k] = if a[k] >= x { a[k] } else { x };
     }
     a.iter().fold(f32::NEG_INFINITY, |m, &x| if m >= x { m } else { x })
@@ -67,17 +87,24 @@ struct TileSums {
     max: f32,
 }
 
-/// `sum exp(u - m)`, `sum exp(u - m) (u - m)`, `sum u` and `max u` over a tile, in one sweep;
-/// with `STORE`, `exp(u - m)` is also written to `scratch`. `m` need not be the tile's maximum:
+/// `sum exp(u - m)`, `sum exp(u - m) (u - m)`, `sum u` (only with `SUM_U`: label smoothing is its
+/// one user) and `max u` over a tile, in one sweep; with `STORE`, `exp(u - m)` is also written to
+/// `scratch`. `m` need not be the tile's maximum:
 /// the caller only requires `max u <= m + HEADROOM`.
 #[inline(always)]
-fn tile_sums<S: Simd, const STORE: bool>(s: S, u: &[f32], m: f32, scratch: &mut [f32]) -> TileSums {
-    let full = u.len() / LANES * LANES;
+fn tile_sums<S: Simd, T: Element, const STORE: bool, const SUM_U: bool>(
+    s: S,
+    tile: &[T],
+    inv_t: f32,
+    m: f32,
+    scratch: &mut [f32],
+) -> TileSums {
+    let full = tile.len() / LANES * LANES;
     let mv = s.splat(m);
     let (mut sv, mut ev, mut uv) = (s.splat(0.0), s.splat(0.0), s.splat(0.0));
     let mut maxv = s.splat(f32::NEG_INFINITY);
-    for (j, c) in u[..full].chunks_exact(LANES).enumerate() {
-        let x = s.load(c);
+    for (j, c) in tile[..full].chunks_exact(LANES).enumerate() {
+        let x = load_u(s, c, inv_t);
         maxv = s.max(maxv, x);
         let d = s.sub(x, mv);
         let p = s.exp(d);
@@ -86,10 +113,13 @@ fn tile_sums<S: Simd, const STORE: bool>(s: S, u: &[f32], m: f32, scratch: &mut 
         }
         sv = s.add(sv, p);
         ev = s.mul_add(p, d, ev);
-        uv = s.add(uv, x);
+        if SUM_U {
+            uv = s.add(uv, x);
+        }
     }
     let (mut sa, mut ea, mut ua, mut ma) = (s.to_array(sv), s.to_array(ev), s.to_array(uv), s.to_array(maxv));
-    for (k, &x) in u[full..].iter().enumerate() {
+    for (k, x) in tile[full..].iter().enumerate() {
+        let x = x.to_f32() * inv_t;
         ma[k] = if ma[k] >= x { ma[k] } else { x };
         let d = x - m;
         let p = s.scalar_exp(d);
@@ -98,7 +128,9 @@ fn tile_sums<S: Simd, const STORE: bool>(s: S, u: &[f32], m: f32, scratch: &mut 
         }
         sa[k] += p;
         ea[k] = s.scalar_mul_add(p, d, ea[k]);
-        ua[k] += x;
+        if SUM_U {
+            ua[k] += x;
+        }
     }
     TileSums {
         sum_exp: pairwise(sa),
@@ -120,7 +152,7 @@ const HEADROOM: f32 = 8.0;
 /// accumulator). So each element is read once per tile, with its maximum found in the same sweep.
 /// With `STORE`, each tile's `exp(u - m)` goes to `scratch` and the `m` it used to `tile_max`.
 #[inline(always)]
-fn statistics_impl<S: Simd, T: Element, const STORE: bool>(
+fn statistics_impl<S: Simd, T: Element, const STORE: bool, const SUM_U: bool>(
     s: S,
     row: &[T],
     inv_t: f32,
@@ -128,28 +160,20 @@ fn statistics_impl<S: Simd, T: Element, const STORE: bool>(
     scratch: &mut [f32],
     tile_max: &mut [f32],
 ) -> PartialRowStats {
-    let mut buf = [0.0f32; TILE];
     let (mut m, mut sum, mut e, mut su, mut max) = (f32::NEG_INFINITY, 0.0f32, 0.0f32, 0.0f32, f32::NEG_INFINITY);
     for (t, tile) in row.chunks(TILE).enumerate() {
-        let u: &[f32] = match T::as_f32_slice(tile) {
-            Some(values) if inv_t == 1.0 => values,
-            _ => {
-                load(tile, &mut buf[..tile.len()], inv_t);
-                &buf[..tile.len()]
-            }
-        };
         if m == f32::NEG_INFINITY {
-            m = lanes_max(s, u);
+            m = lanes_max(s, tile, inv_t);
         }
         let scratch_tile: &mut [f32] = if STORE { &mut scratch[t * TILE..t * TILE + tile.len()] } else { &mut [] };
-        let mut sums = tile_sums::<S, STORE>(s, u, m, scratch_tile);
+        let mut sums = tile_sums::<S, T, STORE, SUM_U>(s, tile, inv_t, m, scratch_tile);
         if sums.max > m + HEADROOM {
             let shift = m - sums.max;
             let k = s.scalar_exp(shift);
             e = s.scalar_mul_add(shift, sum, e) * k;
             sum *= k;
             m = sums.max;
-            sums = tile_sums::<S, STORE>(s, u, m, scratch_tile);
+            sums = tile_sums::<S, T, STORE, SUM_U>(s, tile, inv_t, m, scratch_tile);
         }
         if STORE {
             tile_max[t] = m;
@@ -181,30 +205,25 @@ fn statistics_impl<S: Simd, T: Element, const STORE: bool>(
 }
 
 #[inline(always)]
-pub(crate) fn statistics<S: Simd, T: Element>(s: S, row: &[T], inv_t: f32, target: Option<usize>) -> PartialRowStats {
-    statistics_impl::<S, T, false>(s, row, inv_t, target, &mut [], &mut [])
+pub(crate) fn statistics<S: Simd, T: Element>(
+    s: S,
+    row: &[T],
+    inv_t: f32,
+    target: Option<usize>,
+    sum_u: bool,
+) -> PartialRowStats {
+    if sum_u {
+        statistics_impl::<S, T, false, true>(s, row, inv_t, target, &mut [], &mut [])
+    } else {
+        statistics_impl::<S, T, false, false>(s, row, inv_t, target, &mut [], &mut [])
+    }
 }
 
-/// Writes one tile of gradient values (`u`, f32) to `dst` in its dtype; with `stream`, by
-/// non-temporal stores through a staging buffer.
+/// Writes one tile of gradient values (`u`, f32) to `dst` in its dtype.
 #[inline(always)]
-fn store_tile<T: Element>(u: &[f32], dst: &mut [T], stream: bool) {
-    if stream {
-        let mut staged = [T::default(); TILE];
-        let staged = &mut staged[..u.len()];
-        for (o, &v) in staged.iter_mut().zip(u) {
-            *o = T::from_f32(v);
-        }
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `stream` is only set in the AVX-512 kernels (`mod.rs`), after detection;
-        // `staged` and `dst` are distinct slices of the same length.
-        unsafe {
-            super::stream::copy_nontemporal(dst.as_mut_ptr().cast(), staged.as_ptr().cast(), std::mem::size_of_val(dst))
-        };
-    } else {
-        for (o, &v) in dst.iter_mut().zip(u) {
-            *o = T::from_f32(v);
-        }
+fn store_tile<T: Element>(u: &[f32], dst: &mut [T]) {
+    for (o, &v) in dst.iter_mut().zip(u) {
+        *o = T::from_f32(v);
     }
 }
 
@@ -228,35 +247,26 @@ fn combine_tile<S: Simd>(s: S, g: &RowGradient, u: &mut [f32], p_of: impl Fn(S, 
     }
 }
 
-/// Splits a gradient target into what is read and what is written.
+/// Splits a gradient target into what is read (`None`: the row itself) and what is written.
 #[inline(always)]
-fn parts<'a, T>(dst: GradientTarget<'a, T>, stream: bool) -> (Option<&'a [T]>, &'a mut [T], bool) {
+fn parts<'a, T>(dst: GradientTarget<'a, T>) -> (Option<&'a [T]>, &'a mut [T]) {
     match dst {
-        GradientTarget::Into { logits, out } => (Some(logits), out, stream && cfg!(target_arch = "x86_64")),
-        GradientTarget::InPlace(row) => (None, row, false),
+        GradientTarget::Into { logits, out } => (Some(logits), out),
+        GradientTarget::InPlace(row) => (None, row),
     }
-}
-
-#[inline(always)]
-fn finish_row(stream: bool) {
-    #[cfg(target_arch = "x86_64")]
-    if stream {
-        super::stream::fence();
-    }
-    let _ = stream;
 }
 
 /// Step 3 on one row part, recomputing `p` from the logits:
 /// `dlogits_j = a*[j = y] + p_j * (b + c * log p_j) + d`.
 #[inline(always)]
-pub(crate) fn gradient<S: Simd, T: Element, const STREAM: bool>(
+pub(crate) fn gradient<S: Simd, T: Element>(
     s: S,
     dst: GradientTarget<'_, T>,
     g: &RowGradient,
     inv_t: f32,
     target: Option<usize>,
 ) {
-    let (src, out, stream) = parts(dst, STREAM);
+    let (src, out) = parts(dst);
     let mut buf = [0.0f32; TILE];
     for start in (0..out.len()).step_by(TILE) {
         let end = (start + TILE).min(out.len());
@@ -270,9 +280,8 @@ pub(crate) fn gradient<S: Simd, T: Element, const STREAM: bool>(
                 u[y - start] += g.a;
             }
         }
-        store_tile(u, &mut out[start..end], stream);
+        store_tile(u, &mut out[start..end]);
     }
-    finish_row(stream);
 }
 
 thread_local! {
@@ -285,14 +294,15 @@ thread_local! {
 /// (the objective) turns them into the row's gradient scalars, then the gradient from the kept
 /// values. Returns false, writing nothing, when `finish` refuses the statistics (NaN or Inf).
 #[inline(always)]
-pub(crate) fn sweep<S: Simd, T: Element, const STREAM: bool>(
+pub(crate) fn sweep<S: Simd, T: Element>(
     s: S,
     dst: GradientTarget<'_, T>,
     inv_t: f32,
     target: Option<usize>,
+    sum_u: bool,
     finish: &mut dyn FnMut(PartialRowStats) -> Option<RowGradient>,
 ) -> bool {
-    let (src, out, stream) = parts(dst, STREAM);
+    let (src, out) = parts(dst);
     let len = out.len();
     // Taken out of the thread-local and put back after, so that the work below is compiled in
     // this function (with its target features), not in a closure of `LocalKey::with`.
@@ -300,7 +310,12 @@ pub(crate) fn sweep<S: Simd, T: Element, const STREAM: bool>(
     scratch.resize(scratch.len().max(len), 0.0);
     tile_max.resize(tile_max.len().max(len.div_ceil(TILE)), 0.0);
     let done = 'row: {
-        let stats = statistics_impl::<S, T, true>(s, src.unwrap_or(out), inv_t, target, &mut scratch, &mut tile_max);
+        let row = src.unwrap_or(out);
+        let stats = if sum_u {
+            statistics_impl::<S, T, true, true>(s, row, inv_t, target, &mut scratch, &mut tile_max)
+        } else {
+            statistics_impl::<S, T, true, false>(s, row, inv_t, target, &mut scratch, &mut tile_max)
+        };
         let Some(g) = finish(stats) else { break 'row false };
         let mut buf = [0.0f32; TILE];
         for (t, start) in (0..len).step_by(TILE).enumerate() {
@@ -313,16 +328,14 @@ pub(crate) fn sweep<S: Simd, T: Element, const STREAM: bool>(
                 let k = s.scalar_exp(tile_max[t] - g.lse);
                 let kept = &scratch[start..end];
                 if g.c == 0.0 {
-                    // No log p needed: out = kept * (k b) + d.
+                    // No log p needed: out = kept * (k b) + d, rounded straight into the output.
                     let (kb, d) = (k * g.b, g.d);
-                    let (kbv, dv) = (s.splat(kb), s.splat(d));
-                    let full = u.len() / LANES * LANES;
-                    for j in (0..full).step_by(LANES) {
-                        s.store(s.mul_add(s.load(&kept[j..]), kbv, dv), &mut u[j..]);
+                    let dst = &mut out[start..end];
+                    rescale_tile(s, kept, kb, d, dst);
+                    if let Some(y) = target.filter(|y| (start..end).contains(y)) {
+                        dst[y - start] = T::from_f32(s.scalar_mul_add(kept[y - start], kb, d) + g.a);
                     }
-                    for j in full..u.len() {
-                        u[j] = s.scalar_mul_add(kept[j], kb, d);
-                    }
+                    continue;
                 } else {
                     let kv = s.splat(k);
                     load(src.map_or(&out[start..end], |l| &l[start..end]), u, inv_t);
@@ -332,13 +345,25 @@ pub(crate) fn sweep<S: Simd, T: Element, const STREAM: bool>(
                     u[y - start] += g.a;
                 }
             }
-            store_tile(u, &mut out[start..end], stream);
+            store_tile(u, &mut out[start..end]);
         }
-        finish_row(stream);
         true
     };
     SCRATCH.with_borrow_mut(|slot| *slot = (scratch, tile_max));
     done
+}
+
+/// `out = kept * kb + d`, rounded to `T`.
+#[inline(always)]
+fn rescale_tile<S: Simd, T: Element>(s: S, kept: &[f32], kb: f32, d: f32, out: &mut [T]) {
+    let full = out.len() / LANES * LANES;
+    let (kbv, dv) = (s.splat(kb), s.splat(d));
+    for j in (0..full).step_by(LANES) {
+        s.store_t(s.mul_add(s.load(&kept[j..]), kbv, dv), &mut out[j..]);
+    }
+    for j in full..out.len() {
+        out[j] = T::from_f32(s.scalar_mul_add(kept[j], kb, d));
+    }
 }
 
 /// 16 lanes of `v` from `j`, or the single element `v[j]` (broadcast) in a tail.
