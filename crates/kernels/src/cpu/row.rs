@@ -227,22 +227,37 @@ fn store_tile<T: Element>(u: &[f32], dst: &mut [T]) {
     }
 }
 
-/// `out = p (b + c log p) + d` over a tile, given `p` and `log p` per element.
-#[allow(clippy::needless_range_loop)] // `j` also indexes what `p_of` reads
+/// Where a tile's probabilities come from.
+#[derive(Clone, Copy)]
+enum Probabilities<'a> {
+    /// `p = exp(log p)`, recomputed.
+    Recompute,
+    /// `p = kept * k`, from the statistics pass.
+    Kept { kept: &'a [f32], k: f32 },
+}
+
+/// `u <- p (b + c log p) + d` over a tile of `u` values, with `log p = u - lse`.
+/// (No closure here: closures are not compiled with the kernels' target features.)
+#[allow(clippy::needless_range_loop)] // `j` indexes `u` and the kept values
 #[inline(always)]
-fn combine_tile<S: Simd>(s: S, g: &RowGradient, u: &mut [f32], p_of: impl Fn(S, usize, S::V) -> S::V) {
+fn combine_tile<S: Simd>(s: S, g: &RowGradient, u: &mut [f32], probabilities: Probabilities<'_>) {
     let full = u.len() / LANES * LANES;
     let (lse, b, c, d) = (s.splat(g.lse), s.splat(g.b), s.splat(g.c), s.splat(g.d));
     for j in (0..full).step_by(LANES) {
-        let x = s.load(&u[j..]);
-        let log_p = s.sub(x, lse);
-        let p = p_of(s, j, log_p);
+        let log_p = s.sub(s.load(&u[j..]), lse);
+        let p = match probabilities {
+            Probabilities::Recompute => s.exp(log_p),
+            Probabilities::Kept { kept, k } => s.mul(s.load(&kept[j..]), s.splat(k)),
+        };
         let out = if g.c == 0.0 { s.mul_add(p, b, d) } else { s.mul_add(p, s.mul_add(c, log_p, b), d) };
         s.store(out, &mut u[j..]);
     }
     for j in full..u.len() {
         let log_p = u[j] - g.lse;
-        let p = s.to_array(p_of(s, j, s.splat(log_p)))[0];
+        let p = match probabilities {
+            Probabilities::Recompute => s.scalar_exp(log_p),
+            Probabilities::Kept { kept, k } => kept[j] * k,
+        };
         u[j] = s.scalar_mul_add(p, s.scalar_mul_add(g.c, log_p, g.b), g.d);
     }
 }
@@ -275,7 +290,7 @@ pub(crate) fn gradient<S: Simd, T: Element>(
             u.fill(0.0);
         } else {
             load(src.map_or(&out[start..end], |l| &l[start..end]), u, inv_t);
-            combine_tile(s, g, u, |s, _, log_p| s.exp(log_p));
+            combine_tile(s, g, u, Probabilities::Recompute);
             if let Some(y) = target.filter(|y| (start..end).contains(y)) {
                 u[y - start] += g.a;
             }
@@ -337,9 +352,8 @@ pub(crate) fn sweep<S: Simd, T: Element>(
                     }
                     continue;
                 } else {
-                    let kv = s.splat(k);
                     load(src.map_or(&out[start..end], |l| &l[start..end]), u, inv_t);
-                    combine_tile(s, &g, u, |s, j, _| s.mul(load_lanes(s, kept, j), kv));
+                    combine_tile(s, &g, u, Probabilities::Kept { kept, k });
                 }
                 if let Some(y) = target.filter(|y| (start..end).contains(y)) {
                     u[y - start] += g.a;
@@ -363,15 +377,5 @@ fn rescale_tile<S: Simd, T: Element>(s: S, kept: &[f32], kb: f32, d: f32, out: &
     }
     for j in full..out.len() {
         out[j] = T::from_f32(s.scalar_mul_add(kept[j], kb, d));
-    }
-}
-
-/// 16 lanes of `v` from `j`, or the single element `v[j]` (broadcast) in a tail.
-#[inline(always)]
-fn load_lanes<S: Simd>(s: S, v: &[f32], j: usize) -> S::V {
-    if j + LANES <= v.len() {
-        s.load(&v[j..])
-    } else {
-        s.splat(v[j])
     }
 }
