@@ -170,3 +170,67 @@ impl Inputs {
         Ok((loss.to_vec0::<f32>()? as f64, grad.clone()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use flashgrpo_kernels::synthetic::SyntheticSpec;
+    use flashgrpo_kernels::{reference, Loss, LossOptions, LossSpec, LossType, PolicyInputs, Rows};
+
+    use super::Inputs;
+
+    /// The baseline is an implementation too: its value and gradient must be the reference's.
+    #[test]
+    fn baseline_matches_the_reference() {
+        let data = SyntheticSpec {
+            batch: 3,
+            seq_len: 4,
+            vocab: 37,
+            seed: 5,
+            logit_std: 2.0,
+            logp_noise: 0.3,
+            mask_fraction: 0.2,
+        }
+        .generate();
+        let logits64: Vec<f64> = data.logits.iter().map(|&x| x as f64).collect();
+        let grpo = |()| {
+            Loss::Grpo(PolicyInputs {
+                advantages: &data.advantages,
+                old_logp: Some(&data.old_logp),
+                ref_logp: Some(&data.ref_logp),
+                is_ratio: None,
+            })
+        };
+        let cases: Vec<(Loss, LossOptions)> = vec![
+            (grpo(()), LossOptions { beta: 0.04, epsilon_high: Some(0.28), ..Default::default() }),
+            (grpo(()), LossOptions { beta: 0.04, loss_type: LossType::Grpo, temperature: 0.7, ..Default::default() }),
+            (
+                grpo(()),
+                LossOptions {
+                    loss_type: LossType::DrGrpo,
+                    delta: Some(1.1),
+                    use_bias_correction_kl: true,
+                    beta: 0.1,
+                    ..Default::default()
+                },
+            ),
+            (Loss::CrossEntropy, LossOptions { label_smoothing: 0.1, z_loss: 1e-3, ..Default::default() }),
+            (Loss::Logprob, LossOptions::default()),
+        ];
+        for (loss, options) in cases {
+            let spec = LossSpec {
+                loss,
+                rows: Rows { batch: 3, seq_len: 4, vocab: 37, targets: Some(&data.targets), mask: Some(&data.mask) },
+                options: &options,
+                batch_shard: None,
+            };
+            let want = reference::evaluate(spec, &logits64).unwrap();
+            let (loss, grad) = Inputs::new(spec, &data.logits).unwrap().value_and_grad().unwrap();
+            assert!((loss - want.loss).abs() < 1e-5 * want.loss.abs().max(1.0), "{options:?}: {loss} vs {}", want.loss);
+            let grad: Vec<f32> = grad.flatten_all().unwrap().to_vec1().unwrap();
+            let want = want.grad.unwrap();
+            let err: f64 = grad.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt()
+                / want.iter().map(|b| b * b).sum::<f64>().sqrt();
+            assert!(err < 1e-5, "{options:?}: gradient error {err}");
+        }
+    }
+}

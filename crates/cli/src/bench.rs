@@ -16,7 +16,7 @@ use crate::batch::Batch;
 use crate::config::{self, Source};
 use crate::input_spec::{DTypeName, InputSpec};
 use crate::memory;
-use crate::tensor_io::{LogitElement, LogitsVisitor};
+use crate::tensor_io::{LogitElement, LogitsData, LogitsVisitorMut};
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
@@ -66,11 +66,15 @@ pub struct BenchConfig {
     pub steps: usize,
     /// Worker threads (default: one per core).
     pub threads: Option<usize>,
+    /// fused-inplace: restore the logits before each step (untimed) from a pristine copy. Off, the
+    /// steps run on the previous step's gradient (same work, no second logits-sized buffer: for
+    /// shapes that would not fit twice); the reported loss is then the first step's.
+    pub restore: bool,
 }
 
 impl Default for BenchConfig {
     fn default() -> Self {
-        Self { implementation: BenchImpl::FusedInplace, warmup: 2, steps: 10, threads: None }
+        Self { implementation: BenchImpl::FusedInplace, warmup: 2, steps: 10, threads: None, restore: true }
     }
 }
 
@@ -119,6 +123,9 @@ fn copy_bandwidth(bytes: usize) -> f64 {
 struct Measured {
     times: Vec<f64>,
     loss: f64,
+    /// Resident set size just before the first step, and its peak during the steps.
+    rss_before_steps: u64,
+    peak_rss: u64,
     /// Peak heap bytes during a step above those live when it started, plus buffers the impl
     /// keeps between steps (the `fused` gradient buffer).
     peak_bytes: usize,
@@ -139,29 +146,39 @@ impl Timer<'_> {
         kept: usize,
     ) -> Result<Measured> {
         let mut times = Vec::new();
-        let mut loss = 0.0;
+        let mut loss = None;
         let mut peak = 0;
+        memory::reset_peak_rss();
+        let rss_before_steps = memory::rss_bytes();
         for i in 0..self.cfg.warmup + self.cfg.steps.max(1) {
             prepare(&mut state);
             let live = memory::live_bytes();
             memory::reset_peak();
             let start = Instant::now();
-            loss = step(&mut state)?;
+            let step_loss = step(&mut state)?;
             let elapsed = start.elapsed().as_secs_f64();
             peak = peak.max(memory::peak_bytes().saturating_sub(live));
             if i >= self.cfg.warmup {
                 times.push(elapsed);
             }
+            if loss.is_none() || self.cfg.restore {
+                loss = Some(step_loss);
+            }
         }
-        Ok(Measured { times, loss, peak_bytes: peak + kept })
+        let peak_rss = memory::peak_rss_bytes();
+        Ok(Measured { times, loss: loss.unwrap_or(f64::NAN), rss_before_steps, peak_rss, peak_bytes: peak + kept })
     }
 }
 
-impl LogitsVisitor for Timer<'_> {
+impl LogitsVisitorMut for Timer<'_> {
     type Out = Result<Measured>;
 
-    fn visit<T: LogitElement>(self, logits: &[T]) -> Result<Measured> {
+    fn visit<T: LogitElement>(self, logits_mut: &mut [T]) -> Result<Measured> {
         let spec = self.spec;
+        if self.cfg.implementation == BenchImpl::FusedInplace && !self.cfg.restore && spec.loss.has_gradient() {
+            return self.time(logits_mut, |_| {}, |work| Ok(forward_backward_in_place(spec, work)?.loss), 0);
+        }
+        let logits: &[T] = logits_mut;
         if !spec.loss.has_gradient() {
             return self.time((), |_| {}, |_| Ok(forward(spec, logits)?.loss), 0);
         }
@@ -187,10 +204,15 @@ impl LogitsVisitor for Timer<'_> {
 }
 
 fn run(cfg: &BenchConfig, inputs: &InputSpec, options: &LossOptions) -> Result<Report> {
-    let batch = inputs.build(options)?;
+    let mut batch = inputs.build(options)?;
     let logits_bytes = batch.logits.size_in_bytes();
+    // The logits are taken out of the batch so that the in-place steps may write them while the
+    // spec borrows the rest.
+    let mut logits = std::mem::replace(&mut batch.logits, LogitsData::F32(Vec::new()));
+    let measured = logits.visit_mut(Timer { spec: batch.spec(options), cfg })?;
+    batch.logits = logits;
+    // Measured after the steps, so that its buffers do not count in the steps' peak RSS.
     let copy_bps = copy_bandwidth(logits_bytes.min(1 << 30));
-    let measured = batch.logits.visit(Timer { spec: batch.spec(options), cfg })?;
     Ok(Report::new(cfg, &batch, measured, copy_bps, logits_bytes))
 }
 
@@ -231,7 +253,8 @@ impl Report {
             ("bench/p50_over_floor", json!(p50 / floor_s)),
             ("mem/logits_bytes", json!(logits_bytes)),
             ("mem/peak_bytes", json!(m.peak_bytes)),
-            ("mem/peak_rss_bytes", json!(memory::peak_rss_bytes())),
+            ("mem/peak_rss_bytes", json!(m.peak_rss)),
+            ("mem/rss_before_steps_bytes", json!(m.rss_before_steps)),
         ];
         Self { rows }
     }

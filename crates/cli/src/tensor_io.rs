@@ -55,8 +55,22 @@ pub trait LogitsVisitor {
     fn visit<T: LogitElement>(self, logits: &[T]) -> Self::Out;
 }
 
+/// As [`LogitsVisitor`], with the logits writable.
+pub trait LogitsVisitorMut {
+    type Out;
+    fn visit<T: LogitElement>(self, logits: &mut [T]) -> Self::Out;
+}
+
 impl LogitsData {
     pub fn visit<V: LogitsVisitor>(&self, visitor: V) -> V::Out {
+        match self {
+            LogitsData::F32(v) => visitor.visit(v),
+            LogitsData::BF16(v) => visitor.visit(v),
+            LogitsData::F16(v) => visitor.visit(v),
+        }
+    }
+
+    pub fn visit_mut<V: LogitsVisitorMut>(&mut self, visitor: V) -> V::Out {
         match self {
             LogitsData::F32(v) => visitor.visit(v),
             LogitsData::BF16(v) => visitor.visit(v),

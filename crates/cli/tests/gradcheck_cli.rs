@@ -92,3 +92,35 @@ fn logits_from_a_file_and_non_finite_values() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("logits row 3 (b = 1, t = 0) contains NaN or Inf"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bench_reports_every_metric_and_impls_agree() {
+    let mut losses = Vec::new();
+    for imp in ["fused-inplace", "fused", "baseline"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo"))
+            .args(["bench", "--json", "--set", "vocab=3000", "--set", "batch=2", "--set", "seq_len=16"])
+            .args(["--set", "steps=2", "--set", "warmup=1", "--set", &format!("impl={imp}")])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{imp}: {}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        for key in [
+            "bench/step_s_mean",
+            "bench/step_s_p50",
+            "bench/step_s_p90",
+            "bench/loss",
+            "mem/peak_bytes",
+            "mem/peak_rss_bytes",
+            "bench/copy_gbps",
+            "bench/floor_s",
+            "shape/vocab",
+        ] {
+            assert!(!v[key].is_null(), "{imp} lacks {key}");
+        }
+        assert_eq!(v["bench/impl"], imp);
+        losses.push(v["bench/loss"].as_f64().unwrap());
+    }
+    assert!((losses[0] - losses[1]).abs() < 1e-9 && (losses[0] - losses[2]).abs() < 1e-5, "{losses:?}");
+    let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo")).args(["bench", "--set", "imp=fused"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown key `imp`"));
+}

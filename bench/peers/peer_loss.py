@@ -1,0 +1,150 @@
+"""What a user would write instead of flashgrpo, timed on this machine: the same losses on
+materialised logits, forward + backward (`value_and_grad`), in PyTorch eager, `torch.compile`
+or `jax.jit`. Prints one JSON object: step times, the RSS before the timed steps (inputs and
+framework) and its peak during them.
+
+Usage: python peer_loss.py --framework torch-eager|torch-compile|jax --op grpo|cross_entropy|logprob
+                           --n N --vocab V --dtype f32|bf16 [--warmup 2] [--steps 5]
+
+The losses are written the way TRL and the original system write them: GRPO (dapo, token level,
+beta = 0.04, eps 0.2 / 0.28) as TRL's `_compute_loss` (log_softmax, gather, ratio, clamp, min,
+k3 KL, masked mean); cross-entropy as `F.cross_entropy` / `optax`-style log_softmax; logprob as
+`sum(mask * log_softmax.gather)`.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+EPS_LOW, EPS_HIGH, BETA, LOGIT_STD = 0.2, 0.28, 0.04, 2.0
+
+
+def status_bytes(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def reset_peak_rss():
+    """Linux: sets VmHWM to the current RSS, so the peak measured is that of the timed steps."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def torch_step(args):
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    n, v = args.n, args.vocab
+    logits = (torch.randn(n, v) * LOGIT_STD).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, v, (n,))
+    mask = (torch.rand(n) > 0.1).float()
+    with torch.no_grad():
+        base = torch.gather(logits.float().log_softmax(-1), -1, ids[:, None]).squeeze(-1)
+    old = base + 0.3 * torch.randn(n)
+    ref = base + 0.3 * torch.randn(n)
+    adv = torch.randn(n)
+
+    def grpo(logits):
+        logp = torch.gather(logits.float().log_softmax(-1), -1, ids[:, None]).squeeze(-1)
+        ratio = torch.exp(logp - old)
+        per = -torch.min(ratio * adv, torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * adv)
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        per = per + BETA * kl
+        return (per * mask).sum() / mask.sum()
+
+    def cross_entropy(logits):
+        return F.cross_entropy(logits.float(), torch.where(mask > 0, ids, -100))
+
+    def logprob(logits):
+        logp = torch.gather(logits.float().log_softmax(-1), -1, ids[:, None]).squeeze(-1)
+        return (logp * mask).sum()
+
+    f = {"grpo": grpo, "cross_entropy": cross_entropy, "logprob": logprob}[args.op]
+    if args.framework == "torch-compile":
+        f = torch.compile(f)
+
+    def step():
+        logits.grad = None
+        loss = f(logits)
+        loss.backward()
+        return float(loss.detach())
+
+    return step, logits.numel() * logits.element_size()
+
+
+def jax_step(args):
+    import jax
+    import jax.numpy as jnp
+
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]
+    n, v = args.n, args.vocab
+    k = jax.random.split(jax.random.PRNGKey(0), 6)
+    logits = (jax.random.normal(k[0], (n, v)) * LOGIT_STD).astype(dtype)
+    ids = jax.random.randint(k[1], (n,), 0, v)
+    base = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), ids[:, None], -1)[:, 0]
+    old = base + 0.3 * jax.random.normal(k[2], (n,))
+    ref = base + 0.3 * jax.random.normal(k[3], (n,))
+    adv = jax.random.normal(k[4], (n,))
+    mask = (jax.random.uniform(k[5], (n,)) > 0.1).astype(jnp.float32)
+
+    def logp_of(logits):
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return jnp.take_along_axis(lp, ids[:, None], axis=-1)[:, 0]
+
+    def grpo(logits):
+        logp = logp_of(logits)
+        ratio = jnp.exp(logp - old)
+        per = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * adv)
+        kl = jnp.exp(ref - logp) - (ref - logp) - 1
+        return ((per + BETA * kl) * mask).sum() / mask.sum()
+
+    def cross_entropy(logits):
+        return -(logp_of(logits) * mask).sum() / mask.sum()
+
+    def logprob(logits):
+        return (logp_of(logits) * mask).sum()
+
+    f = jax.jit(jax.value_and_grad({"grpo": grpo, "cross_entropy": cross_entropy, "logprob": logprob}[args.op]))
+
+    def step():
+        loss, grad = f(logits)
+        grad.block_until_ready()
+        return float(loss)
+
+    return step, logits.size * logits.dtype.itemsize
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--framework", required=True, choices=["torch-eager", "torch-compile", "jax"])
+    p.add_argument("--op", default="grpo", choices=["grpo", "cross_entropy", "logprob"])
+    p.add_argument("--n", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args()
+    step, logits_bytes = (jax_step if args.framework == "jax" else torch_step)(args)
+    reset_peak_rss()
+    rss_before = status_bytes("VmRSS:")
+    times, loss = [], None
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        loss = step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    print(json.dumps({
+        "framework": args.framework, "op": args.op, "n": args.n, "vocab": args.vocab, "dtype": args.dtype,
+        "step_s_p50": statistics.median(times), "step_s_min": times[0], "loss": loss,
+        "logits_bytes": logits_bytes, "rss_before_steps_bytes": rss_before,
+        "peak_rss_bytes": status_bytes("VmHWM:"),
+    }))
+
+
+if __name__ == "__main__":
+    main()
