@@ -1,7 +1,8 @@
 //! Which instruction set the row kernels run with, chosen at run time.
 //!
-//! The row kernels are written once, generically, and compiled three times: for AVX-512 (intrinsics,
-//! `vscalefps` exp), for AVX2 + FMA, and for the baseline target (no FMA). The best one the
+//! The row kernels are written once, generically, and compiled four times: for AVX-512 with and
+//! without AVX512-BF16 (intrinsics, `vscalefps` exp), for AVX2 + FMA, and for the baseline target
+//! (no FMA). The best one the
 //! CPU supports is used unless [`with_isa`] asks for another (tests use it to check every path).
 //! Results are identical for any thread count on one path; paths differ by FMA rounding.
 
@@ -17,6 +18,8 @@ pub enum Isa {
     Avx2,
     /// AVX-512 (F, BW, DQ, VL) and FMA, with intrinsics.
     Avx512,
+    /// As `Avx512`, with AVX512-BF16's conversion for bf16 gradients.
+    Avx512Bf16,
 }
 
 impl Isa {
@@ -32,6 +35,9 @@ impl Isa {
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512dq")
                     && is_x86_feature_detected!("avx512vl");
+                if avx512 && is_x86_feature_detected!("avx512bf16") {
+                    return Isa::Avx512Bf16;
+                }
                 if avx512 {
                     return Isa::Avx512;
                 }
@@ -45,7 +51,7 @@ impl Isa {
 
     /// Every level this CPU can run, lowest first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Generic, Isa::Avx2, Isa::Avx512].into_iter().filter(|&i| i <= Isa::detected()).collect()
+        [Isa::Generic, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16].into_iter().filter(|&i| i <= Isa::detected()).collect()
     }
 
     pub fn name(self) -> &'static str {
@@ -53,6 +59,7 @@ impl Isa {
             Isa::Generic => "generic",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Bf16 => "avx512bf16",
         }
     }
 }

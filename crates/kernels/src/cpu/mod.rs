@@ -78,7 +78,13 @@ macro_rules! isa_kernels {
 }
 
 #[cfg(target_arch = "x86_64")]
-isa_kernels!(avx512, [#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi1,bmi2")]], simd::Avx512);
+isa_kernels!(
+    avx512bf16,
+    [#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,bmi1,bmi2")]],
+    simd::Avx512::<true>
+);
+#[cfg(target_arch = "x86_64")]
+isa_kernels!(avx512, [#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi1,bmi2")]], simd::Avx512::<false>);
 #[cfg(target_arch = "x86_64")]
 isa_kernels!(avx2, [#[target_feature(enable = "avx2,fma,bmi1,bmi2")]], simd::Portable::<true>);
 isa_kernels!(generic, [], simd::Portable::<false>);
@@ -87,6 +93,8 @@ impl<T: Element> Kernels<T> {
     /// The kernels of the calling thread's instruction set ([`isa::current`]).
     fn select() -> Self {
         match isa::current() {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 => avx512bf16::kernels(),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => avx512::kernels(),
             #[cfg(target_arch = "x86_64")]

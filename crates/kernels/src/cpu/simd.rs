@@ -106,10 +106,11 @@ impl<const FMA: bool> Simd for Portable<FMA> {
 }
 
 /// AVX-512F intrinsics. Only constructed by kernels compiled with AVX-512 enabled, after
-/// run-time detection (`isa.rs`).
+/// run-time detection (`isa.rs`); with `BF16`, also AVX512-BF16 (`vcvtneps2bf16` rounds 16 f32
+/// to bf16 in one instruction; unlike the integer rounding, it flushes denormals to zero).
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-pub(crate) struct Avx512;
+pub(crate) struct Avx512<const BF16: bool>;
 
 #[cfg(test)]
 mod tests {
@@ -155,12 +156,20 @@ mod tests {
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx512 {
             #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
             fn all() {
-                conversions::<_, f32>(Avx512);
-                conversions::<_, half::bf16>(Avx512);
-                conversions::<_, half::f16>(Avx512);
+                conversions::<_, f32>(Avx512::<false>);
+                conversions::<_, half::bf16>(Avx512::<false>);
+                conversions::<_, half::f16>(Avx512::<false>);
             }
             // SAFETY: AVX-512 was detected.
             unsafe { all() };
+            if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx512Bf16 {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+                fn bf16() {
+                    conversions::<_, half::bf16>(Avx512::<true>);
+                }
+                // SAFETY: AVX512-BF16 was detected.
+                unsafe { bf16() };
+            }
         }
     }
 
@@ -171,7 +180,7 @@ mod tests {
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx512 {
             #[target_feature(enable = "avx512f")]
             fn avx512_worst() -> f64 {
-                worst(Avx512)
+                worst(Avx512::<false>)
             }
             // SAFETY: AVX-512F was detected.
             let w = unsafe { avx512_worst() };
@@ -191,7 +200,7 @@ mod avx512 {
     // SAFETY (every method): `Avx512` values exist only inside functions compiled with
     // AVX-512F enabled and called after detection, so the intrinsics are supported; loads and
     // stores index slices of at least 16 elements (checked by the slice indexing).
-    impl Simd for Avx512 {
+    impl<const BF16: bool> Simd for Avx512<BF16> {
         type V = __m512;
 
         #[inline(always)]
@@ -278,6 +287,9 @@ mod avx512 {
             unsafe {
                 match T::DTYPE {
                     DType::F32 => _mm512_storeu_ps(p.cast(), v),
+                    DType::BF16 if BF16 => {
+                        _mm256_storeu_si256(p.cast(), std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)))
+                    }
                     DType::BF16 => {
                         // Round to nearest even on the bits, quiet NaNs kept (as `Element`).
                         let bits = _mm512_castps_si512(v);
