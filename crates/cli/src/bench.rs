@@ -102,10 +102,11 @@ pub fn main(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Bytes per second of a parallel copy (read + written) of a buffer as large as the logits (at
-/// least 256 MiB, so no cache holds it), best of five: the hardware's streaming rate.
-fn copy_bandwidth(bytes: usize) -> f64 {
-    let n = bytes.max(256 << 20) / 4;
+/// Bytes per second of a parallel copy (read + written) of a 512 MiB buffer (no cache holds it,
+/// and every dtype and shape is measured against the same copy), best of six: the hardware's
+/// streaming rate.
+fn copy_bandwidth() -> f64 {
+    let n = (512 << 20) / 4;
     let src = vec![1.0f32; n];
     let mut dst = vec![0.0f32; n];
     let chunk = n.div_ceil(rayon::current_num_threads()).max(1);
@@ -212,7 +213,7 @@ fn run(cfg: &BenchConfig, inputs: &InputSpec, options: &LossOptions) -> Result<R
     let measured = logits.visit_mut(Timer { spec: batch.spec(options), cfg })?;
     batch.logits = logits;
     // Measured after the steps, so that its buffers do not count in the steps' peak RSS.
-    let copy_bps = copy_bandwidth(logits_bytes.min(1 << 30));
+    let copy_bps = copy_bandwidth();
     Ok(Report::new(cfg, &batch, measured, copy_bps, logits_bytes))
 }
 
