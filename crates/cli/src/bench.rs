@@ -3,7 +3,6 @@
 //! counting allocator, peak RSS, and the memory floor from a copy bandwidth measured in the
 //! same run.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -13,25 +12,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::baseline;
 use crate::batch::Batch;
-use crate::config::{self, Source};
+use crate::config::{self, ConfigArgs};
 use crate::input_spec::{DTypeName, InputSpec};
 use crate::memory;
 use crate::tensor_io::{LogitElement, LogitsData, LogitsVisitorMut};
-
-#[derive(Debug, clap::Args)]
-pub struct BenchArgs {
-    /// YAML config (see configs/bench-*.yaml); without it, the built-in default:
-    /// GRPO (dapo, beta = 0.04) at N = 1024, V = 151936, f32, fused-inplace.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Override any key: op, impl, batch, seq_len, vocab, dtype, warmup, steps, threads, or a loss
-    /// option (`--set beta=0.04`).
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    pub sets: Vec<String>,
-    /// Print one JSON object per run.
-    #[arg(long)]
-    pub json: bool,
-}
 
 /// What is timed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -80,11 +64,10 @@ impl Default for BenchConfig {
 
 const DEFAULT_CONFIG: &str = include_str!("../../../configs/bench-grpo-n1024-f32.yaml");
 
-pub fn main(args: BenchArgs) -> Result<()> {
-    let source = match &args.config {
-        Some(path) => Source::File(path),
-        None => Source::BuiltIn { name: "configs/bench-grpo-n1024-f32.yaml (built in)", text: DEFAULT_CONFIG },
-    };
+/// `flashgrpo bench`; without `--config`, `configs/bench-grpo-n1024-f32.yaml`: GRPO (dapo,
+/// beta = 0.04) at N = 1024, V = 151936, f32, fused-inplace.
+pub fn main(args: ConfigArgs) -> Result<()> {
+    let source = args.source("configs/bench-grpo-n1024-f32.yaml (built in)", DEFAULT_CONFIG);
     let loaded = config::load::<BenchConfig, InputSpec>(source, &args.sets)?;
     if loaded.inputs.dtype == DTypeName::F16 && loaded.command.implementation == BenchImpl::Baseline {
         bail!("the candle baseline is benchmarked in f32 and bf16 only");

@@ -48,6 +48,30 @@ fn insert(map: &mut Map<String, Value>, key: &str, value: Value) -> Result<()> {
     Ok(())
 }
 
+/// The arguments of every config-driven command (`gradcheck`, `bench`).
+#[derive(Debug, clap::Args)]
+pub struct ConfigArgs {
+    /// YAML config (configs/<command>-*.yaml); without it, the command's built-in default config.
+    #[arg(long)]
+    pub config: Option<std::path::PathBuf>,
+    /// Override any key of the config or any loss option, e.g. `--set dtype=bf16 --set beta=0.04`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl ConfigArgs {
+    /// The config file, or the built-in text named `name` when none is given.
+    pub fn source<'a>(&'a self, name: &'a str, text: &'a str) -> Source<'a> {
+        match &self.config {
+            Some(path) => Source::File(path),
+            None => Source::BuiltIn { name, text },
+        }
+    }
+}
+
 /// Where a configuration comes from: a file, a built-in text, or nothing (defaults).
 pub enum Source<'a> {
     File(&'a Path),

@@ -2,7 +2,6 @@
 //! file), the f64 reference against the streaming kernels, metrics printed by name, and
 //! tolerance gates: any breach or non-finite value is a non-zero exit with the reason.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -10,24 +9,10 @@ use flashgrpo_kernels::{LossOptions, LossOutput};
 use serde::{Deserialize, Serialize};
 
 use crate::batch::Batch;
-use crate::config;
+use crate::config::{self, ConfigArgs};
 use crate::input_spec::InputSpec;
 use crate::run::{reference_results, Fused, Impl};
 use crate::tensor_io::LogitsData;
-
-#[derive(Debug, clap::Args)]
-pub struct GradcheckArgs {
-    /// YAML config (see configs/gradcheck-*.yaml); without it, the built-in default: the
-    /// original GRPO shape B=1, T=129, V=151936, f32.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Override a key of the config or a loss option, e.g. `--set dtype=bf16 --set beta=0.04`.
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    pub sets: Vec<String>,
-    /// Print the metrics as one JSON object.
-    #[arg(long)]
-    pub json: bool,
-}
 
 /// Gates; unset ones take LOSSES.md's tolerance for the dtype.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -64,13 +49,9 @@ impl Default for GradcheckConfig {
 /// The built-in default: GRPO at the original shape, as shipped in configs/.
 const DEFAULT_CONFIG: &str = include_str!("../../../configs/gradcheck-grpo-original.yaml");
 
-pub fn main(args: GradcheckArgs) -> Result<()> {
-    let source = match &args.config {
-        Some(path) => config::Source::File(path),
-        None => {
-            config::Source::BuiltIn { name: "configs/gradcheck-grpo-original.yaml (built in)", text: DEFAULT_CONFIG }
-        }
-    };
+/// `flashgrpo gradcheck`; without `--config`, the original GRPO shape B=1, T=129, V=151936, f32.
+pub fn main(args: ConfigArgs) -> Result<()> {
+    let source = args.source("configs/gradcheck-grpo-original.yaml (built in)", DEFAULT_CONFIG);
     let loaded = config::load::<GradcheckConfig, InputSpec>(source, &args.sets)?;
     let batch = loaded.inputs.build(&loaded.options)?;
     let metrics = check(&loaded.command, &batch, &loaded.options)?;

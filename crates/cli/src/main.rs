@@ -39,9 +39,9 @@ enum Command {
     /// Compute a loss, its per-token outputs and its gradient from named tensors.
     Loss(loss_cmd::LossArgs),
     /// Compare the fused kernels with the f64 reference on seeded inputs, with tolerance gates.
-    Gradcheck(gradcheck::GradcheckArgs),
+    Gradcheck(config::ConfigArgs),
     /// Time forward + backward and measure peak memory (fused, fused-inplace, or the candle baseline).
-    Bench(bench::BenchArgs),
+    Bench(config::ConfigArgs),
 }
 
 fn main() -> ExitCode {
