@@ -3,8 +3,11 @@ materialised logits, forward + backward (`value_and_grad`), in PyTorch eager, `t
 or `jax.jit`. Prints one JSON object: step times, the RSS before the timed steps (inputs and
 framework) and its peak during them.
 
-Usage: python peer_loss.py --framework torch-eager|torch-compile|jax --op grpo|cross_entropy|logprob
-                           --n N --vocab V --dtype f32|bf16 [--warmup 2] [--steps 5]
+Usage: python peer_loss.py --framework torch-eager|torch-compile|jax|liger --op grpo|cross_entropy|logprob
+                           --n N --vocab V --dtype f32|bf16 [--hidden H] [--warmup 2] [--steps 5]
+
+With --hidden, GRPO is computed from hidden states and an lm_head: TRL's loss on materialised
+`hidden @ weight.T` (torch-eager / torch-compile), or Liger-Kernel's `LigerFusedLinearGRPOLoss`.
 
 The losses are written the way TRL and the original system write them: GRPO (dapo, token level,
 beta = 0.04, eps 0.2 / 0.28) as TRL's `_compute_loss` (log_softmax, gather, ratio, clamp, min,
@@ -30,6 +33,61 @@ def reset_peak_rss():
     """Linux: sets VmHWM to the current RSS, so the peak measured is that of the timed steps."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def torch_linear_step(args):
+    """GRPO from hidden states and the lm_head: TRL on materialised logits (eager / compile), or
+    Liger-Kernel's chunked `LigerFusedLinearGRPOLoss`."""
+    import torch
+
+    torch.manual_seed(0)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    n, v, h = args.n, args.vocab, args.hidden
+    b = 4 if n % 4 == 0 else 1
+    t = n // b
+    hidden = torch.randn(b, t, h).to(dtype).requires_grad_(True)
+    weight = (torch.randn(v, h) * LOGIT_STD / h**0.5).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, v, (b, t))
+    mask = (torch.rand(b, t) > 0.1).float()
+    with torch.no_grad():
+        base = torch.cat([
+            torch.gather((hidden[i].float() @ weight.float().T).log_softmax(-1), -1, ids[i][:, None]).squeeze(-1)[None]
+            for i in range(b)
+        ])
+    old = base + 0.3 * torch.randn(b, t)
+    ref = base + 0.3 * torch.randn(b, t)
+    adv = torch.randn(b)
+
+    if args.framework == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        loss_module = LigerFusedLinearGRPOLoss(beta=BETA, compiled=False, use_ref_model=True, chunk_size=1,
+                                               epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, loss_type="dapo")
+
+        def loss_fn():
+            out = loss_module(hidden, weight, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)
+            return out[0] if isinstance(out, tuple) else out
+    else:
+        def grpo():
+            logits = (hidden @ weight.T).float()
+            logp = torch.gather(logits.log_softmax(-1), -1, ids[..., None]).squeeze(-1)
+            ratio = torch.exp(logp - old)
+            a = adv[:, None]
+            per = -torch.min(ratio * a, torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
+            kl = torch.exp(ref - logp) - (ref - logp) - 1
+            return ((per + BETA * kl) * mask).sum() / mask.sum()
+
+        loss_fn = torch.compile(grpo) if args.framework == "torch-compile" else grpo
+
+    def step():
+        hidden.grad = None
+        weight.grad = None
+        loss = loss_fn()
+        loss.backward()
+        return float(loss.detach())
+
+    grad_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
+    return step, (hidden.numel() + weight.numel()) * hidden.element_size(), grad_bytes
 
 
 def torch_step(args):
@@ -73,7 +131,7 @@ def torch_step(args):
         loss.backward()
         return float(loss.detach())
 
-    return step, logits.numel() * logits.element_size()
+    return step, logits.numel() * logits.element_size(), logits.numel() * logits.element_size()
 
 
 def jax_step(args):
@@ -115,20 +173,28 @@ def jax_step(args):
         grad.block_until_ready()
         return float(loss)
 
-    return step, logits.size * logits.dtype.itemsize
+    return step, logits.size * logits.dtype.itemsize, logits.size * logits.dtype.itemsize
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--framework", required=True, choices=["torch-eager", "torch-compile", "jax"])
+    p.add_argument("--framework", required=True, choices=["torch-eager", "torch-compile", "jax", "liger"])
     p.add_argument("--op", default="grpo", choices=["grpo", "cross_entropy", "logprob"])
     p.add_argument("--n", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--hidden", type=int, help="fused-linear mode: GRPO from hidden states [N, H] and an lm_head [V, H]")
     args = p.parse_args()
-    step, logits_bytes = (jax_step if args.framework == "jax" else torch_step)(args)
+    if args.hidden:
+        if args.op != "grpo" or args.framework == "jax":
+            p.error("--hidden times GRPO in torch-eager, torch-compile or liger")
+        step, input_bytes, grad_bytes = torch_linear_step(args)
+    elif args.framework == "liger":
+        p.error("liger is timed in fused-linear mode (--hidden)")
+    else:
+        step, input_bytes, grad_bytes = (jax_step if args.framework == "jax" else torch_step)(args)
     reset_peak_rss()
     rss_before = status_bytes("VmRSS:")
     times, loss = [], None
@@ -141,7 +207,7 @@ def main():
     print(json.dumps({
         "framework": args.framework, "op": args.op, "n": args.n, "vocab": args.vocab, "dtype": args.dtype,
         "step_s_p50": statistics.median(times), "step_s_min": times[0], "loss": loss,
-        "logits_bytes": logits_bytes, "rss_before_steps_bytes": rss_before,
+        "hidden": args.hidden, "input_bytes": input_bytes, "grad_bytes": grad_bytes, "rss_before_steps_bytes": rss_before,
         "peak_rss_bytes": status_bytes("VmHWM:"),
     }))
 

@@ -7,6 +7,10 @@
   a TRL-style float64 autograd implementation (TRL's `_compute_loss`) for the per-token outputs
   and the options Liger lacks (entropy bonus, sequence-level cispo/sapo).
 - logprob / entropy against `log_softmax` / `gather` / `-sum p log p` with autograd.
+- Fused-linear (`hidden`, `weight`, `bias` in; `grad_hidden`, `grad_weight`, `grad_bias` out):
+  GRPO against `LigerFusedLinearGRPOLoss` on a real lm_head and against TRL-style float64
+  autograd on the materialised `hidden @ weight.T + bias`; cross-entropy against float64
+  `F.cross_entropy` on the materialised logits.
 
 Usage: python crosscheck.py --bin PATH/TO/flashgrpo [--quick]
 Exits non-zero, listing every mismatch, if any check fails.
@@ -286,6 +290,94 @@ def check_logprob_entropy(binary):
         close(case, "loss = masked mean entropy", out["loss"], entropy[mask].mean().detach(), 1e-5)
 
 
+# ---------------------------------------------------------------- fused-linear
+
+
+def linear_inputs(B, T, H, V, with_bias):
+    hidden = torch.randn(B, T, H)
+    weight = torch.randn(V, H) * (2.0 / H**0.5)
+    bias = torch.randn(V) * 0.5 if with_bias else None
+    return hidden, weight, bias
+
+
+def materialised(hidden, weight, bias):
+    """float64 logits [B, T, V] with autograd to hidden, weight, bias."""
+    h = hidden.double().requires_grad_(True)
+    w = weight.double().requires_grad_(True)
+    b = bias.double().requires_grad_(True) if bias is not None else None
+    logits = h @ w.T + (b if b is not None else 0.0)
+    return h, w, b, logits
+
+
+def check_linear(binary, quick):
+    # GRPO: Liger's chunked fused-linear loss and TRL-style float64 autograd.
+    for lt, level, with_bias in [("dapo", "token", False), ("grpo", "sequence", True), ("bnpo", "token", True),
+                                 ("dr_grpo", "sequence", False), ("cispo", "token", True), ("sapo", "token", False)]:
+        B, T, H, V = 3, 5, 24, 70
+        o = grpo_options(loss_type=lt, importance_sampling_level=level,
+                         epsilon_high=1.2 if lt == "cispo" else 0.28, temperature=0.9)
+        hidden, weight, bias = linear_inputs(B, T, H, V, with_bias)
+        targets = torch.randint(0, V, (B, T))
+        mask = (torch.rand(B, T) > 0.25).float()
+        mask[:, 0] = 1
+        adv = torch.randn(B)
+        with torch.no_grad():
+            base = torch.log_softmax(materialised(hidden, weight, bias)[3] / o["temperature"], -1)
+            true_logp = base.gather(-1, targets[..., None]).squeeze(-1)
+        old = (true_logp + 0.3 * torch.randn(B, T)).float()
+        ref = (true_logp + 0.3 * torch.randn(B, T)).float()
+        case = f"linear grpo {lt} {level} bias={with_bias}"
+        inputs = {"hidden": hidden, "weight": weight, "bias": bias, "targets": targets, "mask": mask,
+                  "advantages": adv, "old_logp": old, "ref_logp": ref}
+        out = run_loss(binary, "grpo", inputs, {k: v for k, v in o.items() if v is not None} | {"chunk_memory_mb": 1})
+        # TRL-style on the materialised logits (float64 autograd through the linear layer).
+        h, w, b, logits = materialised(hidden, weight, bias)
+        want = trl_grpo(logits.detach(), targets, mask, adv, old, ref, None, o)
+        logits.backward(want["grad"])
+        close(case, "loss (TRL-style)", out["loss"], want["loss"], 1e-4)
+        close(case, "per_token_loss (TRL-style)", out["per_token_loss"], want["per_token_loss"], 1e-4, mask)
+        close_norm(case, "grad_hidden (TRL-style)", out["grad_hidden"], h.grad, 1e-4)
+        close_norm(case, "grad_weight (TRL-style)", out["grad_weight"], w.grad, 1e-4)
+        if with_bias:
+            close_norm(case, "grad_bias (TRL-style)", out["grad_bias"], b.grad, 1e-4)
+        if not (level == "sequence" and lt in ("cispo", "sapo")):
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+            lh = hidden.clone().requires_grad_(True)
+            lw = weight.clone().requires_grad_(True)
+            lb = bias.clone().requires_grad_(True) if bias is not None else None
+            mod = LigerFusedLinearGRPOLoss(
+                beta=o["beta"], compiled=False, use_ref_model=True, chunk_size=1, epsilon_low=o["epsilon_low"],
+                epsilon_high=o["epsilon_high"], loss_type=lt, max_completion_length=T,
+                importance_sampling_level=level, temperature=o["temperature"])
+            res = mod(lh, lw, targets, mask, adv, bias=lb, ref_per_token_logps=ref, old_per_token_logps=old)
+            loss = res[0] if isinstance(res, tuple) else res
+            loss.backward()
+            close(case, "loss (Liger)", out["loss"], loss.detach(), 2e-5)
+            close_norm(case, "grad_hidden (Liger)", out["grad_hidden"], lh.grad, 1e-4)
+            close_norm(case, "grad_weight (Liger)", out["grad_weight"], lw.grad, 1e-4)
+            if with_bias:
+                close_norm(case, "grad_bias (Liger)", out["grad_bias"], lb.grad, 1e-4)
+    # Cross-entropy: float64 F.cross_entropy on the materialised logits.
+    for s, red, with_bias in [(0.0, "mean", True), (0.1, "sum", False), (0.05, "none", True)]:
+        B, T, H, V = 2, 7, 16, 90
+        hidden, weight, bias = linear_inputs(B, T, H, V, with_bias)
+        targets = torch.randint(0, V, (B, T))
+        targets[0, 1] = -100
+        out = run_loss(binary, "cross_entropy", {"hidden": hidden, "weight": weight, "bias": bias, "targets": targets},
+                       {"label_smoothing": s, "reduction": red, "chunk_memory_mb": 1})
+        h, w, b, logits = materialised(hidden, weight, bias)
+        ref = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), label_smoothing=s, reduction=red)
+        loss = ref.sum() if red == "none" else ref
+        loss.backward()
+        case = f"linear cross_entropy s={s} {red} bias={with_bias}"
+        close(case, "loss", out["loss"], loss.detach(), 1e-4)
+        close_norm(case, "grad_hidden", out["grad_hidden"], h.grad, 1e-4)
+        close_norm(case, "grad_weight", out["grad_weight"], w.grad, 1e-4)
+        if with_bias:
+            close_norm(case, "grad_bias", out["grad_bias"], b.grad, 1e-4)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--bin", required=True)
@@ -295,6 +387,7 @@ def main():
     check_cross_entropy(args.bin, args.quick)
     check_logprob_entropy(args.bin)
     check_grpo(args.bin, args.quick)
+    check_linear(args.bin, args.quick)
     print(f"{CHECKS[0]} checks, {len(FAILURES)} failures")
     for f in FAILURES[:50]:
         print("FAIL", f)

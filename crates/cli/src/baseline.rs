@@ -3,15 +3,60 @@
 //! original system's pure-JAX baseline). It materialises the `[N, V]` log-softmax and several
 //! temporaries of that size, which is the cost the fused kernels remove.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use flashgrpo_kernels::{ImportanceSamplingLevel, IsRatio, Loss, LossOptions, LossSpec, LossType, Reduction};
 
-use crate::tensor_io::LogitElement;
+use crate::tensor_io::FloatElement;
+
+/// Where the logits come from: given, or `hidden @ weight^T (+ bias)` (candle matmul).
+pub enum Source {
+    Logits(Var),
+    Linear { hidden: Var, weight: Var, bias: Option<Var> },
+}
+
+impl Source {
+    pub fn logits<T: FloatElement>(logits: &[T]) -> Result<Self> {
+        let n = logits.len();
+        Ok(Source::Logits(Var::from_tensor(&T::candle_tensor(logits, (1, n))?)?))
+    }
+
+    pub fn linear<T: FloatElement>(hidden: &[T], weight: &[T], bias: Option<&[T]>, hidden_size: usize) -> Result<Self> {
+        let h = hidden_size;
+        let var = |v: &[T], rows: usize| -> Result<Var> { Ok(Var::from_tensor(&T::candle_tensor(v, (rows, h))?)?) };
+        let bias =
+            bias.map(|b| -> Result<Var> { Ok(Var::from_tensor(&T::candle_tensor(b, (1, b.len()))?)?) }).transpose()?;
+        Ok(Source::Linear { hidden: var(hidden, hidden.len() / h)?, weight: var(weight, weight.len() / h)?, bias })
+    }
+
+    /// The `[N, V]` f32 logits (materialised: this is the baseline).
+    fn logits_tensor(&self, n: usize, v: usize) -> Result<Tensor> {
+        Ok(match self {
+            Source::Logits(l) => l.as_tensor().reshape((n, v))?.to_dtype(DType::F32)?,
+            Source::Linear { hidden, weight, bias } => {
+                let z = hidden.as_tensor().matmul(&weight.as_tensor().t()?)?.to_dtype(DType::F32)?;
+                match bias {
+                    Some(b) => z.broadcast_add(&b.as_tensor().to_dtype(DType::F32)?)?,
+                    None => z,
+                }
+            }
+        })
+    }
+
+    /// The variables, in the order of `value_and_grad`'s gradients.
+    fn variables(&self) -> Vec<&Var> {
+        match self {
+            Source::Logits(l) => vec![l],
+            Source::Linear { hidden, weight, bias } => {
+                [Some(hidden), Some(weight), bias.as_ref()].into_iter().flatten().collect()
+            }
+        }
+    }
+}
 
 /// Inputs as candle tensors, built once; each step builds the graph and runs backward.
 pub struct Inputs {
-    logits: Var,
+    source: Source,
     /// `[N, 1]` u32 (masked rows clamped into range; the mask zeroes them).
     targets: Tensor,
     /// `[N]` f32 0/1.
@@ -35,7 +80,7 @@ fn rows_tensor(v: &[f32]) -> Result<Tensor> {
 }
 
 impl Inputs {
-    pub fn new<T: LogitElement>(spec: LossSpec<'_>, logits: &[T]) -> Result<Self> {
+    pub fn new(spec: LossSpec<'_>, source: Source) -> Result<Self> {
         let o = spec.options;
         let rows = spec.rows;
         let n = rows.len();
@@ -80,7 +125,7 @@ impl Inputs {
         };
         let valid_rows = mask.iter().map(|&m| m as f64).sum();
         Ok(Self {
-            logits: Var::from_tensor(&T::candle_tensor(logits, (n, rows.vocab))?)?,
+            source,
             targets: Tensor::from_slice(&targets, (n, 1), &Device::Cpu)?,
             mask: rows_tensor(&mask)?,
             valid_rows,
@@ -95,7 +140,8 @@ impl Inputs {
     /// The loss as a scalar tensor, built from the logits variable.
     fn loss(&self) -> Result<Tensor> {
         let o = &self.options;
-        let x = self.logits.as_tensor().to_dtype(DType::F32)?.affine(1.0 / o.temperature, 0.0)?;
+        let n = self.targets.dims()[0];
+        let x = self.source.logits_tensor(n, self.vocab)?.affine(1.0 / o.temperature, 0.0)?;
         let z = x.broadcast_sub(&x.max_keepdim(D::Minus1)?.detach())?;
         let lse_shifted = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
         let log_softmax = z.broadcast_sub(&lse_shifted)?;
@@ -159,15 +205,18 @@ impl Inputs {
         }
     }
 
-    /// One step: the loss and its gradient with respect to the logits (returned with the loss).
-    pub fn value_and_grad(&self) -> Result<(f64, Tensor)> {
+    /// One step: the loss and its gradients with respect to the source's variables (the logits,
+    /// or hidden, weight and bias).
+    pub fn value_and_grad(&self) -> Result<(f64, Vec<Tensor>)> {
         let loss = self.loss()?;
         let grads = loss.backward()?;
-        let Some(grad) = grads.get(self.logits.as_tensor()) else {
-            bail!("candle returned no gradient for the logits");
-        };
-        debug_assert_eq!(grad.dims(), [self.targets.dims()[0], self.vocab]);
-        Ok((loss.to_vec0::<f32>()? as f64, grad.clone()))
+        let grads = self
+            .source
+            .variables()
+            .into_iter()
+            .map(|v| grads.get(v.as_tensor()).cloned().context("candle returned no gradient for an input"))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((loss.to_vec0::<f32>()? as f64, grads))
     }
 }
 
@@ -176,7 +225,7 @@ mod tests {
     use flashgrpo_kernels::synthetic::SyntheticSpec;
     use flashgrpo_kernels::{reference, Loss, LossOptions, LossSpec, LossType, PolicyInputs, Rows};
 
-    use super::Inputs;
+    use super::{Inputs, Source};
 
     /// The baseline is an implementation too: its value and gradient must be the reference's.
     #[test]
@@ -224,9 +273,10 @@ mod tests {
                 batch_shard: None,
             };
             let want = reference::evaluate(spec, &logits64).unwrap();
-            let (loss, grad) = Inputs::new(spec, &data.logits).unwrap().value_and_grad().unwrap();
+            let (loss, grads) =
+                Inputs::new(spec, Source::logits(&data.logits).unwrap()).unwrap().value_and_grad().unwrap();
             assert!((loss - want.loss).abs() < 1e-5 * want.loss.abs().max(1.0), "{options:?}: {loss} vs {}", want.loss);
-            let grad: Vec<f32> = grad.flatten_all().unwrap().to_vec1().unwrap();
+            let grad: Vec<f32> = grads[0].flatten_all().unwrap().to_vec1().unwrap();
             let want = want.grad.unwrap();
             let err: f64 = grad.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt()
                 / want.iter().map(|b| b * b).sum::<f64>().sqrt();

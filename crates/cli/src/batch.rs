@@ -6,7 +6,7 @@ use clap::ValueEnum;
 use flashgrpo_kernels::{IsRatio, Loss, LossOptions, LossSpec, PolicyInputs, Rows};
 use serde::{Deserialize, Serialize};
 
-use crate::tensor_io::{expect_shape, LogitsData, TensorFile};
+use crate::tensor_io::{expect_shape, FloatData, TensorFile};
 
 /// The ops of LOSSES.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize, Default)]
@@ -21,12 +21,53 @@ pub enum OpName {
 }
 
 /// Every tensor name `flashgrpo loss` reads; others are reported and ignored.
-pub const INPUT_NAMES: &[&str] = &["logits", "targets", "mask", "advantages", "old_logp", "ref_logp", "is_ratio"];
+pub const INPUT_NAMES: &[&str] =
+    &["logits", "hidden", "weight", "bias", "targets", "mask", "advantages", "old_logp", "ref_logp", "is_ratio"];
+
+/// What the loss is computed on: the logits, or the hidden states and lm_head they come from.
+pub enum Scores {
+    /// `[B, T, V]`.
+    Logits(FloatData),
+    Linear(LinearData),
+}
+
+/// `logits = hidden @ weight^T (+ bias)`, all of one dtype.
+pub struct LinearData {
+    /// `[B, T, H]`.
+    pub hidden: FloatData,
+    /// `[V, H]`.
+    pub weight: FloatData,
+    /// `[V]`.
+    pub bias: Option<FloatData>,
+    pub hidden_size: usize,
+}
+
+impl Scores {
+    /// The dtype of the logits, or of the hidden states.
+    pub fn dtype(&self) -> safetensors::Dtype {
+        match self {
+            Scores::Logits(l) => l.dtype(),
+            Scores::Linear(l) => l.hidden.dtype(),
+        }
+    }
+
+    /// Bytes of the inputs the loss reads.
+    pub fn size_in_bytes(&self) -> usize {
+        match self {
+            Scores::Logits(l) => l.size_in_bytes(),
+            Scores::Linear(l) => {
+                l.hidden.size_in_bytes()
+                    + l.weight.size_in_bytes()
+                    + l.bias.as_ref().map_or(0, FloatData::size_in_bytes)
+            }
+        }
+    }
+}
 
 /// Owned inputs; [`Batch::spec`] borrows them for the kernels.
 pub struct Batch {
     pub op: OpName,
-    pub logits: LogitsData,
+    pub scores: Scores,
     pub batch: usize,
     pub seq_len: usize,
     pub vocab: usize,
@@ -49,15 +90,11 @@ impl Batch {
                 );
             }
         }
-        let (logits, shape) = file.logits("logits")?;
-        let [batch, seq_len, vocab] = shape[..] else {
-            bail!("`logits` has shape {shape:?}; expected three dimensions [B, T, V]");
-        };
+        let (scores, [batch, seq_len, vocab], per_row) = read_scores(file)?;
         let bt = [batch, seq_len];
-        let per_row = format!("`logits` has shape {shape:?}");
         let mut b = Batch {
             op,
-            logits,
+            scores,
             batch,
             seq_len,
             vocab,
@@ -133,4 +170,52 @@ impl Batch {
             batch_shard: None,
         }
     }
+}
+
+/// Reads `logits [B,T,V]`, or `hidden [B,T,H]` + `weight [V,H]` (+ `bias [V]`): the scores, the
+/// shape `[B, T, V]`, and how to name it in shape errors.
+fn read_scores(file: &TensorFile) -> Result<(Scores, [usize; 3], String)> {
+    let has = |name: &str| file.shape(name).is_some();
+    if has("logits") {
+        if has("hidden") || has("weight") {
+            bail!("give either `logits` or `hidden` and `weight`, not both");
+        }
+        let (logits, shape) = file.float_tensor("logits")?;
+        let [b, t, v] = shape[..] else {
+            bail!("`logits` has shape {shape:?}; expected three dimensions [B, T, V]");
+        };
+        return Ok((Scores::Logits(logits), [b, t, v], format!("`logits` has shape {shape:?}")));
+    }
+    if !has("hidden") {
+        bail!("missing tensor `logits` (or `hidden` and `weight`); it holds: {}", file.names().join(", "));
+    }
+    let (hidden, hs) = file.float_tensor("hidden")?;
+    let [b, t, h] = hs[..] else {
+        bail!("`hidden` has shape {hs:?}; expected three dimensions [B, T, H]");
+    };
+    let (weight, ws) = file.float_tensor("weight")?;
+    let [v, wh] = ws[..] else {
+        bail!("`weight` has shape {ws:?}; expected two dimensions [V, H] (the lm_head layout)");
+    };
+    if wh != h {
+        bail!(
+            "shape mismatch: `weight` has shape {ws:?} but `hidden` has shape {hs:?}: both must end in the hidden size"
+        );
+    }
+    if weight.dtype() != hidden.dtype() {
+        bail!("`weight` is {:?} but `hidden` is {:?}: give them one dtype", weight.dtype(), hidden.dtype());
+    }
+    let bias = match file.shape("bias") {
+        None => None,
+        Some(bs) => {
+            expect_shape("bias", &bs, &[v], &format!("`weight` has shape {ws:?}"))?;
+            let (bias, _) = file.float_tensor("bias")?;
+            if bias.dtype() != hidden.dtype() {
+                bail!("`bias` is {:?} but `hidden` is {:?}: give them one dtype", bias.dtype(), hidden.dtype());
+            }
+            Some(bias)
+        }
+    };
+    let scores = Scores::Linear(LinearData { hidden, weight, bias, hidden_size: h });
+    Ok((scores, [b, t, v], format!("`hidden` has shape {hs:?}")))
 }

@@ -5,17 +5,22 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Result};
-use flashgrpo_kernels::{forward, forward_backward, forward_backward_in_place, LossOptions, LossSpec};
+use anyhow::{bail, Context, Result};
+use flashgrpo_kernels::linear::matmul_gflops;
+use flashgrpo_kernels::{
+    forward, forward_backward, forward_backward_in_place, linear_forward, linear_forward_backward, ChunkBudget,
+    LinearGradients, LinearInputs, LossOptions, LossSpec,
+};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 
 use crate::baseline;
-use crate::batch::Batch;
+use crate::batch::{Batch, LinearData, OpName, Scores};
 use crate::config::{self, ConfigArgs};
 use crate::input_spec::{DTypeName, InputSpec};
 use crate::memory;
-use crate::tensor_io::{LogitElement, LogitsData, LogitsVisitorMut};
+use crate::tensor_io::{FloatData, FloatElement, FloatVisitor, FloatVisitorMut};
 
 /// What is timed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -28,6 +33,9 @@ pub enum BenchImpl {
     /// The streaming kernels, gradient written over the logits.
     #[default]
     FusedInplace,
+    /// Fused-linear (with `hidden_size`): the loss from hidden states and the lm_head, gradients
+    /// into buffers allocated once.
+    FusedLinear,
 }
 
 impl BenchImpl {
@@ -36,6 +44,7 @@ impl BenchImpl {
             BenchImpl::Baseline => "baseline",
             BenchImpl::Fused => "fused",
             BenchImpl::FusedInplace => "fused-inplace",
+            BenchImpl::FusedLinear => "fused-linear",
         }
     }
 }
@@ -103,6 +112,14 @@ fn copy_bandwidth() -> f64 {
     2.0 * (n * 4) as f64 / best
 }
 
+impl Measured {
+    fn p50(&self) -> f64 {
+        let mut sorted = self.times.clone();
+        sorted.sort_by(f64::total_cmp);
+        percentile(&sorted, 0.5)
+    }
+}
+
 /// Step times and memory of one run.
 struct Measured {
     times: Vec<f64>,
@@ -154,10 +171,10 @@ impl Timer<'_> {
     }
 }
 
-impl LogitsVisitorMut for Timer<'_> {
+impl FloatVisitorMut for Timer<'_> {
     type Out = Result<Measured>;
 
-    fn visit<T: LogitElement>(self, logits_mut: &mut [T]) -> Result<Measured> {
+    fn visit<T: FloatElement>(self, logits_mut: &mut [T]) -> Result<Measured> {
         let spec = self.spec;
         if self.cfg.implementation == BenchImpl::FusedInplace && !self.cfg.restore && spec.loss.has_gradient() {
             return self.time(logits_mut, |_| {}, |work| Ok(forward_backward_in_place(spec, work)?.loss), 0);
@@ -180,24 +197,109 @@ impl LogitsVisitorMut for Timer<'_> {
                 0,
             ),
             BenchImpl::Baseline => {
-                let inputs = baseline::Inputs::new(spec, logits)?;
+                let inputs = baseline::Inputs::new(spec, baseline::Source::logits(logits)?)?;
                 self.time((), |_| {}, |_| Ok(inputs.value_and_grad()?.0), 0)
             }
+            BenchImpl::FusedLinear => bail!("`impl: fused-linear` needs `hidden_size` (hidden states and an lm_head)"),
+        }
+    }
+}
+
+/// The timer of fused-linear mode, on hidden states of any dtype.
+struct LinearTimer<'a> {
+    timer: Timer<'a>,
+    linear: &'a LinearData,
+    budget: ChunkBudget,
+    vocab: usize,
+}
+
+impl FloatVisitor for LinearTimer<'_> {
+    type Out = Result<Measured>;
+
+    fn visit<T: FloatElement>(self, hidden: &[T]) -> Result<Measured> {
+        let (spec, lin, budget) = (self.timer.spec, self.linear, self.budget);
+        let typed =
+            |d: &'_ FloatData| -> Result<Vec<T>> { Ok(T::slice_of(d).context("one dtype for all inputs")?.to_vec()) };
+        let weight = typed(&lin.weight)?;
+        let bias = lin.bias.as_ref().map(typed).transpose()?;
+        let inputs = LinearInputs { hidden, weight: &weight, bias: bias.as_deref(), hidden_size: lin.hidden_size };
+        if !spec.loss.has_gradient() {
+            return self.timer.time((), |_| {}, |_| Ok(linear_forward(spec, inputs, budget)?.loss), 0);
+        }
+        match self.timer.cfg.implementation {
+            BenchImpl::FusedLinear => {
+                // Allocated (and touched) once: the gradients are outputs a training loop keeps.
+                let (h, v) = (lin.hidden_size, self.vocab);
+                let grads =
+                    (vec![1.0f32; hidden.len()], vec![1.0f32; v * h], vec![1.0f32; if bias.is_some() { v } else { 0 }]);
+                let bytes = 4 * (grads.0.len() + grads.1.len() + grads.2.len());
+                let step = |g: &mut (Vec<f32>, Vec<f32>, Vec<f32>)| {
+                    let has_bias = !g.2.is_empty();
+                    let grads = LinearGradients {
+                        hidden: &mut g.0,
+                        weight: Some(&mut g.1),
+                        bias: has_bias.then_some(&mut g.2[..]),
+                    };
+                    Ok(linear_forward_backward(spec, inputs, grads, budget)?.loss)
+                };
+                self.timer.time(grads, |_| {}, step, bytes)
+            }
+            BenchImpl::Baseline => {
+                let source = baseline::Source::linear(hidden, &weight, bias.as_deref(), lin.hidden_size)?;
+                let inputs = baseline::Inputs::new(spec, source)?;
+                self.timer.time((), |_| {}, |_| Ok(inputs.value_and_grad()?.0), 0)
+            }
+            other => bail!("`impl: {}` works on logits; with `hidden_size` use fused-linear or baseline", other.name()),
         }
     }
 }
 
 fn run(cfg: &BenchConfig, inputs: &InputSpec, options: &LossOptions) -> Result<Report> {
     let mut batch = inputs.build(options)?;
-    let logits_bytes = batch.logits.size_in_bytes();
-    // The logits are taken out of the batch so that the in-place steps may write them while the
-    // spec borrows the rest.
-    let mut logits = std::mem::replace(&mut batch.logits, LogitsData::F32(Vec::new()));
-    let measured = logits.visit_mut(Timer { spec: batch.spec(options), cfg })?;
-    batch.logits = logits;
-    // Measured after the steps, so that its buffers do not count in the steps' peak RSS.
-    let copy_bps = copy_bandwidth();
-    Ok(Report::new(cfg, &batch, measured, copy_bps, logits_bytes))
+    let input_bytes = batch.scores.size_in_bytes();
+    // The scores are taken out of the batch so that the in-place steps may write the logits while
+    // the spec borrows the rest.
+    let mut scores = std::mem::replace(&mut batch.scores, Scores::Logits(FloatData::F32(Vec::new())));
+    let timer = Timer { spec: batch.spec(options), cfg };
+    let (measured, extra) = match &mut scores {
+        Scores::Logits(logits) => {
+            let measured = logits.visit_mut(timer)?;
+            // Measured after the steps, so that its buffers do not count in the steps' peak RSS.
+            let copy_bps = copy_bandwidth();
+            // The floor: the logits read once and the gradient written once, at the copy bandwidth.
+            let floor_s = 2.0 * input_bytes as f64 / copy_bps;
+            let p50 = measured.p50();
+            let extra = vec![
+                ("bench/copy_gbps", json!(copy_bps / 1e9)),
+                ("bench/floor_s", json!(floor_s)),
+                ("bench/p50_over_floor", json!(p50 / floor_s)),
+                ("mem/logits_bytes", json!(input_bytes)),
+            ];
+            (measured, extra)
+        }
+        Scores::Linear(linear) => {
+            let (n, h, v) = (batch.batch * batch.seq_len, linear.hidden_size, batch.vocab);
+            let lt = LinearTimer { timer, linear, budget: inputs.budget(), vocab: v };
+            let measured = linear.hidden.visit(lt)?;
+            let grad_bytes = 4 * (n * h + v * h + if linear.bias.is_some() { v } else { 0 });
+            let products = if batch.op == OpName::Entropy { 1.0 } else { 3.0 };
+            let flops = products * 2.0 * (n * h * v) as f64;
+            let matmul = matmul_gflops(n.min(256), h, v);
+            let gflops = flops / measured.p50() / 1e9;
+            let extra = vec![
+                ("shape/hidden", json!(h)),
+                ("bench/gflops", json!(gflops)),
+                ("bench/matmul_gflops", json!(matmul)),
+                ("bench/gflops_over_matmul", json!(gflops / matmul)),
+                ("mem/inputs_bytes", json!(input_bytes)),
+                ("mem/grads_bytes", json!(grad_bytes)),
+                ("mem/peak_above_grads_bytes", json!(measured.peak_bytes.saturating_sub(grad_bytes))),
+            ];
+            (measured, extra)
+        }
+    };
+    batch.scores = scores;
+    Ok(Report::new(cfg, &batch, measured, extra))
 }
 
 /// The printed metrics.
@@ -210,36 +312,29 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 }
 
 impl Report {
-    fn new(cfg: &BenchConfig, batch: &Batch, m: Measured, copy_bps: f64, logits_bytes: usize) -> Self {
-        use serde_json::json;
+    fn new(cfg: &BenchConfig, batch: &Batch, m: Measured, extra: Vec<(&'static str, serde_json::Value)>) -> Self {
         let mut sorted = m.times.clone();
         sorted.sort_by(f64::total_cmp);
         let mean = sorted.iter().sum::<f64>() / sorted.len() as f64;
-        let p50 = percentile(&sorted, 0.5);
-        // The floor: the logits read once and the gradient written once, at the copy bandwidth.
-        let floor_s = 2.0 * logits_bytes as f64 / copy_bps;
-        let rows = vec![
+        let mut rows = vec![
             ("bench/op", json!(format!("{:?}", batch.op).to_lowercase())),
             ("bench/impl", json!(cfg.implementation.name())),
             ("shape/batch", json!(batch.batch)),
             ("shape/seq_len", json!(batch.seq_len)),
             ("shape/vocab", json!(batch.vocab)),
-            ("shape/dtype", json!(format!("{:?}", batch.logits.dtype()).to_lowercase())),
+            ("shape/dtype", json!(format!("{:?}", batch.scores.dtype()).to_lowercase())),
             ("bench/threads", json!(rayon::current_num_threads())),
             ("bench/steps", json!(sorted.len())),
             ("bench/step_s_mean", json!(mean)),
-            ("bench/step_s_p50", json!(p50)),
+            ("bench/step_s_p50", json!(percentile(&sorted, 0.5))),
             ("bench/step_s_p90", json!(percentile(&sorted, 0.9))),
             ("bench/step_s_min", json!(sorted[0])),
             ("bench/loss", json!(m.loss)),
-            ("bench/copy_gbps", json!(copy_bps / 1e9)),
-            ("bench/floor_s", json!(floor_s)),
-            ("bench/p50_over_floor", json!(p50 / floor_s)),
-            ("mem/logits_bytes", json!(logits_bytes)),
             ("mem/peak_bytes", json!(m.peak_bytes)),
             ("mem/peak_rss_bytes", json!(m.peak_rss)),
             ("mem/rss_before_steps_bytes", json!(m.rss_before_steps)),
         ];
+        rows.extend(extra);
         Self { rows }
     }
 

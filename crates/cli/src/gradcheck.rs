@@ -5,14 +5,13 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use flashgrpo_kernels::{LossOptions, LossOutput};
+use flashgrpo_kernels::{ChunkBudget, LossOptions};
 use serde::{Deserialize, Serialize};
 
-use crate::batch::Batch;
+use crate::batch::{Batch, Scores};
 use crate::config::{self, ConfigArgs};
 use crate::input_spec::InputSpec;
-use crate::run::{reference_results, Fused, Impl};
-use crate::tensor_io::LogitsData;
+use crate::run::{reference_results, run, Impl, Results};
 
 /// Gates; unset ones take LOSSES.md's tolerance for the dtype.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -26,6 +25,9 @@ pub struct Tolerances {
     pub dlogits_rel_norm: Option<f64>,
     /// `max |g - g_ref|` (no gate by default).
     pub dlogits_max_abs: Option<f64>,
+    /// Fused-linear: `||g - g_ref|| / ||g_ref||` of `grad_hidden`, `grad_weight`, `grad_bias`
+    /// (default 1e-4 for f32, 1e-2 for bf16 / f16 (the gradients are rounded to them)).
+    pub dlinear_rel_norm: Option<f64>,
 }
 
 /// The gradcheck's own keys (the inputs are described by [`InputSpec`]).
@@ -54,7 +56,7 @@ pub fn main(args: ConfigArgs) -> Result<()> {
     let source = args.source("configs/gradcheck-grpo-original.yaml (built in)", DEFAULT_CONFIG);
     let loaded = config::load::<GradcheckConfig, InputSpec>(source, &args.sets)?;
     let batch = loaded.inputs.build(&loaded.options)?;
-    let metrics = check(&loaded.command, &batch, &loaded.options)?;
+    let metrics = check(&loaded.command, &batch, &loaded.options, loaded.inputs.budget())?;
     if args.json {
         println!("{}", serde_json::to_string(&metrics.as_json())?);
     } else {
@@ -75,7 +77,8 @@ pub fn main(args: ConfigArgs) -> Result<()> {
 pub struct Metrics {
     rows: Vec<(&'static str, Value)>,
     low_precision: bool,
-    has_gradient: bool,
+    /// Fused-linear: LOSSES.md's fused-linear tolerances apply.
+    linear: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -117,15 +120,21 @@ impl Metrics {
     fn breaches(&self, cfg: &GradcheckConfig) -> Vec<String> {
         let t = &cfg.tolerances;
         let low_precision = self.low_precision;
+        let grad_default = match (low_precision, self.linear) {
+            (true, _) => 1e-2,
+            (false, true) => 1e-4,
+            (false, false) => 1e-5,
+        };
         let mut gates = vec![
-            ("loss_rel_err", t.loss_rel.unwrap_or(1e-5)),
-            ("fwd/per_token_worst", t.per_token_abs.unwrap_or(1e-5)),
+            ("loss_rel_err", t.loss_rel.unwrap_or(if self.linear { 1e-4 } else { 1e-5 })),
+            ("fwd/per_token_worst", t.per_token_abs.unwrap_or(if self.linear { 2e-5 } else { 1e-5 })),
+            ("dlogits_rel_norm", t.dlogits_rel_norm.unwrap_or(grad_default)),
         ];
-        if self.has_gradient {
-            gates.push(("dlogits_rel_norm", t.dlogits_rel_norm.unwrap_or(if low_precision { 1e-2 } else { 1e-5 })));
-            if let Some(m) = t.dlogits_max_abs {
-                gates.push(("dlogits_max_abs", m));
-            }
+        for name in ["dhidden_rel_norm", "dweight_rel_norm", "dbias_rel_norm"] {
+            gates.push((name, t.dlinear_rel_norm.unwrap_or(grad_default)));
+        }
+        if let Some(m) = t.dlogits_max_abs {
+            gates.push(("dlogits_max_abs", m));
         }
         let mut out: Vec<String> = self
             .rows
@@ -154,26 +163,25 @@ fn worst_scaled(got: &[f32], want: &[f64]) -> f64 {
     got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs() / w.abs().max(1.0)).fold(0.0, f64::max)
 }
 
-fn check(cfg: &GradcheckConfig, batch: &Batch, options: &LossOptions) -> Result<Metrics> {
+fn check(cfg: &GradcheckConfig, batch: &Batch, options: &LossOptions, budget: ChunkBudget) -> Result<Metrics> {
     if cfg.implementation == Impl::Reference {
         bail!("`impl` must be a kernel variant (fused or fused-inplace): the reference is what it is checked against");
     }
     let start = Instant::now();
-    let (_, want) = reference_results(batch, options)?;
+    let (_, reference) = reference_results(batch, options)?;
     let ref_s = start.elapsed().as_secs_f64();
+    let want = &reference.output;
 
     let mut times = Vec::new();
-    let mut result: Option<(LossOutput, Option<LogitsData>)> = None;
+    let mut result = None;
     for _ in 0..cfg.repeats.max(1) {
         let start = Instant::now();
-        let r = batch
-            .logits
-            .visit(Fused { spec: batch.spec(options), in_place: cfg.implementation == Impl::FusedInplace })?;
+        let r = run(batch, options, cfg.implementation, budget)?;
         times.push(start.elapsed().as_secs_f64());
         result = Some(r);
     }
     times.sort_by(f64::total_cmp);
-    let (got, grad) = result.expect("at least one run");
+    let Results { output: got, grads } = result.expect("at least one run");
 
     let abs_diff_loss = (got.loss - want.loss).abs();
     let mut rows = vec![
@@ -203,8 +211,11 @@ fn check(cfg: &GradcheckConfig, batch: &Batch, options: &LossOptions) -> Result<
     }
     rows.push(("fwd/per_token_worst", Value::Float(worst)));
 
-    if let (Some(g), Some(w)) = (&grad, &want.grad) {
-        let g = g.to_f64();
+    for (name, w) in &reference.grads {
+        let Some(g) = grads.iter().find(|g| g.name == *name) else {
+            bail!("the kernels returned no `{name}`");
+        };
+        let g = g.data.to_f64();
         let (mut max_abs, mut sum_abs, mut diff2, mut norm2, mut ref_max) = (0.0f64, 0.0, 0.0, 0.0, 0.0f64);
         for (&a, &b) in g.iter().zip(w) {
             let d = (a - b).abs();
@@ -214,10 +225,11 @@ fn check(cfg: &GradcheckConfig, batch: &Batch, options: &LossOptions) -> Result<
             norm2 += b * b;
             ref_max = ref_max.max(b.abs());
         }
-        rows.push(("dlogits_max_abs", Value::Float(max_abs)));
-        rows.push(("dlogits_max_rel", Value::Float(if ref_max > 0.0 { max_abs / ref_max } else { max_abs })));
-        rows.push(("dlogits_mean_abs", Value::Float(sum_abs / g.len().max(1) as f64)));
-        rows.push(("dlogits_rel_norm", Value::Float(if norm2 > 0.0 { (diff2 / norm2).sqrt() } else { diff2.sqrt() })));
+        let [max_abs_name, max_rel_name, mean_abs_name, rel_norm_name] = metric_names(name);
+        rows.push((max_abs_name, Value::Float(max_abs)));
+        rows.push((max_rel_name, Value::Float(if ref_max > 0.0 { max_abs / ref_max } else { max_abs })));
+        rows.push((mean_abs_name, Value::Float(sum_abs / g.len().max(1) as f64)));
+        rows.push((rel_norm_name, Value::Float(if norm2 > 0.0 { (diff2 / norm2).sqrt() } else { diff2.sqrt() })));
     }
     rows.extend([
         ("shape/batch", Value::Int(batch.batch)),
@@ -226,6 +238,17 @@ fn check(cfg: &GradcheckConfig, batch: &Batch, options: &LossOptions) -> Result<
         ("time/ref_grad_s", Value::Float(ref_s)),
         ("time/kernel_grad_s", Value::Float(times[times.len() / 2])),
     ]);
-    let low_precision = batch.logits.dtype() != safetensors::Dtype::F32;
-    Ok(Metrics { rows, low_precision, has_gradient: want.grad.is_some() })
+    let low_precision = batch.scores.dtype() != safetensors::Dtype::F32;
+    let linear = matches!(batch.scores, Scores::Linear(_));
+    Ok(Metrics { rows, low_precision, linear })
+}
+
+/// The metric names of a gradient's comparison: `dlogits_*` (the original's names), `dhidden_*`...
+fn metric_names(grad: &str) -> [&'static str; 4] {
+    match grad {
+        "grad_logits" => ["dlogits_max_abs", "dlogits_max_rel", "dlogits_mean_abs", "dlogits_rel_norm"],
+        "grad_hidden" => ["dhidden_max_abs", "dhidden_max_rel", "dhidden_mean_abs", "dhidden_rel_norm"],
+        "grad_weight" => ["dweight_max_abs", "dweight_max_rel", "dweight_mean_abs", "dweight_rel_norm"],
+        _ => ["dbias_max_abs", "dbias_max_rel", "dbias_mean_abs", "dbias_rel_norm"],
+    }
 }

@@ -5,13 +5,13 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use flashgrpo_kernels::synthetic::{Rng, SyntheticSpec};
-use flashgrpo_kernels::LossOptions;
+use flashgrpo_kernels::synthetic::{normal_matrix, Rng, SyntheticRows, SyntheticSpec};
+use flashgrpo_kernels::{linear_forward, ChunkBudget, LinearInputs, Loss, LossOptions, LossSpec, Rows};
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{Batch, OpName};
-use crate::tensor_io::{expect_shape, LogitsData, TensorFile};
+use crate::batch::{Batch, LinearData, OpName, Scores};
+use crate::tensor_io::{expect_shape, FloatData, TensorFile};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -47,6 +47,12 @@ pub struct InputSpec {
     /// Read `logits [B,T,V]` (and any other inputs present) from this safetensors file instead;
     /// the shape comes from the file, missing inputs are generated from the seed.
     pub logits_file: Option<PathBuf>,
+    /// Fused-linear mode: generate hidden states `[B,T,H]` and an lm_head `[V,H]` instead of logits.
+    pub hidden_size: Option<usize>,
+    /// Fused-linear mode: with a bias `[V]`.
+    pub with_bias: bool,
+    /// Fused-linear: the memory the streaming may use beyond inputs and gradients, in MiB.
+    pub chunk_memory_mb: usize,
 }
 
 impl Default for InputSpec {
@@ -65,68 +71,125 @@ impl Default for InputSpec {
             with_old_logp: true,
             with_ref_logp: true,
             logits_file: None,
+            hidden_size: None,
+            with_bias: false,
+            chunk_memory_mb: ChunkBudget::DEFAULT_MB,
         }
     }
 }
 
+fn cast(values: Vec<f32>, dtype: DTypeName) -> FloatData {
+    match dtype {
+        DTypeName::F32 => FloatData::F32(values),
+        DTypeName::Bf16 => FloatData::BF16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
+        DTypeName::F16 => FloatData::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
+    }
+}
+
 impl InputSpec {
-    /// The batch: generated, or logits (and whatever else is there) from a file.
+    /// The fused-linear memory budget.
+    pub fn budget(&self) -> ChunkBudget {
+        ChunkBudget::from_mb(self.chunk_memory_mb)
+    }
+
+    fn synthetic(&self) -> SyntheticSpec {
+        SyntheticSpec {
+            batch: self.batch,
+            seq_len: self.seq_len,
+            vocab: self.vocab,
+            seed: self.seed,
+            logit_std: self.logit_std,
+            logp_noise: self.logp_noise,
+            mask_fraction: self.mask_fraction,
+        }
+    }
+
+    /// The batch: generated (logits, or hidden states and an lm_head when `hidden_size` is set),
+    /// or logits (and whatever else is there) from a file.
     pub fn build(&self, options: &LossOptions) -> Result<Batch> {
-        let cfg = self;
-        let mut spec = SyntheticSpec {
-            batch: cfg.batch,
-            seq_len: cfg.seq_len,
-            vocab: cfg.vocab,
-            seed: cfg.seed,
-            logit_std: cfg.logit_std,
-            logp_noise: cfg.logp_noise,
-            mask_fraction: cfg.mask_fraction,
-        };
-        let mut rng = Rng::new(cfg.seed ^ 0x5EED);
-        let (generated, file) = match &cfg.logits_file {
-            None => (spec.generate(), None),
-            Some(path) => {
+        let mut spec = self.synthetic();
+        let mut rng = Rng::new(self.seed ^ 0x5EED);
+        let (scores, rows, old_ref, file) = match (&self.logits_file, self.hidden_size) {
+            (Some(_), Some(_)) => bail!("`logits_file` and `hidden_size` exclude each other"),
+            (None, Some(h)) => {
+                let (linear, rows, old_ref) = self.linear(h, &mut rng)?;
+                (Scores::Linear(linear), rows, old_ref, None)
+            }
+            (None, None) => {
+                let g = spec.generate();
+                let rows = SyntheticRows { targets: g.targets, mask: g.mask, advantages: g.advantages };
+                (Scores::Logits(cast(g.logits, self.dtype)), rows, (g.old_logp, g.ref_logp), None)
+            }
+            (Some(path), None) => {
                 let file = TensorFile::read(path)?;
-                let (logits, shape) = file.logits("logits")?;
+                let (logits, shape) = file.float_tensor("logits")?;
                 let [b, t, v] = shape[..] else {
                     bail!("`logits` in {} has shape {shape:?}; expected [B, T, V]", path.display())
                 };
                 (spec.batch, spec.seq_len, spec.vocab) = (b, t, v);
-                let f32_logits = logits.to_f64().into_iter().map(|x| x as f32).collect();
-                (spec.complete(f32_logits, &mut rng), Some((file, logits)))
+                let g = spec.complete(logits.to_f64().into_iter().map(|x| x as f32).collect(), &mut rng);
+                let rows = SyntheticRows { targets: g.targets, mask: g.mask, advantages: g.advantages };
+                (Scores::Logits(logits), rows, (g.old_logp, g.ref_logp), Some(file))
             }
         };
-        let mut targets = generated.targets;
-        if cfg.op == OpName::CrossEntropy {
+        let mut targets = rows.targets;
+        if self.op == OpName::CrossEntropy {
             for y in targets.iter_mut() {
-                if rng.uniform() < cfg.ignore_fraction {
+                if rng.uniform() < self.ignore_fraction {
                     *y = options.ignore_index;
                 }
             }
         }
-        let grpo = cfg.op == OpName::Grpo;
+        let grpo = self.op == OpName::Grpo;
         let mut batch = Batch {
-            op: cfg.op,
-            logits: match cfg.dtype {
-                DTypeName::F32 => LogitsData::F32(generated.logits),
-                DTypeName::Bf16 => LogitsData::BF16(generated.logits.iter().map(|&x| bf16::from_f32(x)).collect()),
-                DTypeName::F16 => LogitsData::F16(generated.logits.iter().map(|&x| f16::from_f32(x)).collect()),
-            },
+            op: self.op,
+            scores,
             batch: spec.batch,
             seq_len: spec.seq_len,
             vocab: spec.vocab,
             targets: Some(targets),
-            mask: Some(generated.mask),
-            advantages: if grpo { generated.advantages } else { Vec::new() },
-            old_logp: (grpo && cfg.with_old_logp).then_some(generated.old_logp),
-            ref_logp: (grpo && cfg.with_ref_logp).then_some(generated.ref_logp),
+            mask: Some(rows.mask),
+            advantages: if grpo { rows.advantages } else { Vec::new() },
+            old_logp: (grpo && self.with_old_logp).then_some(old_ref.0),
+            ref_logp: (grpo && self.with_ref_logp).then_some(old_ref.1),
             is_ratio: None,
         };
-        if let Some((file, logits)) = file {
-            batch.logits = logits;
+        if let Some(file) = file {
             overlay_file_inputs(&mut batch, &file)?;
         }
         Ok(batch)
+    }
+
+    /// Hidden states `N(0, 1)` and an lm_head `N(0, logit_std^2 / H)` (logits of spread about
+    /// `logit_std`), optional bias `N(0, 0.5^2)`; old/ref log-probs near the true ones, which the
+    /// fused-linear logprob op computes.
+    #[allow(clippy::type_complexity)]
+    fn linear(&self, h: usize, rng: &mut Rng) -> Result<(LinearData, SyntheticRows, (Vec<f32>, Vec<f32>))> {
+        let spec = self.synthetic();
+        let (n, v) = (self.batch * self.seq_len, self.vocab);
+        let cast_rounded =
+            |x: Vec<f32>| -> Vec<f32> { cast(x, self.dtype).to_f64().into_iter().map(|v| v as f32).collect() };
+        let hidden = cast_rounded(normal_matrix(n, h, 1.0, self.seed));
+        let weight = cast_rounded(normal_matrix(v, h, self.logit_std / (h as f64).sqrt(), self.seed ^ 0x00E1));
+        let bias = self.with_bias.then(|| cast_rounded(normal_matrix(1, v, 0.5, self.seed ^ 0xB1A5)));
+        let rows = spec.rows(rng);
+        let logp_spec = LossSpec {
+            loss: Loss::Logprob,
+            rows: Rows { batch: self.batch, seq_len: self.seq_len, vocab: v, targets: Some(&rows.targets), mask: None },
+            options: &LossOptions::default(),
+            batch_shard: None,
+        };
+        let inputs = LinearInputs { hidden: &hidden, weight: &weight, bias: bias.as_deref(), hidden_size: h };
+        let logp = linear_forward(logp_spec, inputs, self.budget())?.logp.unwrap_or_default();
+        let logp: Vec<f64> = logp.iter().map(|&l| l as f64).collect();
+        let old_ref = spec.near(&logp, rng);
+        let linear = LinearData {
+            hidden: cast(hidden, self.dtype),
+            weight: cast(weight, self.dtype),
+            bias: bias.map(|b| cast(b, self.dtype)),
+            hidden_size: h,
+        };
+        Ok((linear, rows, old_ref))
     }
 }
 

@@ -9,32 +9,52 @@ use crate::batch::{Batch, OpName};
 use crate::config::{self, NoKeys};
 use crate::run::{run, Impl, Results};
 use crate::tensor_io::{write_atomically, Output, TensorFile};
+use flashgrpo_kernels::ChunkBudget;
+use serde::{Deserialize, Serialize};
 
 #[derive(Debug, clap::Args)]
 pub struct LossArgs {
     /// Which loss.
     #[arg(long, value_enum)]
     pub op: OpName,
-    /// safetensors file with `logits [B,T,V]`, `targets [B,T]`, optional `mask [B,T]`, and for
-    /// GRPO `advantages [B]`, optional `old_logp`, `ref_logp`, `is_ratio`.
+    /// safetensors file with `logits [B,T,V]` (or `hidden [B,T,H]`, `weight [V,H]`, optional
+    /// `bias [V]`), `targets [B,T]`, optional `mask [B,T]`, and for GRPO `advantages [B]`, optional
+    /// `old_logp`, `ref_logp`, `is_ratio`.
     #[arg(long)]
     pub inputs: PathBuf,
-    /// Output safetensors file: loss, per_token_loss, logp, entropy, (GRPO) kl, is_clipped, grad_logits.
+    /// Output safetensors file: loss, per_token_loss, logp, entropy, (GRPO) kl, is_clipped,
+    /// grad_logits (or grad_hidden, grad_weight, grad_bias).
     #[arg(long)]
     pub out: PathBuf,
     #[arg(long = "impl", value_enum, default_value_t = Impl::Fused)]
     pub implementation: Impl,
-    /// A loss option of LOSSES.md, e.g. `--set beta=0.04 --set loss_type=grpo`.
+    /// A loss option of LOSSES.md, e.g. `--set beta=0.04 --set loss_type=grpo`, or
+    /// `chunk_memory_mb` (fused-linear).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
 }
 
+/// `flashgrpo loss`'s own key, besides the loss options.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct LossKeys {
+    /// Fused-linear: the memory the streaming may use beyond inputs and gradients, in MiB.
+    chunk_memory_mb: usize,
+}
+
+impl Default for LossKeys {
+    fn default() -> Self {
+        Self { chunk_memory_mb: ChunkBudget::DEFAULT_MB }
+    }
+}
+
 pub fn main(args: LossArgs) -> Result<()> {
-    let options = config::load::<NoKeys, NoKeys>(config::Source::Defaults, &args.sets)?.options;
+    let loaded = config::load::<LossKeys, NoKeys>(config::Source::Defaults, &args.sets)?;
+    let (options, budget) = (loaded.options, ChunkBudget::from_mb(loaded.command.chunk_memory_mb));
     let file = TensorFile::read(&args.inputs)?;
     let batch = Batch::read(&file, args.op).with_context(|| format!("in {}", args.inputs.display()))?;
     drop(file);
-    let results = run(&batch, &options, args.implementation)?;
+    let results = run(&batch, &options, args.implementation, budget)?;
     write_atomically(&args.out, &outputs(&batch, results))?;
     Ok(())
 }
@@ -52,8 +72,8 @@ fn outputs(batch: &Batch, results: Results) -> Vec<Output> {
             out.push(Output::f32(name, bt.clone(), v));
         }
     }
-    if let Some(g) = &results.grad {
-        out.push(Output::logits_like("grad_logits", vec![batch.batch, batch.seq_len, batch.vocab], g));
+    for g in &results.grads {
+        out.push(Output::float(g.name, g.shape.clone(), &g.data));
     }
     out
 }

@@ -1,31 +1,47 @@
-//! Running one loss call with a chosen implementation, and what comes out of it.
+//! Running one loss call with a chosen implementation, on logits or on hidden states and an
+//! lm_head, and what comes out of it.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::ValueEnum;
+use flashgrpo_kernels::linear::reference as linear_reference;
 use flashgrpo_kernels::{
-    forward, forward_backward, forward_backward_in_place, reference, LossOptions, LossOutput, LossSpec,
+    forward, forward_backward, forward_backward_in_place, linear_forward, linear_forward_backward, reference,
+    ChunkBudget, LinearGradients, LinearInputs, LossOptions, LossOutput, LossSpec,
 };
 use serde::{Deserialize, Serialize};
 
-use crate::batch::Batch;
-use crate::tensor_io::{LogitElement, LogitsData, LogitsVisitor};
+use crate::batch::{Batch, LinearData, Scores};
+use crate::tensor_io::{FloatData, FloatElement, FloatVisitor};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum Impl {
     /// The f64 reference (materialises everything; slow, obviously right).
     Reference,
-    /// The streaming kernels, gradient into a new buffer.
+    /// The streaming kernels (logits: gradient into a new buffer; hidden states: fused-linear).
     #[default]
     Fused,
     /// The streaming kernels, gradient written over (a copy of) the logits.
     FusedInplace,
 }
 
-/// What a loss call produces: the outputs, and the gradient in the logits' dtype.
+/// One gradient output, in its input's dtype.
+pub struct Grad {
+    pub name: &'static str,
+    pub shape: Vec<usize>,
+    pub data: FloatData,
+}
+
+/// What a loss call produces: the outputs and the gradients.
 pub struct Results {
     pub output: LossOutput,
-    pub grad: Option<LogitsData>,
+    pub grads: Vec<Grad>,
+}
+
+/// The reference's f64 results, for comparisons: the outputs and each gradient by name.
+pub struct ReferenceResults {
+    pub output: reference::ReferenceOutput,
+    pub grads: Vec<(&'static str, Vec<f64>)>,
 }
 
 /// The streaming kernels on logits of any dtype.
@@ -34,10 +50,10 @@ pub struct Fused<'a> {
     pub in_place: bool,
 }
 
-impl LogitsVisitor for Fused<'_> {
-    type Out = Result<(LossOutput, Option<LogitsData>)>;
+impl FloatVisitor for Fused<'_> {
+    type Out = Result<(LossOutput, Option<FloatData>)>;
 
-    fn visit<T: LogitElement>(self, logits: &[T]) -> Self::Out {
+    fn visit<T: FloatElement>(self, logits: &[T]) -> Self::Out {
         let spec = self.spec;
         if !spec.loss.has_gradient() {
             return Ok((forward(spec, logits)?, None));
@@ -55,12 +71,58 @@ impl LogitsVisitor for Fused<'_> {
     }
 }
 
-/// Rounds an f64 gradient to the logits' dtype.
+/// The fused-linear kernels on hidden states of any dtype (the weight and bias of the same).
+pub struct FusedLinear<'a> {
+    pub spec: LossSpec<'a>,
+    pub linear: &'a LinearData,
+    pub budget: ChunkBudget,
+    pub shape: [usize; 3],
+}
+
+impl FloatVisitor for FusedLinear<'_> {
+    type Out = Result<(LossOutput, Vec<Grad>)>;
+
+    fn visit<T: FloatElement>(self, hidden: &[T]) -> Self::Out {
+        let lin = self.linear;
+        let inputs = LinearInputs {
+            hidden,
+            weight: typed::<T>(&lin.weight),
+            bias: lin.bias.as_ref().map(typed::<T>),
+            hidden_size: lin.hidden_size,
+        };
+        if !self.spec.loss.has_gradient() {
+            return Ok((linear_forward(self.spec, inputs, self.budget)?, Vec::new()));
+        }
+        let [b, t, v] = self.shape;
+        let h = lin.hidden_size;
+        let mut gh = vec![0.0f32; hidden.len()];
+        let mut gw = vec![0.0f32; v * h];
+        let mut gb = vec![0.0f32; if lin.bias.is_some() { v } else { 0 }];
+        let grads =
+            LinearGradients { hidden: &mut gh, weight: Some(&mut gw), bias: lin.bias.is_some().then_some(&mut gb[..]) };
+        let out = linear_forward_backward(self.spec, inputs, grads, self.budget)?;
+        let mut named = vec![
+            Grad { name: "grad_hidden", shape: vec![b, t, h], data: T::wrap_f32(&gh) },
+            Grad { name: "grad_weight", shape: vec![v, h], data: T::wrap_f32(&gw) },
+        ];
+        if lin.bias.is_some() {
+            named.push(Grad { name: "grad_bias", shape: vec![v], data: T::wrap_f32(&gb) });
+        }
+        Ok((out, named))
+    }
+}
+
+/// The weight or bias in the hidden states' dtype (`Batch::read` and `InputSpec` give one dtype).
+fn typed<T: FloatElement>(data: &FloatData) -> &[T] {
+    T::slice_of(data).expect("the hidden states, weight and bias share one dtype")
+}
+
+/// Rounds an f64 tensor to the dtype of the visited one.
 struct RoundLike<'a>(&'a [f64]);
 
-impl LogitsVisitor for RoundLike<'_> {
-    type Out = LogitsData;
-    fn visit<T: LogitElement>(self, _like: &[T]) -> LogitsData {
+impl FloatVisitor for RoundLike<'_> {
+    type Out = FloatData;
+    fn visit<T: FloatElement>(self, _like: &[T]) -> FloatData {
         T::wrap(self.0.iter().map(|&x| T::from_f32(x as f32)).collect())
     }
 }
@@ -69,9 +131,34 @@ fn to_f32(v: &[f64]) -> Vec<f32> {
     v.iter().map(|&x| x as f32).collect()
 }
 
-/// Runs the reference; returns its f64 output and the same rounded to the contract's dtypes.
-pub fn reference_results(batch: &Batch, options: &LossOptions) -> Result<(Results, reference::ReferenceOutput)> {
-    let r = reference::evaluate(batch.spec(options), &batch.logits.to_f64())?;
+/// A gradient of the reference: name, shape, values.
+type NamedGrad = (&'static str, Vec<usize>, Vec<f64>);
+
+/// Runs the reference: its f64 results, and the same rounded to the contract's dtypes.
+pub fn reference_results(batch: &Batch, options: &LossOptions) -> Result<(Results, ReferenceResults)> {
+    let spec = batch.spec(options);
+    let (b, t, v) = (batch.batch, batch.seq_len, batch.vocab);
+    let (r, grads, like): (_, Vec<NamedGrad>, &FloatData) = match &batch.scores {
+        Scores::Logits(logits) => {
+            let r = reference::evaluate(spec, &logits.to_f64())?;
+            let grads = r.grad.clone().map(|g| ("grad_logits", vec![b, t, v], g)).into_iter().collect();
+            (r, grads, logits)
+        }
+        Scores::Linear(lin) => {
+            let h = lin.hidden_size;
+            let bias = lin.bias.as_ref().map(FloatData::to_f64);
+            let r = linear_reference::evaluate(spec, &lin.hidden.to_f64(), &lin.weight.to_f64(), bias.as_deref(), h)?;
+            let mut grads = Vec::new();
+            if let (Some(gh), Some(gw)) = (r.grad_hidden, r.grad_weight) {
+                grads.push(("grad_hidden", vec![b, t, h], gh));
+                grads.push(("grad_weight", vec![v, h], gw));
+            }
+            if let Some(gb) = r.grad_bias {
+                grads.push(("grad_bias", vec![v], gb));
+            }
+            (r.output, grads, &lin.hidden)
+        }
+    };
     let output = LossOutput {
         loss: r.loss,
         per_token_loss: to_f32(&r.per_token_loss),
@@ -80,18 +167,39 @@ pub fn reference_results(batch: &Batch, options: &LossOptions) -> Result<(Result
         kl: r.kl.as_deref().map(to_f32),
         is_clipped: r.is_clipped.as_deref().map(to_f32),
     };
-    let results = Results { output, grad: r.grad.as_deref().map(|g| batch.logits.visit(RoundLike(g))) };
-    Ok((results, r))
+    let rounded = grads
+        .iter()
+        .map(|(name, shape, g)| Grad { name, shape: shape.clone(), data: like.visit(RoundLike(g)) })
+        .collect();
+    let exact = grads.into_iter().map(|(name, _, g)| (name, g)).collect();
+    Ok((Results { output, grads: rounded }, ReferenceResults { output: r, grads: exact }))
 }
 
 /// Runs `imp` on the batch.
-pub fn run(batch: &Batch, options: &LossOptions, imp: Impl) -> Result<Results> {
+pub fn run(batch: &Batch, options: &LossOptions, imp: Impl, budget: ChunkBudget) -> Result<Results> {
     let spec = batch.spec(options);
     let in_place = match imp {
         Impl::Reference => return Ok(reference_results(batch, options)?.0),
         Impl::Fused => false,
         Impl::FusedInplace => true,
     };
-    let (output, grad) = batch.logits.visit(Fused { spec, in_place })?;
-    Ok(Results { output, grad })
+    match &batch.scores {
+        Scores::Logits(logits) => {
+            let (output, grad) = logits.visit(Fused { spec, in_place })?;
+            let grads = grad.map(|data| Grad {
+                name: "grad_logits",
+                shape: vec![batch.batch, batch.seq_len, batch.vocab],
+                data,
+            });
+            Ok(Results { output, grads: grads.into_iter().collect() })
+        }
+        Scores::Linear(_) if in_place => {
+            bail!("`--impl fused-inplace` writes the gradient over the logits; with `hidden` and `weight` use `fused`")
+        }
+        Scores::Linear(linear) => {
+            let shape = [batch.batch, batch.seq_len, batch.vocab];
+            let (output, grads) = linear.hidden.visit(FusedLinear { spec, linear, budget, shape })?;
+            Ok(Results { output, grads })
+        }
+    }
 }

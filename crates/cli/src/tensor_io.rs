@@ -15,91 +15,117 @@ pub struct TensorFile {
     bytes: Vec<u8>,
 }
 
-/// Logits in their stored dtype.
-pub enum LogitsData {
+/// A float tensor (logits, hidden states, weights, gradients) in its stored dtype.
+pub enum FloatData {
     F32(Vec<f32>),
     BF16(Vec<bf16>),
     F16(Vec<f16>),
 }
 
-/// A logits element type that can be wrapped back into [`LogitsData`] or handed to candle.
-pub trait LogitElement: flashgrpo_kernels::Element + candle_core::WithDType {
-    fn wrap(values: Vec<Self>) -> LogitsData;
+/// An element type that can be wrapped back into [`FloatData`] or handed to candle.
+pub trait FloatElement: flashgrpo_kernels::Element + candle_core::WithDType {
+    fn wrap(values: Vec<Self>) -> FloatData;
+
+    /// The values of `data` when it holds this type.
+    fn slice_of(data: &FloatData) -> Option<&[Self]>;
+
+    /// f32 values rounded to this type.
+    fn wrap_f32(values: &[f32]) -> FloatData {
+        Self::wrap(values.iter().map(|&x| Self::from_f32(x)).collect())
+    }
 
     fn candle_tensor(values: &[Self], shape: (usize, usize)) -> candle_core::Result<candle_core::Tensor> {
         candle_core::Tensor::from_slice(values, shape, &candle_core::Device::Cpu)
     }
 }
 
-impl LogitElement for f32 {
-    fn wrap(values: Vec<Self>) -> LogitsData {
-        LogitsData::F32(values)
+impl FloatElement for f32 {
+    fn wrap(values: Vec<Self>) -> FloatData {
+        FloatData::F32(values)
+    }
+    fn slice_of(data: &FloatData) -> Option<&[Self]> {
+        match data {
+            FloatData::F32(v) => Some(v),
+            _ => None,
+        }
     }
 }
 
-impl LogitElement for bf16 {
-    fn wrap(values: Vec<Self>) -> LogitsData {
-        LogitsData::BF16(values)
+impl FloatElement for bf16 {
+    fn wrap(values: Vec<Self>) -> FloatData {
+        FloatData::BF16(values)
+    }
+    fn slice_of(data: &FloatData) -> Option<&[Self]> {
+        match data {
+            FloatData::BF16(v) => Some(v),
+            _ => None,
+        }
     }
 }
 
-impl LogitElement for f16 {
-    fn wrap(values: Vec<Self>) -> LogitsData {
-        LogitsData::F16(values)
+impl FloatElement for f16 {
+    fn wrap(values: Vec<Self>) -> FloatData {
+        FloatData::F16(values)
+    }
+    fn slice_of(data: &FloatData) -> Option<&[Self]> {
+        match data {
+            FloatData::F16(v) => Some(v),
+            _ => None,
+        }
     }
 }
 
-/// Code generic over the logits dtype, run on whichever [`LogitsData`] holds.
-pub trait LogitsVisitor {
+/// Code generic over the logits dtype, run on whichever [`FloatData`] holds.
+pub trait FloatVisitor {
     type Out;
-    fn visit<T: LogitElement>(self, logits: &[T]) -> Self::Out;
+    fn visit<T: FloatElement>(self, logits: &[T]) -> Self::Out;
 }
 
-/// As [`LogitsVisitor`], with the logits writable.
-pub trait LogitsVisitorMut {
+/// As [`FloatVisitor`], with the logits writable.
+pub trait FloatVisitorMut {
     type Out;
-    fn visit<T: LogitElement>(self, logits: &mut [T]) -> Self::Out;
+    fn visit<T: FloatElement>(self, logits: &mut [T]) -> Self::Out;
 }
 
-impl LogitsData {
-    pub fn visit<V: LogitsVisitor>(&self, visitor: V) -> V::Out {
+impl FloatData {
+    pub fn visit<V: FloatVisitor>(&self, visitor: V) -> V::Out {
         match self {
-            LogitsData::F32(v) => visitor.visit(v),
-            LogitsData::BF16(v) => visitor.visit(v),
-            LogitsData::F16(v) => visitor.visit(v),
+            FloatData::F32(v) => visitor.visit(v),
+            FloatData::BF16(v) => visitor.visit(v),
+            FloatData::F16(v) => visitor.visit(v),
         }
     }
 
-    pub fn visit_mut<V: LogitsVisitorMut>(&mut self, visitor: V) -> V::Out {
+    pub fn visit_mut<V: FloatVisitorMut>(&mut self, visitor: V) -> V::Out {
         match self {
-            LogitsData::F32(v) => visitor.visit(v),
-            LogitsData::BF16(v) => visitor.visit(v),
-            LogitsData::F16(v) => visitor.visit(v),
+            FloatData::F32(v) => visitor.visit(v),
+            FloatData::BF16(v) => visitor.visit(v),
+            FloatData::F16(v) => visitor.visit(v),
         }
     }
 
     pub fn dtype(&self) -> Dtype {
         match self {
-            LogitsData::F32(_) => Dtype::F32,
-            LogitsData::BF16(_) => Dtype::BF16,
-            LogitsData::F16(_) => Dtype::F16,
+            FloatData::F32(_) => Dtype::F32,
+            FloatData::BF16(_) => Dtype::BF16,
+            FloatData::F16(_) => Dtype::F16,
         }
     }
 
     pub fn size_in_bytes(&self) -> usize {
         match self {
-            LogitsData::F32(v) => std::mem::size_of_val(v.as_slice()),
-            LogitsData::BF16(v) => std::mem::size_of_val(v.as_slice()),
-            LogitsData::F16(v) => std::mem::size_of_val(v.as_slice()),
+            FloatData::F32(v) => std::mem::size_of_val(v.as_slice()),
+            FloatData::BF16(v) => std::mem::size_of_val(v.as_slice()),
+            FloatData::F16(v) => std::mem::size_of_val(v.as_slice()),
         }
     }
 
     /// Widened to f64, for the reference.
     pub fn to_f64(&self) -> Vec<f64> {
         match self {
-            LogitsData::F32(v) => v.iter().map(|&x| x as f64).collect(),
-            LogitsData::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
-            LogitsData::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            FloatData::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            FloatData::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            FloatData::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
         }
     }
 }
@@ -145,12 +171,12 @@ impl TensorFile {
         })
     }
 
-    pub fn logits(&self, name: &str) -> Result<(LogitsData, Vec<usize>)> {
-        let v = self.required(name, "the logits [B, T, V]")?;
+    pub fn float_tensor(&self, name: &str) -> Result<(FloatData, Vec<usize>)> {
+        let v = self.required(name, "a float tensor")?;
         let data = match v.dtype() {
-            Dtype::F32 => LogitsData::F32(chunks::<4>(v.data()).map(f32::from_le_bytes).collect()),
-            Dtype::BF16 => LogitsData::BF16(chunks::<2>(v.data()).map(bf16::from_le_bytes).collect()),
-            Dtype::F16 => LogitsData::F16(chunks::<2>(v.data()).map(f16::from_le_bytes).collect()),
+            Dtype::F32 => FloatData::F32(chunks::<4>(v.data()).map(f32::from_le_bytes).collect()),
+            Dtype::BF16 => FloatData::BF16(chunks::<2>(v.data()).map(bf16::from_le_bytes).collect()),
+            Dtype::F16 => FloatData::F16(chunks::<2>(v.data()).map(f16::from_le_bytes).collect()),
             other => return Err(self.mistyped(name, other, "F32, BF16 or F16")),
         };
         Ok((data, v.shape().to_vec()))
@@ -206,11 +232,11 @@ impl Output {
         }
     }
 
-    pub fn logits_like(name: &str, shape: Vec<usize>, data: &LogitsData) -> Self {
+    pub fn float(name: &str, shape: Vec<usize>, data: &FloatData) -> Self {
         let bytes = match data {
-            LogitsData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            LogitsData::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            LogitsData::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            FloatData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            FloatData::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            FloatData::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         };
         Self { name: name.into(), dtype: data.dtype(), shape, bytes }
     }

@@ -40,7 +40,18 @@ fn every_shipped_config_passes_and_prints_the_metrics() {
         let o = gradcheck(&["--config", config.to_str().unwrap(), "--set", "repeats=1"]);
         let stdout = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "{}: {}{}", config.display(), stdout, String::from_utf8_lossy(&o.stderr));
-        for m in METRICS {
+        let linear = config.to_string_lossy().contains("linear");
+        let expected: Vec<&str> = if linear {
+            METRICS
+                .iter()
+                .filter(|m| !m.starts_with("dlogits"))
+                .copied()
+                .chain(["dhidden_rel_norm", "dweight_rel_norm"])
+                .collect()
+        } else {
+            METRICS.to_vec()
+        };
+        for m in expected {
             assert!(stdout.lines().any(|l| l.split_whitespace().next() == Some(m)), "{} lacks {m}", config.display());
         }
         assert!(stdout.contains("gradcheck passed"));
@@ -121,6 +132,38 @@ fn bench_reports_every_metric_and_impls_agree() {
         losses.push(v["bench/loss"].as_f64().unwrap());
     }
     assert!((losses[0] - losses[1]).abs() < 1e-9 && (losses[0] - losses[2]).abs() < 1e-5, "{losses:?}");
+    // Fused-linear mode: the candle baseline (materialised logits) agrees with fused-linear.
+    let mut linear = Vec::new();
+    for imp in ["fused-linear", "baseline"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo"))
+            .args([
+                "bench",
+                "--json",
+                "--set",
+                "vocab=3000",
+                "--set",
+                "batch=2",
+                "--set",
+                "seq_len=16",
+                "--set",
+                "hidden_size=32",
+            ])
+            .args(["--set", "steps=2", "--set", "warmup=1", "--set", "with_bias=true", "--set", &format!("impl={imp}")])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{imp}: {}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        for key in ["bench/gflops", "bench/matmul_gflops", "mem/peak_above_grads_bytes", "shape/hidden"] {
+            assert!(!v[key].is_null(), "{imp} lacks {key}");
+        }
+        linear.push(v["bench/loss"].as_f64().unwrap());
+    }
+    assert!((linear[0] - linear[1]).abs() < 1e-4 * linear[0].abs().max(1.0), "{linear:?}");
+    let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo"))
+        .args(["bench", "--set", "hidden_size=8", "--set", "impl=fused"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("use fused-linear or baseline"));
     let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo")).args(["bench", "--set", "imp=fused"]).output().unwrap();
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown key `imp`"));
 }

@@ -262,3 +262,120 @@ fn bad_input_is_a_clear_error_and_writes_nothing() {
     let e = fails(&dir, "logprob", &[f32s("logits", vec![6, 4], &logits), good_ids()], &[]);
     assert!(e.contains("[B, T, V]"), "{e}");
 }
+
+#[test]
+fn fused_linear_inputs_give_the_linear_gradients() {
+    use flashgrpo_kernels::linear::reference as linear_reference;
+    use flashgrpo_kernels::synthetic::normal_matrix;
+    let dir = Dir::new("linear");
+    let (h, v) = (16, 40);
+    let hidden = normal_matrix(B * L, h, 1.0, 3);
+    let weight = normal_matrix(v, h, 0.5, 4);
+    let bias = normal_matrix(1, v, 0.5, 5);
+    let data =
+        SyntheticSpec { batch: B, seq_len: L, vocab: v, seed: 7, logit_std: 2.0, logp_noise: 0.3, mask_fraction: 0.3 }
+            .generate();
+    let input = dir.path("linear.safetensors");
+    let ids = |v: &[i64]| T {
+        name: "targets",
+        dtype: Dtype::I64,
+        shape: vec![B, L],
+        bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    };
+    write(
+        &input,
+        &[
+            f32s("hidden", vec![B, L, h], &hidden),
+            f32s("weight", vec![v, h], &weight),
+            f32s("bias", vec![v], &bias),
+            ids(&data.targets),
+            f32s("mask", vec![B, L], &data.mask),
+            f32s("advantages", vec![B], &data.advantages),
+        ],
+    );
+    let to64 = |x: &[f32]| -> Vec<f64> { x.iter().map(|&v| v as f64).collect() };
+    let options = LossOptions { loss_type: flashgrpo_kernels::LossType::Grpo, ..Default::default() };
+    let spec = LossSpec {
+        loss: Loss::Grpo(PolicyInputs { advantages: &data.advantages, old_logp: None, ref_logp: None, is_ratio: None }),
+        rows: Rows { batch: B, seq_len: L, vocab: v, targets: Some(&data.targets), mask: Some(&data.mask) },
+        options: &options,
+        batch_shard: None,
+    };
+    let want = linear_reference::evaluate(spec, &to64(&hidden), &to64(&weight), Some(&to64(&bias)), h).unwrap();
+    for imp in ["fused", "reference"] {
+        let out = dir.path("out.safetensors");
+        let o = bin()
+            .args([
+                "loss",
+                "--op",
+                "grpo",
+                "--impl",
+                imp,
+                "--set",
+                "loss_type=grpo",
+                "--set",
+                "chunk_memory_mb=1",
+                "--inputs",
+            ])
+            .arg(&input)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{imp}: {}", String::from_utf8_lossy(&o.stderr));
+        let bytes = std::fs::read(&out).unwrap();
+        assert!(SafeTensors::deserialize(&bytes).unwrap().tensor("grad_logits").is_err());
+        let (loss, _) = read_f32(&bytes, "loss");
+        assert!((loss[0] as f64 - want.output.loss).abs() < 1e-4 * want.output.loss.abs().max(1.0), "{imp}");
+        for (name, shape, w) in [
+            ("grad_hidden", vec![B, L, h], want.grad_hidden.as_ref().unwrap()),
+            ("grad_weight", vec![v, h], want.grad_weight.as_ref().unwrap()),
+            ("grad_bias", vec![v], want.grad_bias.as_ref().unwrap()),
+        ] {
+            let (g, s) = read_f32(&bytes, name);
+            assert_eq!(s, shape, "{name}");
+            let err: f64 = g.iter().zip(w.iter()).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt()
+                / w.iter().map(|b| b * b).sum::<f64>().sqrt();
+            assert!(err < 1e-4, "{imp} {name}: {err}");
+        }
+    }
+    // Bad combinations are named.
+    let e = fails(
+        &dir,
+        "grpo",
+        &[f32s("hidden", vec![B, L, h], &hidden), f32s("weight", vec![v, h + 1], &vec![0.0; v * (h + 1)])],
+        &[],
+    );
+    assert!(e.contains("`weight` has shape [40, 17] but `hidden` has shape [2, 3, 16]"), "{e}");
+    let logits = vec![0.0f32; B * L * v];
+    let e = fails(
+        &dir,
+        "logprob",
+        &[f32s("logits", vec![B, L, v], &logits), f32s("hidden", vec![B, L, h], &hidden), ids(&data.targets)],
+        &[],
+    );
+    assert!(e.contains("either `logits` or `hidden` and `weight`"), "{e}");
+    let bf = |name: &'static str, shape: Vec<usize>, x: &[f32]| T {
+        name,
+        dtype: Dtype::BF16,
+        shape,
+        bytes: x.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(),
+    };
+    let e = fails(
+        &dir,
+        "logprob",
+        &[f32s("hidden", vec![B, L, h], &hidden), bf("weight", vec![v, h], &weight), ids(&data.targets)],
+        &[],
+    );
+    assert!(e.contains("give them one dtype"), "{e}");
+    let input2 = dir.path("lin2.safetensors");
+    write(&input2, &[f32s("hidden", vec![B, L, h], &hidden), f32s("weight", vec![v, h], &weight), ids(&data.targets)]);
+    let o = bin()
+        .args(["loss", "--op", "logprob", "--impl", "fused-inplace", "--inputs"])
+        .arg(&input2)
+        .arg("--out")
+        .arg(dir.path("x.safetensors"))
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("with `hidden` and `weight` use `fused`"));
+}

@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use crate::cpu::{self, GradientTarget};
+use crate::cpu::{self, Block, GradientTarget};
 use crate::element::Element;
 use crate::error::LossError;
 use crate::inputs::{validate, BatchShard, Loss, Rows};
@@ -48,8 +48,12 @@ impl<'a> PreparedLoss<'a> {
         }
     }
 
+    pub(crate) fn spec(&self) -> &LossSpec<'a> {
+        &self.spec
+    }
+
     /// `sum u` feeds label smoothing only; the statistics skip it otherwise.
-    fn needs_sum_u(&self) -> bool {
+    pub(crate) fn needs_sum_u(&self) -> bool {
         matches!(self.spec.loss, Loss::CrossEntropy) && self.spec.options.label_smoothing != 0.0
     }
 
@@ -83,14 +87,8 @@ impl<'a> PreparedLoss<'a> {
         columns: Range<usize>,
     ) -> Result<Vec<PartialRowStats>, LossError> {
         self.check_shard_len(logits.len(), &columns)?;
-        cpu::statistics(
-            logits,
-            columns,
-            &self.spec.rows,
-            &self.active,
-            self.spec.options.temperature,
-            self.needs_sum_u(),
-        )
+        let block = Block::all_rows(&self.spec.rows, &self.active, columns);
+        cpu::statistics(logits, &block, self.spec.options.temperature, self.needs_sum_u())
     }
 
     /// Step 2 from the statistics of the whole vocabulary (one shard's, or [`combine_shards`]'s).
@@ -141,7 +139,12 @@ impl<'a> PreparedLoss<'a> {
         if grads.len() != self.spec.rows.len() {
             return Err(LossError::Shard(format!("{} row gradients for {} rows", grads.len(), self.spec.rows.len())));
         }
-        cpu::gradient(target, columns, &self.spec.rows, grads, self.spec.options.temperature);
+        cpu::gradient(
+            target,
+            &Block::all_rows(&self.spec.rows, &self.active, columns),
+            grads,
+            self.spec.options.temperature,
+        );
         Ok(())
     }
 }
@@ -198,8 +201,8 @@ fn run_with_gradient<T: Element>(
         GradientTarget::InPlace(l) => l.len(),
     };
     prepared.check_shard_len(len, &(0..spec.rows.vocab))?;
-    let rows =
-        cpu::sweep(target, &spec.rows, &prepared.active, &objective, spec.options.temperature, prepared.needs_sum_u())?;
+    let block = Block::all_rows(&spec.rows, &prepared.active, 0..spec.rows.vocab);
+    let rows = cpu::sweep(target, &block, &objective, spec.options.temperature, prepared.needs_sum_u())?;
     let (stats, outcomes): (Vec<RowStats>, Vec<_>) = rows.into_iter().unzip();
     Ok(objective.output(&spec.rows, &prepared.active, &stats, &outcomes))
 }

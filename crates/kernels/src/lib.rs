@@ -39,6 +39,7 @@ pub mod element;
 mod engine;
 pub mod error;
 pub mod inputs;
+pub mod linear;
 pub mod objective;
 pub mod options;
 pub mod reference;
@@ -51,6 +52,9 @@ pub use element::{DType, Element};
 pub use engine::{combine_shards, forward, forward_backward, forward_backward_in_place, LossSpec, PreparedLoss};
 pub use error::LossError;
 pub use inputs::{BatchShard, IsRatio, Loss, PolicyInputs, Rows};
+pub use linear::{
+    linear_forward, linear_forward_backward, ChunkBudget, LinearGradients, LinearInputs, PreparedLinearLoss,
+};
 pub use objective::{LossOutput, RowGradient};
 pub use options::{ImportanceSamplingLevel, LossOptions, LossType, Reduction};
 pub use stats::{PartialRowStats, RowStats};

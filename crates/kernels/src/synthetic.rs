@@ -73,30 +73,41 @@ pub struct SyntheticBatch {
     pub ref_logp: Vec<f32>,
 }
 
+/// A `rows x cols` matrix of `N(0, std^2)` values, one generator per row (seeded from `seed` and
+/// the row), so that rows fill in parallel and the result is the same for any thread count.
+pub fn normal_matrix(rows: usize, cols: usize, std: f64, seed: u64) -> Vec<f32> {
+    let mut values = vec![0.0f32; rows * cols];
+    values.par_chunks_mut(cols.max(1)).enumerate().for_each(|(row, out)| {
+        let mut rng = Rng::new(seed ^ (row as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03));
+        for pair in out.chunks_mut(2) {
+            let (a, b) = rng.normal_pair();
+            pair[0] = (a * std) as f32;
+            if let Some(x) = pair.get_mut(1) {
+                *x = (b * std) as f32;
+            }
+        }
+    });
+    values
+}
+
+/// The per-row inputs that do not depend on the logits.
+#[derive(Debug, Clone)]
+pub struct SyntheticRows {
+    pub targets: Vec<i64>,
+    pub mask: Vec<f32>,
+    pub advantages: Vec<f32>,
+}
+
 impl SyntheticSpec {
     /// Logits `N(0, logit_std^2)` and everything else to go with them.
     pub fn generate(&self) -> SyntheticBatch {
-        let v = self.vocab;
-        let mut logits = vec![0.0f32; self.batch * self.seq_len * v];
-        // One generator per row, so rows fill in parallel and the batch is the same for any
-        // thread count.
-        logits.par_chunks_mut(v.max(1)).enumerate().for_each(|(row, out)| {
-            let mut rng = Rng::new(self.seed ^ (row as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03));
-            for pair in out.chunks_mut(2) {
-                let (a, b) = rng.normal_pair();
-                pair[0] = (a * self.logit_std) as f32;
-                if let Some(x) = pair.get_mut(1) {
-                    *x = (b * self.logit_std) as f32;
-                }
-            }
-        });
+        let logits = normal_matrix(self.batch * self.seq_len, self.vocab, self.logit_std, self.seed);
         self.complete(logits, &mut Rng::new(self.seed))
     }
 
-    /// Targets, mask, advantages and old/ref log-probs for the given logits `[B*T*V]`.
-    pub fn complete(&self, logits: Vec<f32>, rng: &mut Rng) -> SyntheticBatch {
+    /// Targets, mask (the first row of each sequence is never masked) and advantages.
+    pub fn rows(&self, rng: &mut Rng) -> SyntheticRows {
         let (n, v) = (self.batch * self.seq_len, self.vocab);
-        assert_eq!(logits.len(), n * v, "logits must be [B*T*V]");
         let targets: Vec<i64> = (0..n).map(|_| rng.below(v) as i64).collect();
         let mask: Vec<f32> = (0..n)
             .map(|i| {
@@ -109,17 +120,29 @@ impl SyntheticSpec {
             })
             .collect();
         let advantages = (0..self.batch).map(|_| rng.normal() as f32).collect();
-        // A non-finite row gets a finite stand-in, so that the kernels, not the generated inputs,
-        // report the bad logits.
-        let logp: Vec<f64> = (0..n)
-            .into_par_iter()
-            .map(|i| true_logp(&logits[i * v..(i + 1) * v], targets[i] as usize))
-            .map(|l| if l.is_finite() { l } else { 0.0 })
-            .collect();
-        let near =
-            |rng: &mut Rng| -> Vec<f32> { logp.iter().map(|&l| (l + self.logp_noise * rng.normal()) as f32).collect() };
-        let old_logp = near(rng);
-        let ref_logp = near(rng);
+        SyntheticRows { targets, mask, advantages }
+    }
+
+    /// Old and reference log-probs: `logp` plus `N(0, logp_noise^2)` each. A non-finite `logp`
+    /// gets a finite stand-in, so that the kernels, not these inputs, report the bad logits.
+    pub fn near(&self, logp: &[f64], rng: &mut Rng) -> (Vec<f32>, Vec<f32>) {
+        let mut near = || -> Vec<f32> {
+            logp.iter()
+                .map(|&l| ((if l.is_finite() { l } else { 0.0 }) + self.logp_noise * rng.normal()) as f32)
+                .collect()
+        };
+        let old = near();
+        (old, near())
+    }
+
+    /// Targets, mask, advantages and old/ref log-probs for the given logits `[B*T*V]`.
+    pub fn complete(&self, logits: Vec<f32>, rng: &mut Rng) -> SyntheticBatch {
+        let (n, v) = (self.batch * self.seq_len, self.vocab);
+        assert_eq!(logits.len(), n * v, "logits must be [B*T*V]");
+        let SyntheticRows { targets, mask, advantages } = self.rows(rng);
+        let logp: Vec<f64> =
+            (0..n).into_par_iter().map(|i| true_logp(&logits[i * v..(i + 1) * v], targets[i] as usize)).collect();
+        let (old_logp, ref_logp) = self.near(&logp, rng);
         SyntheticBatch { logits, targets, mask, advantages, old_logp, ref_logp }
     }
 }

@@ -142,91 +142,110 @@ fn non_finite(rows: &Rows, row: usize) -> LossError {
     LossError::NonFiniteLogits { row, b, t }
 }
 
-/// Step 1: partial statistics of every active row over the columns `columns` of the vocabulary
-/// (`logits` holds `[N, columns.len()]`); `sum u` only when `sum_u`. Inactive rows are not read.
+/// Which part of the `[N, V]` logits a buffer holds: the rows `first_row..` (as many as the
+/// buffer has) and the vocabulary columns `columns`, of the batch described by `rows`.
+#[derive(Clone)]
+pub(crate) struct Block<'a> {
+    pub rows: &'a Rows<'a>,
+    pub active: &'a [bool],
+    pub first_row: usize,
+    pub columns: Range<usize>,
+}
+
+impl<'a> Block<'a> {
+    /// The whole batch, over `columns`.
+    pub fn all_rows(rows: &'a Rows<'a>, active: &'a [bool], columns: Range<usize>) -> Self {
+        Self { rows, active, first_row: 0, columns }
+    }
+
+    fn target(&self, row: usize) -> Option<usize> {
+        local_target(self.rows, row, &self.columns)
+    }
+}
+
+/// Step 1: partial statistics of every active row of the block (`logits` holds
+/// `[rows, columns.len()]`); `sum u` only when `sum_u`. Inactive rows are not read.
 /// A NaN or Inf makes the lowest such row an error.
 pub(crate) fn statistics<T: Element>(
     logits: &[T],
-    columns: Range<usize>,
-    rows: &Rows,
-    active: &[bool],
+    block: &Block<'_>,
     temperature: f64,
     sum_u: bool,
 ) -> Result<Vec<PartialRowStats>, LossError> {
-    let width = columns.len();
+    let width = block.columns.len();
     let inv_t = (1.0 / temperature) as f32;
     if width == 0 {
-        return Ok(vec![PartialRowStats::EMPTY; rows.len()]);
+        return Ok(vec![PartialRowStats::EMPTY; logits.len().checked_div(width).unwrap_or(0)]);
     }
     let k = Kernels::<T>::select();
     let stats: Vec<PartialRowStats> = logits
         .par_chunks(width)
         .with_min_len(rows_per_task(width))
         .enumerate()
-        .map(|(i, r)| {
-            if active[i] {
-                k.statistics(r, inv_t, local_target(rows, i, &columns), sum_u)
+        .map(|(local, r)| {
+            let i = block.first_row + local;
+            if block.active[i] {
+                k.statistics(r, inv_t, block.target(i), sum_u)
             } else {
                 PartialRowStats::EMPTY
             }
         })
         .collect();
-    match stats.iter().zip(active).position(|(s, &a)| a && !s.is_finite()) {
-        Some(row) => Err(non_finite(rows, row)),
+    match (0..stats.len()).find(|&l| block.active[block.first_row + l] && !stats[l].is_finite()) {
+        Some(local) => Err(non_finite(block.rows, block.first_row + local)),
         None => Ok(stats),
     }
 }
 
-/// Step 3: the gradient of every row over the columns `columns`.
+/// Step 3: the gradient of every row of the block; `grads` is indexed by global row.
 pub(crate) fn gradient<T: Element>(
     target: GradientTarget<'_, T>,
-    columns: Range<usize>,
-    rows: &Rows,
+    block: &Block<'_>,
     grads: &[RowGradient],
     temperature: f64,
 ) {
-    let width = columns.len();
+    let width = block.columns.len();
     if width == 0 {
         return;
     }
     let inv_t = (1.0 / temperature) as f32;
     let min_len = rows_per_task(width);
     let k = Kernels::<T>::select();
+    let first = block.first_row;
     match target {
         GradientTarget::Into { logits, out } => {
             out.par_chunks_mut(width).zip(logits.par_chunks(width)).with_min_len(min_len).enumerate().for_each(
-                |(i, (out, logits))| {
-                    k.gradient(GradientTarget::Into { logits, out }, &grads[i], inv_t, local_target(rows, i, &columns))
+                |(l, (out, logits))| {
+                    k.gradient(GradientTarget::Into { logits, out }, &grads[first + l], inv_t, block.target(first + l))
                 },
             )
         }
         GradientTarget::InPlace(logits) => {
-            logits.par_chunks_mut(width).with_min_len(min_len).enumerate().for_each(|(i, r)| {
-                k.gradient(GradientTarget::InPlace(r), &grads[i], inv_t, local_target(rows, i, &columns))
+            logits.par_chunks_mut(width).with_min_len(min_len).enumerate().for_each(|(l, r)| {
+                k.gradient(GradientTarget::InPlace(r), &grads[first + l], inv_t, block.target(first + l))
             })
         }
     }
 }
 
-/// Steps 1 to 3 row by row, for a row-local objective over the whole vocabulary. Returns each
-/// row's statistics and outcome in order, or the lowest row with a NaN or Inf (whose gradient is
-/// not written; other rows' may be).
+/// Steps 1 to 3 row by row, for a row-local objective, over a block of whole rows (columns
+/// `0..V`). Returns each row's statistics and outcome in order, or the lowest row with a NaN or
+/// Inf (whose gradient is not written; other rows' may be).
 pub(crate) fn sweep<T: Element>(
     target: GradientTarget<'_, T>,
-    rows: &Rows,
-    active: &[bool],
+    block: &Block<'_>,
     objective: &Objective<'_>,
     temperature: f64,
     sum_u: bool,
 ) -> Result<Vec<(RowStats, RowOutcome)>, LossError> {
     debug_assert!(objective.is_row_local());
-    let width = rows.vocab;
+    debug_assert_eq!(block.columns, 0..block.rows.vocab);
+    let width = block.rows.vocab;
     let inv_t = (1.0 / temperature) as f32;
-    let columns = 0..width;
     let k = Kernels::<T>::select();
     let one_row = |i: usize, write: GradientTarget<'_, T>| -> Option<(RowStats, RowOutcome)> {
-        let y = local_target(rows, i, &columns);
-        if !active[i] {
+        let y = block.target(i);
+        if !block.active[i] {
             k.gradient(write, &RowGradient::ZERO, inv_t, y);
             return Some((RowStats::default(), RowOutcome::ZERO));
         }
@@ -244,23 +263,24 @@ pub(crate) fn sweep<T: Element>(
         result
     };
     let min_len = rows_per_task(width);
+    let first = block.first_row;
     let results: Vec<Option<(RowStats, RowOutcome)>> = match target {
         GradientTarget::Into { logits, out } => out
             .par_chunks_mut(width)
             .zip(logits.par_chunks(width))
             .with_min_len(min_len)
             .enumerate()
-            .map(|(i, (out, logits))| one_row(i, GradientTarget::Into { logits, out }))
+            .map(|(l, (out, logits))| one_row(first + l, GradientTarget::Into { logits, out }))
             .collect(),
         GradientTarget::InPlace(logits) => logits
             .par_chunks_mut(width)
             .with_min_len(min_len)
             .enumerate()
-            .map(|(i, r)| one_row(i, GradientTarget::InPlace(r)))
+            .map(|(l, r)| one_row(first + l, GradientTarget::InPlace(r)))
             .collect(),
     };
     match results.iter().position(Option::is_none) {
-        Some(row) => Err(non_finite(rows, row)),
+        Some(local) => Err(non_finite(block.rows, first + local)),
         None => Ok(results.into_iter().flatten().collect()),
     }
 }

@@ -1,0 +1,258 @@
+//! Fused-linear losses against the f64 reference (full logits in f64): ragged shapes, every op and
+//! the main options, masks, bias, bf16, chunk budgets small enough to force many chunks and
+//! weight tiles, vocabulary shards, and bitwise determinism across thread counts.
+
+mod common;
+
+use common::{Case, Data, Op};
+use flashgrpo_kernels::linear::reference;
+use flashgrpo_kernels::synthetic::Rng;
+use flashgrpo_kernels::{
+    combine_shards, linear_forward, linear_forward_backward, ChunkBudget, Element, ImportanceSamplingLevel,
+    LinearGradients, LinearInputs, LossOutput, LossType, PreparedLinearLoss, Reduction,
+};
+use half::bf16;
+
+/// Hidden states and an lm_head for a case: logits of spread about 2.
+struct Linear {
+    h: usize,
+    hidden: Vec<f32>,
+    weight: Vec<f32>,
+    bias: Option<Vec<f32>>,
+}
+
+fn linear_for(case: &Case, h: usize, with_bias: bool) -> Linear {
+    let mut rng = Rng::new(case.seed ^ 0x11EA);
+    let (n, v) = (case.batch * case.seq_len, case.vocab);
+    let hidden = (0..n * h).map(|_| rng.normal() as f32).collect();
+    let scale = 2.0 / (h as f64).sqrt();
+    let weight = (0..v * h).map(|_| (rng.normal() * scale) as f32).collect();
+    let bias = with_bias.then(|| (0..v).map(|_| (rng.normal() * 0.5) as f32).collect());
+    Linear { h, hidden, weight, bias }
+}
+
+struct Got {
+    out: LossOutput,
+    grad_hidden: Vec<f32>,
+    grad_weight: Vec<f32>,
+    grad_bias: Vec<f32>,
+}
+
+fn run<T: Element>(data: &Data, lin: &Linear, budget: ChunkBudget) -> Got {
+    let hidden: Vec<T> = lin.hidden.iter().map(|&x| T::from_f32(x)).collect();
+    let weight: Vec<T> = lin.weight.iter().map(|&x| T::from_f32(x)).collect();
+    let bias: Option<Vec<T>> = lin.bias.as_ref().map(|b| b.iter().map(|&x| T::from_f32(x)).collect());
+    let inputs = LinearInputs { hidden: &hidden, weight: &weight, bias: bias.as_deref(), hidden_size: lin.h };
+    let spec = data.spec();
+    // NaN-filled: the gradients must be overwritten, not accumulated into.
+    let mut gh = vec![f32::NAN; hidden.len()];
+    let mut gw = vec![f32::NAN; weight.len()];
+    let mut gb = vec![f32::NAN; bias.as_ref().map_or(0, Vec::len)];
+    let out = if spec.loss.has_gradient() {
+        let grads =
+            LinearGradients { hidden: &mut gh, weight: Some(&mut gw), bias: bias.is_some().then_some(&mut gb[..]) };
+        linear_forward_backward(spec, inputs, grads, budget).unwrap()
+    } else {
+        linear_forward(spec, inputs, budget).unwrap()
+    };
+    Got { out, grad_hidden: gh, grad_weight: gw, grad_bias: gb }
+}
+
+fn rel_norm(got: &[f32], want: &[f64]) -> f64 {
+    let diff: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).powi(2)).sum();
+    let norm: f64 = want.iter().map(|w| w * w).sum();
+    (diff / norm.max(1e-300)).sqrt()
+}
+
+/// LOSSES.md's fused-linear tolerances: loss 1e-4 relative, gradients 1e-4 relative norm; the
+/// per-token outputs as the logits-level ones.
+fn check<T: Element>(data: &Data, lin: &Linear, budget: ChunkBudget) {
+    let round = |v: &[f32]| -> Vec<f64> { v.iter().map(|&x| T::from_f32(x).to_f32() as f64).collect() };
+    let want = reference::evaluate(
+        data.spec(),
+        &round(&lin.hidden),
+        &round(&lin.weight),
+        lin.bias.as_deref().map(round).as_deref(),
+        lin.h,
+    )
+    .unwrap();
+    let got = run::<T>(data, lin, budget);
+    let name = format!("{:?} {:?} H={} bias={} budget={budget:?}", data.case, T::DTYPE, lin.h, lin.bias.is_some());
+    let w = &want.output;
+    assert!(
+        (got.out.loss - w.loss).abs() <= 1e-4 * w.loss.abs().max(1e-2),
+        "loss {} vs {} in {name}",
+        got.out.loss,
+        w.loss
+    );
+    for (what, g, r) in
+        [("per_token_loss", &got.out.per_token_loss, &w.per_token_loss), ("entropy", &got.out.entropy, &w.entropy)]
+    {
+        for (a, b) in g.iter().zip(r) {
+            assert!((*a as f64 - b).abs() <= 2e-5 * b.abs().max(1.0), "{what}: {a} vs {b} in {name}");
+        }
+    }
+    if let Some(gh) = &want.grad_hidden {
+        assert!(rel_norm(&got.grad_hidden, gh) < 1e-4, "grad_hidden {} in {name}", rel_norm(&got.grad_hidden, gh));
+        let gw = want.grad_weight.as_ref().unwrap();
+        assert!(rel_norm(&got.grad_weight, gw) < 1e-4, "grad_weight {} in {name}", rel_norm(&got.grad_weight, gw));
+        if let Some(gb) = &want.grad_bias {
+            assert!(rel_norm(&got.grad_bias, gb) < 1e-4, "grad_bias {} in {name}", rel_norm(&got.grad_bias, gb));
+        }
+    }
+}
+
+/// Budgets: the default (one chunk), and ones small enough for 1-3 rows per chunk and (bf16)
+/// weight tiles of 16 rows.
+fn budgets(v: usize) -> [ChunkBudget; 3] {
+    [ChunkBudget::default(), ChunkBudget { bytes: 4 * (v + 64) * 2 }, ChunkBudget { bytes: 4 * v * 3 + 5000 }]
+}
+
+#[test]
+fn every_op_and_option_matches_the_reference() {
+    let grpo = |lt, level| {
+        Case::new(Op::Grpo, 3, 5, 67).with(|o| {
+            o.loss_type = lt;
+            o.importance_sampling_level = level;
+            o.beta = 0.04;
+            o.epsilon_high = Some(0.28);
+            o.entropy_coef = 0.01;
+            o.temperature = 0.9;
+        })
+    };
+    let mut cases = vec![
+        grpo(LossType::Dapo, ImportanceSamplingLevel::Token),
+        grpo(LossType::Grpo, ImportanceSamplingLevel::Sequence),
+        grpo(LossType::Sapo, ImportanceSamplingLevel::Token),
+        grpo(LossType::Cispo, ImportanceSamplingLevel::Token).with(|o| o.epsilon_high = Some(1.2)),
+        grpo(LossType::DrGrpo, ImportanceSamplingLevel::Sequence).with(|o| o.use_bias_correction_kl = true),
+        Case::new(Op::CrossEntropy, 2, 6, 67).with(|o| {
+            o.label_smoothing = 0.1;
+            o.z_loss = 1e-3;
+        }),
+        Case::new(Op::CrossEntropy, 2, 6, 67).with(|o| o.reduction = Reduction::Sum),
+        Case::new(Op::Logprob, 2, 4, 40),
+        Case::new(Op::Entropy, 2, 4, 40),
+    ];
+    cases[5].ignored = 0.2;
+    for case in cases {
+        let data = case.data();
+        for (h, bias) in [(8, false), (13, true), (1, true)] {
+            let lin = linear_for(&case, h, bias);
+            for budget in budgets(case.vocab) {
+                check::<f32>(&data, &lin, budget);
+                check::<bf16>(&data, &lin, budget);
+            }
+        }
+    }
+}
+
+#[test]
+fn ragged_shapes_and_masks() {
+    for &(b, t, v, h) in &[(1, 1, 1, 3), (1, 1, 2, 5), (2, 3, 17, 33), (1, 7, 300, 16), (3, 2, 1025, 24)] {
+        for mask in [common::MaskKind::None, common::MaskKind::Random(0.4), common::MaskKind::AllZero] {
+            let mut case = Case::new(Op::Grpo, b, t, v).with(|o| o.beta = 0.04);
+            case.mask = mask;
+            let data = case.data();
+            let lin = linear_for(&case, h, true);
+            for budget in budgets(v) {
+                check::<f32>(&data, &lin, budget);
+            }
+        }
+    }
+}
+
+#[test]
+fn bitwise_identical_for_any_thread_count_and_the_same_for_any_chunking() {
+    let case = Case::new(Op::Grpo, 4, 128, 3001).with(|o| o.beta = 0.04);
+    let data = case.data();
+    let lin = linear_for(&case, 256, true);
+    let at = |threads: usize, budget| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| run::<f32>(&data, &lin, budget))
+    };
+    let budget = ChunkBudget { bytes: 4 * 3001 * 200 };
+    let one = at(1, budget);
+    for threads in [2, 7] {
+        let other = at(threads, budget);
+        assert_eq!(one.out, other.out, "{threads} threads");
+        assert_eq!(one.grad_hidden, other.grad_hidden, "{threads} threads");
+        assert_eq!(one.grad_weight, other.grad_weight, "{threads} threads");
+        assert_eq!(one.grad_bias, other.grad_bias, "{threads} threads");
+    }
+    // Another chunking changes only the order of the weight-gradient sums over chunks.
+    let whole = at(2, ChunkBudget::default());
+    assert_eq!(one.out.per_token_loss, whole.out.per_token_loss);
+    assert_eq!(one.grad_hidden, whole.grad_hidden);
+    let w64: Vec<f64> = whole.grad_weight.iter().map(|&x| x as f64).collect();
+    assert!(rel_norm(&one.grad_weight, &w64) < 1e-6);
+}
+
+#[test]
+fn vocabulary_shards_equal_unsharded() {
+    for case in [
+        Case::new(Op::Grpo, 2, 5, 90).with(|o| o.beta = 0.04),
+        Case::new(Op::Grpo, 2, 5, 90).with(|o| o.importance_sampling_level = ImportanceSamplingLevel::Sequence),
+        Case::new(Op::CrossEntropy, 2, 5, 90).with(|o| o.label_smoothing = 0.1),
+    ] {
+        let data = case.data();
+        let lin = linear_for(&case, 12, true);
+        let (h, v, n) = (12, 90, 10);
+        let whole = run::<f32>(&data, &lin, ChunkBudget::default());
+        let prepared = PreparedLinearLoss::new(data.spec(), ChunkBudget { bytes: 4 * 40 * 3 }).unwrap();
+        let bounds = [0, 7, 40, 41, 90];
+        let bias = lin.bias.as_ref().unwrap();
+        let shard = |c: &std::ops::Range<usize>| LinearInputs {
+            hidden: &lin.hidden,
+            weight: &lin.weight[c.start * h..c.end * h],
+            bias: Some(&bias[c.clone()]),
+            hidden_size: h,
+        };
+        let ranges: Vec<_> = bounds.windows(2).map(|w| w[0]..w[1]).collect();
+        let parts: Vec<_> =
+            ranges.iter().map(|c| (c.clone(), prepared.statistics(shard(c), c.clone()).unwrap())).collect();
+        let (out, row_grads) = prepared.objective(&combine_shards(v, &parts).unwrap()).unwrap();
+        assert!((out.loss - whole.out.loss).abs() < 1e-6 * whole.out.loss.abs().max(1.0));
+        let mut gh = vec![0.0f32; n * h];
+        let mut gw = vec![0.0f32; v * h];
+        let mut gb = vec![0.0f32; v];
+        for c in &ranges {
+            let mut part = vec![0.0f32; n * h];
+            let grads = LinearGradients {
+                hidden: &mut part,
+                weight: Some(&mut gw[c.start * h..c.end * h]),
+                bias: Some(&mut gb[c.clone()]),
+            };
+            prepared.gradient(shard(c), c.clone(), &row_grads, grads).unwrap();
+            gh.iter_mut().zip(&part).for_each(|(a, b)| *a += b); // the all-reduce
+        }
+        let as64 = |v: &[f32]| -> Vec<f64> { v.iter().map(|&x| x as f64).collect() };
+        assert!(rel_norm(&gh, &as64(&whole.grad_hidden)) < 1e-6);
+        assert!(rel_norm(&gw, &as64(&whole.grad_weight)) < 1e-6);
+        assert!(rel_norm(&gb, &as64(&whole.grad_bias)) < 1e-6);
+    }
+}
+
+#[test]
+fn bad_shapes_are_named() {
+    let case = Case::new(Op::Logprob, 1, 2, 10);
+    let data = case.data();
+    let lin = linear_for(&case, 4, false);
+    let inputs = LinearInputs { hidden: &lin.hidden[..7], weight: &lin.weight, bias: None, hidden_size: 4 };
+    let e = linear_forward(data.spec(), inputs, ChunkBudget::default()).unwrap_err().to_string();
+    assert!(e.contains("`hidden`") && e.contains("B*T*H = 1*2*4"), "{e}");
+    let inputs = LinearInputs { hidden: &lin.hidden, weight: &lin.weight[..39], bias: None, hidden_size: 4 };
+    let e = linear_forward(data.spec(), inputs, ChunkBudget::default()).unwrap_err().to_string();
+    assert!(e.contains("`weight`") && e.contains("V*H = 10*4"), "{e}");
+    let b = [0.0f32; 3];
+    let inputs = LinearInputs { hidden: &lin.hidden, weight: &lin.weight, bias: Some(&b), hidden_size: 4 };
+    assert!(linear_forward(data.spec(), inputs, ChunkBudget::default()).unwrap_err().to_string().contains("`bias`"));
+    let inputs = LinearInputs { hidden: &lin.hidden, weight: &lin.weight, bias: None, hidden_size: 4 };
+    let mut gh = vec![0.0; 3];
+    let grads = LinearGradients { hidden: &mut gh, weight: None, bias: None };
+    let e = linear_forward_backward(data.spec(), inputs, grads, ChunkBudget::default()).unwrap_err().to_string();
+    assert!(e.contains("grad_hidden"), "{e}");
+}
