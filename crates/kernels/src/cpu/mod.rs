@@ -142,20 +142,21 @@ fn non_finite(rows: &Rows, row: usize) -> LossError {
     LossError::NonFiniteLogits { row, b, t }
 }
 
-/// Which part of the `[N, V]` logits a buffer holds: the rows `first_row..` (as many as the
-/// buffer has) and the vocabulary columns `columns`, of the batch described by `rows`.
+/// Which part of the `[N, V]` logits a buffer holds: the rows `first_row..first_row + len` and
+/// the vocabulary columns `columns`, of the batch described by `rows`.
 #[derive(Clone)]
 pub(crate) struct Block<'a> {
     pub rows: &'a Rows<'a>,
     pub active: &'a [bool],
     pub first_row: usize,
+    pub len: usize,
     pub columns: Range<usize>,
 }
 
 impl<'a> Block<'a> {
     /// The whole batch, over `columns`.
     pub fn all_rows(rows: &'a Rows<'a>, active: &'a [bool], columns: Range<usize>) -> Self {
-        Self { rows, active, first_row: 0, columns }
+        Self { rows, active, first_row: 0, len: rows.len(), columns }
     }
 
     fn target(&self, row: usize) -> Option<usize> {
@@ -175,7 +176,7 @@ pub(crate) fn statistics<T: Element>(
     let width = block.columns.len();
     let inv_t = (1.0 / temperature) as f32;
     if width == 0 {
-        return Ok(vec![PartialRowStats::EMPTY; logits.len().checked_div(width).unwrap_or(0)]);
+        return Ok(vec![PartialRowStats::EMPTY; block.len]);
     }
     let k = Kernels::<T>::select();
     let stats: Vec<PartialRowStats> = logits

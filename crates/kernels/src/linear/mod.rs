@@ -244,6 +244,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             rows: &self.prepared.spec().rows,
             active: self.prepared.active_rows(),
             first_row: chunk.start,
+            len: chunk.len(),
             columns: self.columns.clone(),
         }
     }
@@ -272,6 +273,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 rows: &self.prepared.spec().rows,
                 active: self.prepared.active_rows(),
                 first_row: chunk.start,
+                len: chunk.len(),
                 columns: self.columns.clone(),
             };
             cpu::gradient(GradientTarget::InPlace(&mut self.z[..n]), &block, row_grads, temperature);
@@ -295,6 +297,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 rows: &self.prepared.spec().rows,
                 active: self.prepared.active_rows(),
                 first_row: chunk.start,
+                len: chunk.len(),
                 columns: self.columns.clone(),
             };
             results.extend(cpu::sweep(
