@@ -1,0 +1,166 @@
+//! The candle loss ops: `loss.backward()` gives the kernels' gradients (checked against the f64
+//! references), upstream gradients scale them, untracked inputs get none, and the fused-linear
+//! op agrees with candle's own matmul + log-softmax composition.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use flashgrpo_candle::{loss_from_hidden, loss_from_logits, LossInputs, LossKind};
+use flashgrpo_kernels::linear::reference as linear_reference;
+use flashgrpo_kernels::synthetic::{normal_matrix, SyntheticSpec};
+use flashgrpo_kernels::{reference, ChunkBudget, Loss, LossOptions, LossSpec, PolicyInputs, Rows};
+
+const B: usize = 2;
+const T: usize = 5;
+const V: usize = 37;
+const H: usize = 12;
+
+fn inputs(kind_grpo: bool) -> (Arc<LossInputs>, flashgrpo_kernels::synthetic::SyntheticBatch) {
+    let data =
+        SyntheticSpec { batch: B, seq_len: T, vocab: V, seed: 3, logit_std: 2.0, logp_noise: 0.3, mask_fraction: 0.2 }
+            .generate();
+    let kind = if kind_grpo {
+        LossKind::Grpo {
+            advantages: data.advantages.clone(),
+            old_logp: Some(data.old_logp.clone()),
+            ref_logp: Some(data.ref_logp.clone()),
+            is_ratio: None,
+        }
+    } else {
+        LossKind::CrossEntropy
+    };
+    let options = LossOptions { beta: 0.04, label_smoothing: 0.1, ..Default::default() };
+    let inputs = LossInputs {
+        kind,
+        batch: B,
+        seq_len: T,
+        targets: Some(data.targets.clone()),
+        mask: Some(data.mask.clone()),
+        options,
+        budget: ChunkBudget { bytes: 4 * V * 3 },
+    };
+    (Arc::new(inputs), data)
+}
+
+fn spec<'a>(i: &'a LossInputs, data: &'a flashgrpo_kernels::synthetic::SyntheticBatch) -> LossSpec<'a> {
+    let loss = match &i.kind {
+        LossKind::Grpo { .. } => Loss::Grpo(PolicyInputs {
+            advantages: &data.advantages,
+            old_logp: Some(&data.old_logp),
+            ref_logp: Some(&data.ref_logp),
+            is_ratio: None,
+        }),
+        _ => Loss::CrossEntropy,
+    };
+    LossSpec {
+        loss,
+        rows: Rows { batch: B, seq_len: T, vocab: V, targets: Some(&data.targets), mask: Some(&data.mask) },
+        options: &i.options,
+        batch_shard: None,
+    }
+}
+
+fn to_vec(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+fn rel_norm(got: &[f64], want: &[f64]) -> f64 {
+    let d: f64 = got.iter().zip(want).map(|(a, b)| (a - b).powi(2)).sum();
+    (d / want.iter().map(|b| b * b).sum::<f64>()).sqrt()
+}
+
+#[test]
+fn logits_loss_backward_gives_the_reference_gradient() {
+    for grpo in [true, false] {
+        let (inputs, data) = inputs(grpo);
+        let want =
+            reference::evaluate(spec(&inputs, &data), &data.logits.iter().map(|&x| x as f64).collect::<Vec<_>>())
+                .unwrap();
+        let logits =
+            Var::from_tensor(&Tensor::from_vec(data.logits.clone(), (B, T, V), &Device::Cpu).unwrap()).unwrap();
+        let out = loss_from_logits(logits.as_tensor(), &inputs).unwrap();
+        let loss = out.loss.to_scalar::<f32>().unwrap() as f64;
+        assert!((loss - want.loss).abs() < 1e-5 * want.loss.abs().max(1.0));
+        assert_eq!(out.per_token_loss.dims(), [B, T]);
+        let pt = to_vec(&out.per_token_loss);
+        assert!(pt.iter().zip(&want.per_token_loss).all(|(a, b)| (a - b).abs() < 1e-5 * b.abs().max(1.0)));
+        // An upstream gradient of 3 (loss * 3) scales the gradient.
+        let grads = (out.loss * 3.0).unwrap().backward().unwrap();
+        let g = to_vec(grads.get(&logits).unwrap());
+        let want3: Vec<f64> = want.grad.unwrap().iter().map(|x| 3.0 * x).collect();
+        assert!(rel_norm(&g, &want3) < 1e-5);
+    }
+}
+
+#[test]
+fn untracked_logits_cost_no_gradient() {
+    let (inputs, data) = inputs(true);
+    let logits = Tensor::from_vec(data.logits.clone(), (B, T, V), &Device::Cpu).unwrap();
+    let out = loss_from_logits(&logits, &inputs).unwrap();
+    assert!(!out.loss.track_op());
+    let bf = logits.to_dtype(DType::BF16).unwrap();
+    let out16 = loss_from_logits(&bf, &inputs).unwrap();
+    assert!((out16.loss.to_scalar::<f32>().unwrap() - out.loss.to_scalar::<f32>().unwrap()).abs() < 0.05);
+}
+
+#[test]
+fn fused_linear_backward_gives_the_reference_gradients() {
+    for grpo in [true, false] {
+        let (inputs, data) = inputs(grpo);
+        let hidden = normal_matrix(B * T, H, 1.0, 21);
+        let weight = normal_matrix(V, H, 0.5, 22);
+        let bias = normal_matrix(1, V, 0.3, 23);
+        let to64 = |v: &[f32]| -> Vec<f64> { v.iter().map(|&x| x as f64).collect() };
+        let want =
+            linear_reference::evaluate(spec(&inputs, &data), &to64(&hidden), &to64(&weight), Some(&to64(&bias)), H)
+                .unwrap();
+        let dev = Device::Cpu;
+        let h = Var::from_tensor(&Tensor::from_vec(hidden.clone(), (B, T, H), &dev).unwrap()).unwrap();
+        let w = Var::from_tensor(&Tensor::from_vec(weight.clone(), (V, H), &dev).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::from_vec(bias.clone(), V, &dev).unwrap()).unwrap();
+        let out = loss_from_hidden(h.as_tensor(), w.as_tensor(), Some(b.as_tensor()), &inputs).unwrap();
+        let loss = out.loss.to_scalar::<f32>().unwrap() as f64;
+        assert!((loss - want.output.loss).abs() < 1e-4 * want.output.loss.abs().max(1.0));
+        let grads = out.loss.backward().unwrap();
+        assert!(rel_norm(&to_vec(grads.get(&h).unwrap()), want.grad_hidden.as_ref().unwrap()) < 1e-4);
+        assert!(rel_norm(&to_vec(grads.get(&w).unwrap()), want.grad_weight.as_ref().unwrap()) < 1e-4);
+        assert!(rel_norm(&to_vec(grads.get(&b).unwrap()), want.grad_bias.as_ref().unwrap()) < 1e-4);
+
+        // A frozen lm_head (a plain tensor) gets no gradient and costs no product.
+        let frozen = Tensor::from_vec(weight.clone(), (V, H), &dev).unwrap();
+        let out = loss_from_hidden(h.as_tensor(), &frozen, None, &inputs).unwrap();
+        let grads = out.loss.backward().unwrap();
+        assert!(grads.get(&frozen).is_none());
+        assert!(grads.get(&h).is_some());
+    }
+}
+
+#[test]
+fn fused_linear_agrees_with_candle_matmul_and_log_softmax() {
+    // Cross-entropy without smoothing, composed from candle ops on the materialised logits.
+    let (inputs, data) = inputs(false);
+    let inputs = Arc::new(LossInputs { options: LossOptions::default(), ..(*inputs).clone() });
+    let dev = Device::Cpu;
+    let h = Var::from_tensor(&Tensor::from_vec(normal_matrix(B * T, H, 1.0, 31), (B, T, H), &dev).unwrap()).unwrap();
+    let w = Var::from_tensor(&Tensor::from_vec(normal_matrix(V, H, 0.5, 32), (V, H), &dev).unwrap()).unwrap();
+    let ours = loss_from_hidden(h.as_tensor(), w.as_tensor(), None, &inputs).unwrap();
+    let g_ours = ours.loss.backward().unwrap();
+
+    let logits = h.as_tensor().reshape((B * T, H)).unwrap().matmul(&w.as_tensor().t().unwrap()).unwrap();
+    let lse = {
+        let m = logits.max_keepdim(D::Minus1).unwrap().detach();
+        (logits.broadcast_sub(&m).unwrap().exp().unwrap().sum_keepdim(D::Minus1).unwrap().log().unwrap() + m).unwrap()
+    };
+    let ids: Vec<u32> = data.targets.iter().map(|&y| y as u32).collect();
+    let ids = Tensor::from_vec(ids, (B * T, 1), &dev).unwrap();
+    let nll = (lse - logits.gather(&ids, 1).unwrap()).unwrap().squeeze(1).unwrap();
+    let mask = Tensor::from_vec(data.mask.clone(), B * T, &dev).unwrap();
+    let count: f32 = data.mask.iter().sum();
+    let slow = ((nll * mask).unwrap().sum_all().unwrap() / count as f64).unwrap();
+    let g_slow = slow.backward().unwrap();
+    assert!((ours.loss.to_scalar::<f32>().unwrap() - slow.to_scalar::<f32>().unwrap()).abs() < 1e-5);
+    for v in [&h, &w] {
+        let (a, b) = (to_vec(g_ours.get(v).unwrap()), to_vec(g_slow.get(v).unwrap()));
+        assert!(rel_norm(&a, &b) < 1e-5, "{}", rel_norm(&a, &b));
+    }
+}
