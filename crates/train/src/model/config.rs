@@ -1,0 +1,140 @@
+//! The Qwen2 configuration, as Hugging Face's `config.json` writes it (Qwen2 and Qwen2.5).
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::TrainError;
+
+/// A Qwen2 / Qwen2.5 `config.json`. Unknown keys are kept through a round trip in `extra`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Qwen2Config {
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    #[serde(default = "default_model_type")]
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    /// Newer configs give it; Qwen2's is `hidden_size / num_attention_heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    #[serde(default = "default_rms_norm_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    #[serde(default = "default_initializer_range")]
+    pub initializer_range: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bos_token_id: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eos_token_id: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub torch_dtype: Option<String>,
+    #[serde(default)]
+    pub use_sliding_window: bool,
+    /// Unused (no sliding window), kept for other tools that require them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_window_layers: Option<usize>,
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+fn default_model_type() -> String {
+    "qwen2".into()
+}
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+fn default_rms_norm_eps() -> f64 {
+    1e-6
+}
+fn default_act() -> String {
+    "silu".into()
+}
+fn default_initializer_range() -> f64 {
+    0.02
+}
+
+impl Qwen2Config {
+    /// A small configuration for tests and for models trained from scratch.
+    pub fn tiny(vocab_size: usize, hidden_size: usize, layers: usize, heads: usize, kv_heads: usize) -> Self {
+        Self {
+            architectures: vec!["Qwen2ForCausalLM".into()],
+            model_type: "qwen2".into(),
+            vocab_size,
+            hidden_size,
+            intermediate_size: hidden_size * 3,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim: None,
+            max_position_embeddings: 2048,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            hidden_act: "silu".into(),
+            initializer_range: 0.02,
+            bos_token_id: None,
+            eos_token_id: None,
+            torch_dtype: Some("float32".into()),
+            use_sliding_window: false,
+            sliding_window: Some(2048),
+            max_window_layers: Some(layers),
+            extra: serde_json::Map::new(),
+        }
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// The end-of-sequence token ids the config names (one id or a list).
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        match &self.eos_token_id {
+            Some(serde_json::Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_u64().map(|v| v as u32)).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Rejects what this implementation does not run: other architectures, other activations,
+    /// sliding-window attention, inconsistent head counts.
+    pub fn validate(&self, source: &str) -> Result<(), TrainError> {
+        let bad = |why: String| Err(TrainError::Config { origin: source.to_string(), why });
+        let arch_ok = self.architectures.is_empty() || self.architectures.iter().any(|a| a == "Qwen2ForCausalLM");
+        if self.model_type != "qwen2" || !arch_ok {
+            return bad(format!(
+                "unsupported architecture (model_type `{}`, architectures {:?}); flashgrpo runs Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`)",
+                self.model_type, self.architectures
+            ));
+        }
+        if self.hidden_act != "silu" {
+            return bad(format!("hidden_act `{}` is not supported (Qwen2 uses `silu`)", self.hidden_act));
+        }
+        if self.use_sliding_window {
+            return bad("use_sliding_window = true is not supported".into());
+        }
+        if self.num_attention_heads == 0
+            || self.num_key_value_heads == 0
+            || self.num_attention_heads % self.num_key_value_heads != 0
+        {
+            return bad(format!(
+                "num_attention_heads = {} must be a positive multiple of num_key_value_heads = {}",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if self.head_dim() % 2 != 0 || self.head_dim() == 0 {
+            return bad(format!("the head dimension {} must be even", self.head_dim()));
+        }
+        Ok(())
+    }
+}

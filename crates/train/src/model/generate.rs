@@ -1,0 +1,159 @@
+//! Batched sampling with a KV cache: prompts left-padded, positions counted from each row's first
+//! real token (as Hugging Face's `generate` does), temperature, top-k and top-p (nucleus)
+//! filtering, and a stop at end-of-sequence per row.
+
+use candle_core::{Device, Result, Tensor};
+use flashgrpo_kernels::synthetic::Rng;
+
+use super::qwen2::{KvCache, Qwen2};
+
+/// How tokens are drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// 0 means greedy.
+    pub temperature: f64,
+    /// Keep the `top_k` most likely tokens; 0 keeps all.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`; 1 keeps all.
+    pub top_p: f64,
+    pub max_new_tokens: usize,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Self { temperature: 1.0, top_k: 0, top_p: 1.0, max_new_tokens: 64 }
+    }
+}
+
+/// What `generate` produced for each prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generated {
+    /// The completion's tokens, ending with the end-of-sequence token when one was drawn.
+    pub completions: Vec<Vec<u32>>,
+    /// Whether each completion ended with end-of-sequence (rather than at `max_new_tokens`).
+    pub finished: Vec<bool>,
+}
+
+/// Draws one token from `logits` (f32, `[V]`).
+pub fn sample(logits: &[f32], s: &Sampling, rng: &mut Rng) -> u32 {
+    let argmax =
+        || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0;
+    if s.temperature <= 0.0 {
+        return argmax() as u32;
+    }
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if s.top_k > 0 {
+        order.truncate(s.top_k);
+    }
+    let max = logits[order[0]] as f64;
+    let weights: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - max) / s.temperature).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut keep = weights.len();
+    if s.top_p < 1.0 {
+        let mut cumulative = 0.0;
+        for (n, w) in weights.iter().enumerate() {
+            cumulative += w / total;
+            if cumulative >= s.top_p {
+                keep = n + 1;
+                break;
+            }
+        }
+    }
+    let kept: f64 = weights[..keep].iter().sum();
+    let mut u = rng.uniform() * kept;
+    for (n, w) in weights[..keep].iter().enumerate() {
+        u -= w;
+        if u < 0.0 {
+            return order[n] as u32;
+        }
+    }
+    order[keep - 1] as u32
+}
+
+/// Generates a completion for each prompt (token ids), in one batch.
+pub fn generate(
+    model: &Qwen2,
+    prompts: &[Vec<u32>],
+    s: &Sampling,
+    eos: &[u32],
+    pad: u32,
+    rng: &mut Rng,
+) -> Result<Generated> {
+    let b = prompts.len();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let mut ids = Vec::with_capacity(b * longest);
+    let mut mask = Vec::with_capacity(b * longest);
+    let mut positions = Vec::with_capacity(b * longest);
+    let mut next_position = vec![0u32; b];
+    for (r, p) in prompts.iter().enumerate() {
+        let pad_len = longest - p.len();
+        ids.extend(std::iter::repeat_n(pad, pad_len).chain(p.iter().copied()));
+        mask.extend(std::iter::repeat_n(0u8, pad_len).chain(std::iter::repeat_n(1u8, p.len())));
+        positions.extend(std::iter::repeat_n(0u32, pad_len).chain(0..p.len() as u32));
+        next_position[r] = p.len() as u32;
+    }
+    if longest + s.max_new_tokens > model.max_positions() {
+        candle_core::bail!(
+            "prompt ({longest}) + max_new_tokens ({}) exceed max_position_embeddings ({})",
+            s.max_new_tokens,
+            model.max_positions()
+        );
+    }
+    let mut cache = KvCache::default();
+    let input = Tensor::from_vec(ids, (b, longest), &Device::Cpu)?;
+    let mut hidden = model.forward(&input, Some(mask), positions, Some(&mut cache), false)?;
+    let mut completions = vec![Vec::new(); b];
+    let mut finished = vec![false; b];
+    for _ in 0..s.max_new_tokens {
+        let t = hidden.dim(1)?;
+        let logits: Vec<Vec<f32>> = model.logits(&hidden.narrow(1, t - 1, 1)?)?.squeeze(1)?.to_vec2()?;
+        let mut step = Vec::with_capacity(b);
+        let mut step_mask = Vec::with_capacity(b);
+        for r in 0..b {
+            if finished[r] {
+                step.push(pad);
+                step_mask.push(0u8);
+                continue;
+            }
+            let token = sample(&logits[r], s, rng);
+            completions[r].push(token);
+            finished[r] = eos.contains(&token);
+            step.push(token);
+            step_mask.push(1u8);
+        }
+        if finished.iter().all(|&f| f) {
+            break;
+        }
+        let positions: Vec<u32> = next_position.clone();
+        for p in next_position.iter_mut() {
+            *p += 1;
+        }
+        let input = Tensor::from_vec(step, (b, 1), &Device::Cpu)?;
+        hidden = model.forward(&input, Some(step_mask), positions, Some(&mut cache), false)?;
+    }
+    Ok(Generated { completions, finished })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_filters() {
+        let logits = [0.0f32, 3.0, 1.0, 2.9, -5.0];
+        let mut rng = Rng::new(1);
+        let greedy = Sampling { temperature: 0.0, ..Default::default() };
+        assert_eq!(sample(&logits, &greedy, &mut rng), 1);
+        let top2 = Sampling { top_k: 2, ..Default::default() };
+        assert!((0..200).all(|_| [1, 3].contains(&sample(&logits, &top2, &mut rng))));
+        // Nucleus: tokens 1 and 3 hold ~0.85 of the mass; p = 0.8 keeps exactly them.
+        let nucleus = Sampling { top_p: 0.8, ..Default::default() };
+        assert!((0..200).all(|_| [1, 3].contains(&sample(&logits, &nucleus, &mut rng))));
+        let all = Sampling::default();
+        let draws: Vec<u32> = (0..2000).map(|_| sample(&logits, &all, &mut rng)).collect();
+        let share = draws.iter().filter(|&&t| t == 2).count() as f64 / 2000.0;
+        let want = 1f64.exp() / [0.0f64, 3.0, 1.0, 2.9, -5.0].iter().map(|x| x.exp()).sum::<f64>();
+        assert!((share - want).abs() < 0.02, "{share} vs {want}");
+    }
+}
