@@ -4,6 +4,7 @@ mod baseline;
 mod batch;
 mod bench;
 mod config;
+mod forward_cmd;
 mod gradcheck;
 mod input_spec;
 mod loss_cmd;
@@ -42,6 +43,8 @@ enum Command {
     Gradcheck(config::ConfigArgs),
     /// Time forward + backward and measure peak memory (fused, fused-inplace, or the candle baseline).
     Bench(config::ConfigArgs),
+    /// Logits and last hidden states of a Hugging Face Qwen2 directory on given token ids.
+    Forward(forward_cmd::ForwardArgs),
 }
 
 fn main() -> ExitCode {
@@ -63,5 +66,6 @@ fn run(cli: Cli) -> Result<()> {
         Command::Loss(args) => loss_cmd::main(args),
         Command::Gradcheck(args) => gradcheck::main(args),
         Command::Bench(args) => bench::main(args),
+        Command::Forward(args) => forward_cmd::main(args),
     }
 }

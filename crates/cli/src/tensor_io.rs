@@ -202,13 +202,16 @@ impl TensorFile {
         }
     }
 
-    /// An optional 0/1 mask: f32, u8 or bool, returned as f32.
+    /// An optional 0/1 mask: f32, u8, bool, i64 or i32 (Hugging Face's `attention_mask` is
+    /// int64), returned as f32.
     pub fn mask(&self, name: &str) -> Result<Option<(Vec<f32>, Vec<usize>)>> {
         let Some(v) = self.view(name) else { return Ok(None) };
         let data = match v.dtype() {
             Dtype::F32 => chunks::<4>(v.data()).map(f32::from_le_bytes).collect(),
             Dtype::U8 | Dtype::BOOL => v.data().iter().map(|&b| b as f32).collect(),
-            other => return Err(self.mistyped(name, other, "F32, U8 or BOOL")),
+            Dtype::I64 => chunks::<8>(v.data()).map(|b| i64::from_le_bytes(b) as f32).collect(),
+            Dtype::I32 => chunks::<4>(v.data()).map(|b| i32::from_le_bytes(b) as f32).collect(),
+            other => return Err(self.mistyped(name, other, "F32, U8, BOOL, I64 or I32")),
         };
         Ok(Some((data, v.shape().to_vec())))
     }

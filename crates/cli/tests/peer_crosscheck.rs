@@ -1,30 +1,56 @@
-//! The cross-check against code no one here wrote: `tests/peers/crosscheck.py` runs
-//! `flashgrpo loss` on inputs made with PyTorch and compares with `F.cross_entropy`, Liger-Kernel's
-//! `LigerFusedLinearGRPOLoss` and TRL-style float64 autograd. The peers' venv is created on first
-//! use by `bench/peers/setup.sh` (set `FLASHGRPO_PEERS_VENV` to use another location).
+//! Checks against code no one here wrote, in the peers' venv (created on first use by
+//! `bench/peers/setup.sh`; set `FLASHGRPO_PEERS_VENV` to use another location):
+//! - `tests/peers/crosscheck.py`: `flashgrpo loss` against `F.cross_entropy`, Liger-Kernel's
+//!   `LigerFusedLinearGRPOLoss` and TRL-style float64 autograd;
+//! - `tests/peers/hf_forward.py`: `flashgrpo forward` against Hugging Face transformers' Qwen2.
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Mutex;
 
-#[test]
-fn flashgrpo_loss_matches_pytorch_and_liger_kernel() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+static SETUP: Mutex<Option<String>> = Mutex::new(None);
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The venv's python, creating the venv once.
+fn python() -> String {
+    let mut cached = SETUP.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = cached.as_ref() {
+        return p.clone();
+    }
     let mut setup = Command::new("bash");
-    setup.arg(root.join("bench/peers/setup.sh"));
+    setup.arg(root().join("bench/peers/setup.sh"));
     if let Ok(dir) = std::env::var("FLASHGRPO_PEERS_VENV") {
         setup.arg(dir);
     }
     let out = setup.output().expect("bash runs");
     assert!(out.status.success(), "peer venv setup failed:\n{}", String::from_utf8_lossy(&out.stderr));
     let python = String::from_utf8_lossy(&out.stdout).lines().last().expect("setup prints the python path").to_string();
-    let out = Command::new(&python)
-        .arg(root.join("tests/peers/crosscheck.py"))
+    *cached = Some(python.clone());
+    python
+}
+
+fn run_script(script: &str) {
+    let out = Command::new(python())
+        .arg(root().join(script))
         .arg("--bin")
         .arg(env!("CARGO_BIN_EXE_flashgrpo"))
         .output()
         .expect("python runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
-    assert!(out.status.success(), "cross-check failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{script} failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains(" 0 failures"), "{stdout}");
+}
+
+#[test]
+fn flashgrpo_loss_matches_pytorch_and_liger_kernel() {
+    run_script("tests/peers/crosscheck.py");
+}
+
+#[test]
+fn flashgrpo_forward_matches_hugging_face_transformers() {
+    run_script("tests/peers/hf_forward.py");
 }

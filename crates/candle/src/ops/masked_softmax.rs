@@ -1,7 +1,9 @@
 //! Softmax over attention scores `[B, heads, Tq, Tk]` with the causal mask and a key padding mask
 //! applied inside (no `-inf` tensor is built), and its backward `dS = P (dP - sum(dP P))`.
-//! A query that may see no key at all (a left-padding query) attends uniformly to every key, as
-//! Hugging Face's additive `finfo.min` mask makes it do; its gradient is zero.
+//! A query that may see no key at all (a left-padding query) gets all-zero weights, hence a zero
+//! attention output, as Hugging Face transformers' default (SDPA) attention gives it; its
+//! gradient is zero. (Its eager attention attends uniformly instead; the real tokens' outputs
+//! are the same either way.)
 
 use std::sync::Arc;
 
@@ -56,8 +58,7 @@ impl MaskedSoftmax {
                 }
             }
             let Some(max) = max else {
-                p.fill(R::from_f64(1.0 / tk as f64));
-                return;
+                return; // sees no key: all zero
             };
             let mut sum = R::default();
             for (j, (p, &v)) in p.iter_mut().zip(s).enumerate() {

@@ -106,6 +106,27 @@ impl Qwen2Config {
         }
     }
 
+    /// Reads what newer `config.json` files nest (transformers 5 writes `rope_parameters:
+    /// {rope_theta, rope_type}` instead of a top-level `rope_theta`), then validates.
+    pub fn resolve(&mut self, source: &str) -> Result<(), TrainError> {
+        let bad = |why: String| Err(TrainError::Config { origin: source.to_string(), why });
+        if let Some(rope) = self.extra.get("rope_parameters").and_then(|r| r.as_object()) {
+            if let Some(theta) = rope.get("rope_theta").and_then(|t| t.as_f64()) {
+                self.rope_theta = theta;
+            }
+            if let Some(kind) = rope.get("rope_type").and_then(|t| t.as_str()).filter(|k| *k != "default") {
+                return bad(format!("rope_type `{kind}` is not supported (only the default rotary embedding)"));
+            }
+        }
+        if let Some(scaling) = self.extra.get("rope_scaling").filter(|s| !s.is_null()) {
+            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(|t| t.as_str()).unwrap_or("?");
+            if kind != "default" {
+                return bad(format!("rope_scaling `{kind}` is not supported (only the default rotary embedding)"));
+            }
+        }
+        self.validate(source)
+    }
+
     /// Rejects what this implementation does not run: other architectures, other activations,
     /// sliding-window attention, inconsistent head counts.
     pub fn validate(&self, source: &str) -> Result<(), TrainError> {

@@ -19,9 +19,9 @@ pub fn load_config(dir: &Path) -> Result<Qwen2Config> {
         return Err(TrainError::MissingFile { dir: dir.into(), file: "config.json".into(), hint: String::new() });
     }
     let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-    let config: Qwen2Config = serde_json::from_str(&text)
+    let mut config: Qwen2Config = serde_json::from_str(&text)
         .map_err(|e| TrainError::Config { origin: path.display().to_string(), why: e.to_string() })?;
-    config.validate(&path.display().to_string())?;
+    config.resolve(&path.display().to_string())?;
     Ok(config)
 }
 
