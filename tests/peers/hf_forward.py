@@ -25,7 +25,7 @@ def main():
     p.add_argument("--bin", required=True)
     args = p.parse_args()
     torch.manual_seed(0)
-    failures = []
+    failures, checks = [], 0
     for tied in (True, False):
         cfg = Qwen2Config(vocab_size=151, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -56,6 +56,7 @@ def main():
                 real = mask.bool() if with_mask else torch.ones_like(mask, dtype=torch.bool)
                 for name, a, b in [("logits", ours["logits"], theirs.logits),
                                    ("hidden_states", ours["hidden_states"], theirs.hidden_states[-1])]:
+                    checks += 1
                     e = rel(a[real], b[real])
                     print(f"tied={tied} mask={with_mask} {name}: max relative difference {e:.2e} (real tokens)")
                     if not e <= 1e-4:
@@ -65,7 +66,7 @@ def main():
                         print(f"tied={tied} mask={with_mask} {name}: {e_all:.2e} over every position, padding included")
                         if not e_all <= 1e-4:
                             failures.append(f"tied={tied} mask={with_mask} {name} (padding included) {e_all:.2e}")
-    print(f"{len(failures)} failures")
+    print(f"{checks} checks, {len(failures)} failures")
     for f in failures:
         print("FAIL", f)
     sys.exit(1 if failures else 0)
