@@ -8,6 +8,7 @@
 //! - [`ops`]: RMSNorm, rotary embedding and masked attention softmax with backward (candle's fast
 //!   versions of these drop gradients).
 
+pub mod composed;
 pub mod loss;
 pub mod ops;
 mod storage;

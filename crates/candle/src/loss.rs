@@ -52,7 +52,34 @@ pub struct LossInputs {
 }
 
 impl LossInputs {
-    fn spec(&self, vocab: usize) -> LossSpec<'_> {
+    /// An owned copy of a kernels' loss spec.
+    pub fn from_spec(spec: &LossSpec<'_>, budget: ChunkBudget) -> Self {
+        let kind = match spec.loss {
+            Loss::Grpo(p) => LossKind::Grpo {
+                advantages: p.advantages.to_vec(),
+                old_logp: p.old_logp.map(<[f32]>::to_vec),
+                ref_logp: p.ref_logp.map(<[f32]>::to_vec),
+                is_ratio: p.is_ratio.map(|r| match r {
+                    IsRatio::PerToken(v) => (v.to_vec(), false),
+                    IsRatio::PerSequence(v) => (v.to_vec(), true),
+                }),
+            },
+            Loss::CrossEntropy => LossKind::CrossEntropy,
+            Loss::Entropy => LossKind::Entropy,
+            Loss::Logprob => LossKind::Logprob,
+        };
+        Self {
+            kind,
+            batch: spec.rows.batch,
+            seq_len: spec.rows.seq_len,
+            targets: spec.rows.targets.map(<[i64]>::to_vec),
+            mask: spec.rows.mask.map(<[f32]>::to_vec),
+            options: spec.options.clone(),
+            budget,
+        }
+    }
+
+    pub(crate) fn spec(&self, vocab: usize) -> LossSpec<'_> {
         let loss = match &self.kind {
             LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio } => Loss::Grpo(PolicyInputs {
                 advantages,

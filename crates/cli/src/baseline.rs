@@ -3,9 +3,11 @@
 //! original system's pure-JAX baseline). It materialises the `[N, V]` log-softmax and several
 //! temporaries of that size, which is the cost the fused kernels remove.
 
-use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, Var, D};
-use flashgrpo_kernels::{ImportanceSamplingLevel, IsRatio, Loss, LossOptions, LossSpec, LossType, Reduction};
+use anyhow::{Context, Result};
+use candle_core::{DType, Tensor, Var};
+use flashgrpo_candle::composed::ComposedLoss;
+use flashgrpo_candle::LossInputs;
+use flashgrpo_kernels::{ChunkBudget, LossSpec};
 
 use crate::tensor_io::FloatElement;
 
@@ -54,155 +56,23 @@ impl Source {
     }
 }
 
-/// Inputs as candle tensors, built once; each step builds the graph and runs backward.
+/// The baseline's inputs: where the logits come from, and the composed loss.
 pub struct Inputs {
     source: Source,
-    /// `[N, 1]` u32 (masked rows clamped into range; the mask zeroes them).
-    targets: Tensor,
-    /// `[N]` f32 0/1.
-    mask: Tensor,
-    valid_rows: f64,
-    batch: usize,
-    seq_len: usize,
+    composed: ComposedLoss,
+    rows: usize,
     vocab: usize,
-    options: LossOptions,
-    kind: Kind,
-}
-
-enum Kind {
-    Grpo { advantages: Tensor, old: Option<Tensor>, reference: Option<Tensor>, is_ratio: Option<Tensor> },
-    CrossEntropy,
-    Logprob,
-}
-
-fn rows_tensor(v: &[f32]) -> Result<Tensor> {
-    Ok(Tensor::from_slice(v, v.len(), &Device::Cpu)?)
 }
 
 impl Inputs {
     pub fn new(spec: LossSpec<'_>, source: Source) -> Result<Self> {
-        let o = spec.options;
-        let rows = spec.rows;
-        let n = rows.len();
-        let unsupported = |what: &str| -> Result<Self> { bail!("the candle baseline does not implement {what}") };
-        let mut mask: Vec<f32> = rows.mask.map_or_else(|| vec![1.0; n], <[f32]>::to_vec);
-        let targets: Vec<u32> = rows
-            .targets
-            .unwrap_or_default()
-            .iter()
-            .map(|&y| if (0..rows.vocab as i64).contains(&y) { y as u32 } else { 0 })
-            .collect();
-        let kind = match spec.loss {
-            Loss::Grpo(p) => {
-                if !o.loss_type.is_ppo_family() || o.importance_sampling_level == ImportanceSamplingLevel::Sequence {
-                    return unsupported("cispo, sapo or sequence-level importance sampling");
-                }
-                if o.entropy_coef != 0.0 {
-                    return unsupported("the entropy bonus");
-                }
-                let per_row_adv: Vec<f32> = (0..n).map(|i| p.advantages[i / rows.seq_len]).collect();
-                let is_ratio = p.is_ratio.map(|r| match r {
-                    IsRatio::PerToken(v) => v.to_vec(),
-                    IsRatio::PerSequence(v) => (0..n).map(|i| v[i / rows.seq_len]).collect(),
-                });
-                Kind::Grpo {
-                    advantages: rows_tensor(&per_row_adv)?,
-                    old: p.old_logp.map(rows_tensor).transpose()?,
-                    reference: p.ref_logp.map(rows_tensor).transpose()?,
-                    is_ratio: is_ratio.as_deref().map(rows_tensor).transpose()?,
-                }
-            }
-            Loss::CrossEntropy => {
-                for (m, &y) in mask.iter_mut().zip(rows.targets.unwrap_or_default()) {
-                    if y == o.ignore_index {
-                        *m = 0.0;
-                    }
-                }
-                Kind::CrossEntropy
-            }
-            Loss::Logprob => Kind::Logprob,
-            Loss::Entropy => return unsupported("the entropy op (it has no gradient to time)"),
-        };
-        let valid_rows = mask.iter().map(|&m| m as f64).sum();
-        Ok(Self {
-            source,
-            targets: Tensor::from_slice(&targets, (n, 1), &Device::Cpu)?,
-            mask: rows_tensor(&mask)?,
-            valid_rows,
-            batch: rows.batch,
-            seq_len: rows.seq_len,
-            vocab: rows.vocab,
-            options: o.clone(),
-            kind,
-        })
+        let inputs = LossInputs::from_spec(&spec, ChunkBudget::default());
+        let (rows, vocab) = (spec.rows.len(), spec.rows.vocab);
+        Ok(Self { source, composed: ComposedLoss::new(&inputs, vocab)?, rows, vocab })
     }
 
-    /// The loss as a scalar tensor, built from the logits variable.
     fn loss(&self) -> Result<Tensor> {
-        let o = &self.options;
-        let n = self.targets.dims()[0];
-        let x = self.source.logits_tensor(n, self.vocab)?.affine(1.0 / o.temperature, 0.0)?;
-        let z = x.broadcast_sub(&x.max_keepdim(D::Minus1)?.detach())?;
-        let lse_shifted = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
-        let log_softmax = z.broadcast_sub(&lse_shifted)?;
-        let logp = log_softmax.gather(&self.targets, D::Minus1)?.squeeze(D::Minus1)?;
-        let masked_sum = |per: &Tensor| -> Result<Tensor> { Ok((per * &self.mask)?.sum_all()?) };
-        let scalar = |t: Tensor, k: f64| -> Result<Tensor> { Ok(t.affine(k, 0.0)?) };
-        match &self.kind {
-            Kind::Logprob => masked_sum(&logp),
-            Kind::CrossEntropy => {
-                let s = o.label_smoothing;
-                let mut per = logp.neg()?.affine(1.0 - s, 0.0)?;
-                if s != 0.0 {
-                    let smooth = log_softmax.mean_keepdim(D::Minus1)?.squeeze(D::Minus1)?.neg()?;
-                    per = (per + smooth.affine(s, 0.0)?)?;
-                }
-                if o.z_loss != 0.0 {
-                    let lse = (x.max_keepdim(D::Minus1)?.detach() + lse_shifted)?.squeeze(D::Minus1)?;
-                    per = (per + lse.sqr()?.affine(o.z_loss, 0.0)?)?;
-                }
-                let total = masked_sum(&per)?;
-                match o.reduction {
-                    Reduction::Mean => scalar(total, 1.0 / self.valid_rows.max(1.0)),
-                    Reduction::Sum | Reduction::None => Ok(total),
-                }
-            }
-            Kind::Grpo { advantages, old, reference, is_ratio } => {
-                let old = old.clone().unwrap_or_else(|| logp.detach());
-                let ratio = (&logp - &old)?.exp()?;
-                let clipped = ratio.clamp(1.0 - o.epsilon_low, 1.0 + o.epsilon_high())?;
-                let unclipped = match o.delta {
-                    Some(d) => ratio.clamp(f64::MIN, d)?,
-                    None => ratio.clone(),
-                };
-                let mut per = (&unclipped * advantages)?.minimum(&(&clipped * advantages)?)?.neg()?;
-                if let Some(k) = is_ratio {
-                    per = (per * k)?;
-                }
-                if let (Some(r), true) = (reference, o.beta != 0.0) {
-                    let d = (r - &logp)?;
-                    let mut kl = ((d.exp()? - &d)? - 1.0)?;
-                    if o.use_bias_correction_kl {
-                        kl = (kl * &ratio)?;
-                    }
-                    per = (per + kl.affine(o.beta, 0.0)?)?;
-                }
-                match o.loss_type {
-                    LossType::Grpo => {
-                        let shape = (self.batch, self.seq_len);
-                        let per_seq = (per * &self.mask)?.reshape(shape)?.sum(D::Minus1)?;
-                        let count = self.mask.reshape(shape)?.sum(D::Minus1)?.clamp(1.0, f64::MAX)?;
-                        scalar((per_seq / count)?.sum_all()?, 1.0 / self.batch as f64)
-                    }
-                    LossType::Bnpo => scalar(masked_sum(&per)?, 1.0 / self.valid_rows.max(1.0)),
-                    LossType::DrGrpo => {
-                        let mcl = o.max_completion_length.unwrap_or(self.seq_len) as f64;
-                        scalar(masked_sum(&per)?, 1.0 / (self.batch as f64 * mcl))
-                    }
-                    _ => scalar(masked_sum(&per)?, 1.0 / o.num_items.unwrap_or(self.valid_rows).max(1.0)),
-                }
-            }
-        }
+        Ok(self.composed.loss(&self.source.logits_tensor(self.rows, self.vocab)?)?)
     }
 
     /// One step: the loss and its gradients with respect to the source's variables (the logits,
