@@ -97,8 +97,8 @@ impl ComposedLoss {
         let lse_shifted = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
         let log_softmax = z.broadcast_sub(&lse_shifted)?;
         let logp = log_softmax.gather(&self.targets, D::Minus1)?.squeeze(D::Minus1)?;
-        let masked_sum = |per: &Tensor| -> Result<Tensor> { Ok((per * &self.mask)?.sum_all()?) };
-        let scalar = |t: Tensor, k: f64| -> Result<Tensor> { Ok(t.affine(k, 0.0)?) };
+        let masked_sum = |per: &Tensor| -> Result<Tensor> { (per * &self.mask)?.sum_all() };
+        let scalar = |t: Tensor, k: f64| -> Result<Tensor> { t.affine(k, 0.0) };
         match &self.kind {
             Kind::Logprob => masked_sum(&logp),
             Kind::CrossEntropy => {
