@@ -146,14 +146,14 @@ impl Qwen2Config {
         }
         if self.num_attention_heads == 0
             || self.num_key_value_heads == 0
-            || self.num_attention_heads % self.num_key_value_heads != 0
+            || !self.num_attention_heads.is_multiple_of(self.num_key_value_heads)
         {
             return bad(format!(
                 "num_attention_heads = {} must be a positive multiple of num_key_value_heads = {}",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim() % 2 != 0 || self.head_dim() == 0 {
+        if !self.head_dim().is_multiple_of(2) || self.head_dim() == 0 {
             return bad(format!("the head dimension {} must be even", self.head_dim()));
         }
         Ok(())
