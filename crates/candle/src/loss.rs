@@ -9,7 +9,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, InplaceOp1, Layout, Result, Shape, Tensor,
+};
 use flashgrpo_kernels::{
     forward, forward_backward, linear_forward, linear_forward_backward, ChunkBudget, Element, IsRatio, LinearGradients,
     LinearInputs, Loss, LossOptions, LossOutput, LossSpec, PolicyInputs, Rows,
@@ -158,33 +160,39 @@ fn scalar(loss: f64) -> (CpuStorage, Shape) {
     (CpuStorage::F32(vec![loss as f32]), Shape::from(()))
 }
 
-/// Scales a kept gradient by the upstream scalar gradient (skipped when it is one).
+/// Scales a kept gradient by the upstream scalar gradient, in place: the backward owns the kept
+/// tensor (it is taken from the op's state), so no second `[N, V]` or `[V, H]` buffer is made.
 fn scaled(grad: Option<Tensor>, upstream: &Tensor) -> Result<Option<Tensor>> {
     let Some(grad) = grad else { return Ok(None) };
     let k = upstream.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    if k == 1.0 {
-        return Ok(Some(grad));
+    if k != 1.0 {
+        grad.inplace_op1(&ScaleInPlace(k))?;
     }
-    Ok(Some(grad.apply_op1_no_bwd(&Scale(k))?))
+    Ok(Some(grad))
 }
 
-/// `x * k` in x's dtype.
-struct Scale(f64);
+/// `x *= k` in x's dtype.
+struct ScaleInPlace(f64);
 
-impl CustomOp1 for Scale {
+impl InplaceOp1 for ScaleInPlace {
     fn name(&self) -> &'static str {
         "flashgrpo-scale"
     }
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = floats(storage, layout, "gradient")?;
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        use rayon::prelude::*;
+        let Some((start, end)) = layout.contiguous_offsets() else { bail!("flashgrpo-scale: not contiguous") };
         let k = self.0;
-        let out = crate::storage::compute(
-            &x,
-            |v| v.into_iter().map(|g| (g as f64 * k) as f32).collect(),
-            |v| v.into_iter().map(|g| g * k).collect(),
-        );
-        Ok((out, layout.shape().clone()))
+        match storage {
+            CpuStorage::F32(v) => v[start..end].par_iter_mut().for_each(|g| *g = (*g as f64 * k) as f32),
+            CpuStorage::F64(v) => v[start..end].par_iter_mut().for_each(|g| *g *= k),
+            CpuStorage::BF16(v) => {
+                v[start..end].par_iter_mut().for_each(|g| *g = bf16::from_f64(g.to_f64() * k));
+            }
+            CpuStorage::F16(v) => v[start..end].par_iter_mut().for_each(|g| *g = f16::from_f64(g.to_f64() * k)),
+            _ => bail!("flashgrpo-scale: not a float gradient"),
+        }
+        Ok(())
     }
 }
 
@@ -252,9 +260,11 @@ impl CustomOp1 for LogitsLoss {
     }
 
     fn bwd(&self, _logits: &Tensor, _loss: &Tensor, upstream: &Tensor) -> Result<Option<Tensor>> {
-        let grad = self.state.lock().expect("not poisoned").grads.first().cloned().flatten();
+        let grad = self.state.lock().expect("not poisoned").grads.first_mut().and_then(Option::take);
         if grad.is_none() {
-            bail!("flashgrpo-loss: the forward ran without gradient tracking on the logits");
+            bail!(
+                "flashgrpo-loss: the forward ran without gradient tracking on the logits, or the backward already ran"
+            );
         }
         scaled(grad, upstream)
     }
@@ -360,9 +370,9 @@ impl LinearLoss {
     }
 
     fn backward(&self, upstream: &Tensor, count: usize) -> Result<Vec<Option<Tensor>>> {
-        let grads = self.state.lock().expect("not poisoned").grads.clone();
+        let grads = std::mem::take(&mut self.state.lock().expect("not poisoned").grads);
         if grads.is_empty() {
-            bail!("flashgrpo-linear-loss: the forward ran without gradient tracking");
+            bail!("flashgrpo-linear-loss: the forward ran without gradient tracking, or the backward already ran");
         }
         grads.into_iter().take(count).map(|g| scaled(g, upstream)).collect()
     }

@@ -85,16 +85,9 @@ fn keys_of<C: Serialize + Default>() -> Result<Vec<String>> {
     Ok(defaults.as_object().map(|m| m.keys().cloned().collect()).unwrap_or_default())
 }
 
-/// Reads the source, applies `sets`, and splits the flat keys between the loss options, the
-/// command's own section `C` and the inputs section `I` (each must reject unknown fields and give
-/// every field a default; a section's keys are those of its default value).
-pub fn load<C, I>(source: Source<'_>, sets: &[String]) -> Result<Loaded<C, I>>
-where
-    C: DeserializeOwned + Serialize + Default,
-    I: DeserializeOwned + Serialize + Default,
-{
-    let command_keys = keys_of::<C>()?;
-    let input_keys = keys_of::<I>()?;
+/// Reads the source and applies `sets` (dotted keys reach into sections). Returns the tree and a
+/// name of where it came from, for error messages.
+pub fn load_tree(source: Source<'_>, sets: &[String]) -> Result<(Map<String, Value>, String)> {
     let (name, text) = match source {
         Source::File(path) => (
             path.display().to_string(),
@@ -123,6 +116,20 @@ where
         insert(&mut map, key.trim(), parse_value(raw.trim())?)?;
     }
     let source = if name.is_empty() { "--set".to_string() } else { format!("{name} / --set") };
+    Ok((map, source))
+}
+
+/// Reads the source, applies `sets`, and splits the flat keys between the loss options, the
+/// command's own section `C` and the inputs section `I` (each must reject unknown fields and give
+/// every field a default; a section's keys are those of its default value).
+pub fn load<C, I>(source: Source<'_>, sets: &[String]) -> Result<Loaded<C, I>>
+where
+    C: DeserializeOwned + Serialize + Default,
+    I: DeserializeOwned + Serialize + Default,
+{
+    let command_keys = keys_of::<C>()?;
+    let input_keys = keys_of::<I>()?;
+    let (map, source) = load_tree(source, sets)?;
     let mut options = Map::new();
     let mut command = Map::new();
     let mut inputs = Map::new();

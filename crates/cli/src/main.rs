@@ -11,6 +11,7 @@ mod loss_cmd;
 mod memory;
 mod run;
 mod tensor_io;
+mod train_cmd;
 
 use std::process::ExitCode;
 
@@ -45,6 +46,8 @@ enum Command {
     Bench(config::ConfigArgs),
     /// Logits and last hidden states of a Hugging Face Qwen2 directory on given token ids.
     Forward(forward_cmd::ForwardArgs),
+    /// Train a Qwen2 model: SFT (`--algo sft`) with the fused-linear cross-entropy.
+    Train(train_cmd::TrainArgs),
 }
 
 fn main() -> ExitCode {
@@ -67,5 +70,6 @@ fn run(cli: Cli) -> Result<()> {
         Command::Gradcheck(args) => gradcheck::main(args),
         Command::Bench(args) => bench::main(args),
         Command::Forward(args) => forward_cmd::main(args),
+        Command::Train(args) => train_cmd::main(args),
     }
 }

@@ -63,30 +63,4 @@ pub fn peak_bytes() -> usize {
     PEAK.load(Ordering::Relaxed)
 }
 
-/// A `kB` field of /proc/self/status, in bytes; 0 where /proc is not available.
-fn status_bytes(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(field))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
-/// The process's peak resident set size (`VmHWM`), in bytes.
-pub fn peak_rss_bytes() -> u64 {
-    status_bytes("VmHWM:")
-}
-
-/// Starts a new peak-RSS window (Linux: `5` to /proc/self/clear_refs sets `VmHWM` to the current
-/// RSS), so that the peak of the timed steps is not that of building the inputs.
-pub fn reset_peak_rss() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
-
-/// The process's resident set size now (`VmRSS`), in bytes.
-pub fn rss_bytes() -> u64 {
-    status_bytes("VmRSS:")
-}
+pub use flashgrpo_train::metrics::{peak_rss_bytes, reset_peak_rss, rss_bytes};

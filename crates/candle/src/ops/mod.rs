@@ -1,12 +1,14 @@
 //! Differentiable fused ops for the model. candle's fast `rms_norm`, `rope` and
-//! `softmax_last_dim` drop gradients; these have a backward, each a kernel of ours run through
+//! `softmax_last_dim` drop gradients (and its `index_select` backward spends two `[V, H]` buffers); these have a backward, each a kernel of ours run through
 //! `apply_op*_no_bwd`, and each is tested against candle's slow composed version.
 //! Computation is in f32 for f32 / bf16 / f16 tensors and in f64 for f64 ones.
 
+mod embedding;
 mod masked_softmax;
 mod rms_norm;
 mod rope;
 
+pub use embedding::embedding;
 pub use masked_softmax::{masked_softmax, AttentionMask};
 pub use rms_norm::rms_norm;
 pub use rope::{rope, RopeTable};

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
-use flashgrpo_candle::ops::{masked_softmax, rms_norm, rope, AttentionMask, RopeTable};
+use flashgrpo_candle::ops::{embedding, masked_softmax, rms_norm, rope, AttentionMask, RopeTable};
 use flashgrpo_kernels::synthetic::normal_matrix;
 
 use super::config::Qwen2Config;
@@ -216,7 +216,7 @@ impl Qwen2 {
         let positions = Arc::new(positions);
         let scale = 1.0 / (hd as f64).sqrt();
 
-        let mut x = Self::p(&self.embed, track).index_select(&ids.flatten_all()?, 0)?.reshape((b, t, c.hidden_size))?;
+        let mut x = embedding(&Self::p(&self.embed, track), &ids.flatten_all()?)?.reshape((b, t, c.hidden_size))?;
         for (l, layer) in self.layers.iter().enumerate() {
             let pw = |v: &Var| Self::p(v, track);
             let h = rms_norm(&x, &pw(&layer.input_norm), c.rms_norm_eps)?;

@@ -1,0 +1,113 @@
+//! Metrics: one JSON object per step appended to `metrics.jsonl` (flushed every line, so a killed
+//! run keeps what it logged), and the process's memory as Linux reports it.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use serde_json::{Map, Value};
+
+use crate::error::{io, Result};
+
+/// One record: metric names (`train/loss`, `time/step_s`, ...) to values, in insertion order.
+pub type Record = Map<String, Value>;
+
+/// Appends records to a JSONL file.
+pub struct MetricsLog {
+    path: PathBuf,
+    file: BufWriter<File>,
+}
+
+impl MetricsLog {
+    /// Creates (or, `append`, continues) `dir/metrics.jsonl`.
+    pub fn open(dir: &Path, append: bool) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let path = dir.join("metrics.jsonl");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(&path)
+            .map_err(io(&path))?;
+        Ok(Self { path, file: BufWriter::new(file) })
+    }
+
+    pub fn write(&mut self, record: &Record) -> Result<()> {
+        let line = serde_json::to_string(record).expect("a JSON map serialises");
+        writeln!(self.file, "{line}").and_then(|_| self.file.flush()).map_err(io(&self.path))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// A `kB` field of /proc/self/status, in bytes; 0 where /proc is not available.
+fn status_bytes(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// The process's peak resident set size (`VmHWM`), in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    status_bytes("VmHWM:")
+}
+
+/// Starts a new peak-RSS window (Linux: `5` to /proc/self/clear_refs resets `VmHWM` to the
+/// current RSS).
+pub fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// The process's resident set size now (`VmRSS`), in bytes.
+pub fn rss_bytes() -> u64 {
+    status_bytes("VmRSS:")
+}
+
+/// A compact terminal line of the named metrics present in `record`.
+pub fn summary_line(record: &Record, names: &[(&str, &str)]) -> String {
+    names
+        .iter()
+        .filter_map(|(key, label)| {
+            record.get(*key).and_then(Value::as_f64).map(|v| {
+                if v != 0.0 && (v.abs() < 1e-2 || v.abs() >= 1e5) {
+                    format!("{label} {v:.2e}")
+                } else {
+                    format!("{label} {v:.4}")
+                }
+            })
+        })
+        .collect::<Vec<_>>()
+        .join("  ")
+}
+
+/// Live-heap counters of a counting global allocator, which only a binary can install: with
+/// one, the trainers also report the heap's peak per step, exact where RSS is blurred by what the
+/// allocator keeps.
+#[derive(Debug, Clone, Copy)]
+pub struct HeapProbe {
+    /// Bytes allocated now.
+    pub live: fn() -> usize,
+    /// The highest `live` since the last `reset_peak`.
+    pub peak: fn() -> usize,
+    pub reset_peak: fn(),
+}
+
+static HEAP_PROBE: OnceLock<HeapProbe> = OnceLock::new();
+
+/// Installs the binary's heap counters (once; later calls are ignored).
+pub fn install_heap_probe(probe: HeapProbe) {
+    let _ = HEAP_PROBE.set(probe);
+}
+
+pub fn heap_probe() -> Option<&'static HeapProbe> {
+    HEAP_PROBE.get()
+}

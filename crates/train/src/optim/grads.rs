@@ -1,0 +1,82 @@
+//! Gradients summed on the host in f32 over the micro-batches of an accumulation window: one
+//! buffer per parameter, whatever the parameters' dtype (bf16 gradients would lose the small
+//! micro-batch contributions).
+
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
+use rayon::prelude::*;
+
+use crate::model::Params;
+
+/// One f32 buffer per parameter, in the parameters' order.
+pub struct GradBuffers {
+    buffers: Vec<Vec<f32>>,
+}
+
+impl GradBuffers {
+    pub fn new(params: &Params) -> Self {
+        Self { buffers: params.iter().map(|(_, v)| vec![0.0; v.elem_count()]).collect() }
+    }
+
+    /// Adds the gradients of a backward. A parameter the loss does not reach adds nothing.
+    pub fn add(&mut self, params: &Params, store: &GradStore) -> Result<()> {
+        for ((_, var), buffer) in params.iter().zip(&mut self.buffers) {
+            let Some(grad) = store.get(var.as_tensor()) else { continue };
+            with_f32(grad, |grad| {
+                buffer.par_chunks_mut(1 << 16).zip(grad.par_chunks(1 << 16)).for_each(|(b, g)| {
+                    b.iter_mut().zip(g).for_each(|(b, g)| *b += g);
+                })
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The global L2 norm over every parameter (f64 sum in a fixed order: deterministic); not
+    /// finite when any gradient is not.
+    pub fn global_norm(&self) -> f64 {
+        let squares: Vec<f64> = self
+            .buffers
+            .iter()
+            .map(|b| b.par_chunks(1 << 16).map(|c| c.iter().map(|&g| g as f64 * g as f64).sum::<f64>()).collect())
+            .map(|parts: Vec<f64>| parts.iter().sum())
+            .collect();
+        squares.iter().sum::<f64>().sqrt()
+    }
+
+    /// Scales the gradients to a global norm of at most `max_norm`, as `torch.nn.utils.clip_grad_norm_`
+    /// (factor `max_norm / (norm + 1e-6)`, applied only when below 1). Returns the norm before.
+    pub fn clip(&mut self, max_norm: f64) -> f64 {
+        let norm = self.global_norm();
+        let factor = max_norm / (norm + 1e-6);
+        if norm.is_finite() && factor < 1.0 {
+            let k = factor as f32;
+            for b in &mut self.buffers {
+                b.par_iter_mut().for_each(|g| *g *= k);
+            }
+        }
+        norm
+    }
+
+    pub fn zero(&mut self) {
+        for b in &mut self.buffers {
+            b.par_iter_mut().for_each(|g| *g = 0.0);
+        }
+    }
+
+    pub fn get(&self, index: usize) -> &[f32] {
+        &self.buffers[index]
+    }
+}
+
+/// Runs `f` on a tensor's values as f32: a contiguous f32 CPU tensor is read where it lies (an
+/// embedding gradient is `V x H` floats: no copy of it), anything else is converted first.
+pub(crate) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+            return Ok(f(&v[start..end]));
+        }
+    }
+    let values = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(f(&values))
+}

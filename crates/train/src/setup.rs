@@ -1,0 +1,70 @@
+//! What a training run starts from: the tokenizer (given, the model's, or trained on the text),
+//! the model (a Hugging Face directory, or new from the config), and its special token ids.
+
+use std::path::Path;
+
+use tokenizers::Tokenizer;
+
+use crate::error::{Result, TrainError};
+use crate::model::{load_model, load_tokenizer, Qwen2};
+use crate::tokenizer::{train_bpe, END_OF_TEXT, IM_END};
+use crate::train_config::TrainConfig;
+
+/// A model with its tokenizer and the ids the trainer needs.
+pub struct Setup {
+    pub model: Qwen2,
+    pub tokenizer: Tokenizer,
+    /// Ends a completion.
+    pub eos: u32,
+    /// Pads batches (never attended to, never a target).
+    pub pad: u32,
+    /// Whether the tokenizer was trained by this run.
+    pub trained_tokenizer: bool,
+}
+
+fn load_tokenizer_path(path: &Path) -> Result<Tokenizer> {
+    if path.is_dir() {
+        return load_tokenizer(path);
+    }
+    if !path.exists() {
+        return Err(TrainError::Tokenizer(format!("{} does not exist", path.display())));
+    }
+    Tokenizer::from_file(path).map_err(|e| TrainError::Tokenizer(format!("{}: {e}", path.display())))
+}
+
+/// Builds the tokenizer and model of `config`; `corpus` is the text a new tokenizer learns from.
+pub fn setup<S: AsRef<str> + Send>(config: &TrainConfig, corpus: impl Iterator<Item = S> + Send) -> Result<Setup> {
+    let dtype = config.model.dtype.dtype();
+    let (tokenizer, trained) = match (&config.tokenizer.path, &config.model.path) {
+        (Some(path), _) => (load_tokenizer_path(path)?, false),
+        (None, Some(dir)) => (load_tokenizer(dir)?, false),
+        (None, None) => (train_bpe(corpus, config.tokenizer.vocab_size)?, true),
+    };
+    let vocab = tokenizer.get_vocab_size(true);
+    let model = match &config.model.path {
+        Some(dir) => load_model(dir, Some(dtype))?,
+        None => {
+            let mut c = config.model.new_config(vocab)?;
+            if let Some(eos) = tokenizer.token_to_id(END_OF_TEXT) {
+                c.eos_token_id = Some(serde_json::json!(eos));
+            }
+            Qwen2::random(c, dtype, config.seed)?
+        }
+    };
+    if vocab > model.config.vocab_size {
+        return Err(TrainError::Other(format!(
+            "the tokenizer has {vocab} tokens, more than the model's vocab_size {}",
+            model.config.vocab_size
+        )));
+    }
+    let eos = match model.config.eos_token_ids().first() {
+        Some(&id) => id,
+        None => tokenizer.token_to_id(END_OF_TEXT).or_else(|| tokenizer.token_to_id(IM_END)).ok_or_else(|| {
+            TrainError::Tokenizer(format!(
+                "no end-of-sequence token: config.json has no eos_token_id and the tokenizer has neither {END_OF_TEXT} nor {IM_END}"
+            ))
+        })?,
+    };
+    let pad = tokenizer.token_to_id(END_OF_TEXT).unwrap_or(eos);
+    Ok(Setup { model, tokenizer, eos, pad, trained_tokenizer: trained })
+}

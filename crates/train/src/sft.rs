@@ -1,0 +1,342 @@
+//! Supervised fine-tuning: prompt + completion pairs, the loss on the completion tokens only
+//! (cross-entropy at the head, `loss.impl` choosing how), averaged over every completion token of
+//! an accumulation window (TRL's `num_items_in_batch`: micro-batches of different lengths weigh by
+//! their tokens, so accumulating gives the loss of one large batch).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use flashgrpo_candle::{LossInputs, LossKind};
+use flashgrpo_kernels::synthetic::Rng;
+use flashgrpo_kernels::Reduction;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tokenizers::Tokenizer;
+
+use crate::error::{Result, TrainError};
+use crate::head_loss::{head_loss, LossConfig};
+use crate::metrics::{self, MetricsLog, Record};
+use crate::model::Qwen2;
+use crate::optim::{OptimConfig, Updater};
+use crate::tokenizer::encode;
+
+/// The `sft:` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftConfig {
+    /// Optimiser steps.
+    pub steps: usize,
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    /// Micro-batches per optimiser step.
+    pub grad_accum: usize,
+    /// Sequences are cut to this many tokens (prompt + completion + end of text).
+    pub max_len: usize,
+    /// Held-out loss every this many steps (and before the first and after the last); 0: only
+    /// before and after.
+    pub eval_every: usize,
+    pub optim: OptimConfig,
+}
+
+impl Default for SftConfig {
+    fn default() -> Self {
+        Self {
+            steps: 200,
+            batch_size: 8,
+            grad_accum: 1,
+            max_len: 384,
+            eval_every: 0,
+            optim: OptimConfig { lr: 2e-3, warmup_steps: 20, min_lr_ratio: 0.1, ..OptimConfig::default() },
+        }
+    }
+}
+
+impl SftConfig {
+    pub fn validate(&self, loss: &LossConfig) -> Result<()> {
+        let bad = |why: &str| Err(TrainError::Config { origin: "sft".into(), why: why.into() });
+        if self.steps == 0 || self.batch_size == 0 || self.grad_accum == 0 {
+            return bad("sft.steps, sft.batch_size and sft.grad_accum must be positive");
+        }
+        if self.max_len < 2 {
+            return bad("sft.max_len must be at least 2");
+        }
+        if loss.options.reduction != Reduction::Mean {
+            return bad(
+                "SFT averages over the completion tokens of each accumulation window; leave loss.reduction at mean",
+            );
+        }
+        self.optim.validate("sft.optim")
+    }
+}
+
+/// A training example: the model sees `prompt + completion`, and learns the completion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Example {
+    pub prompt: String,
+    pub completion: String,
+}
+
+/// A tokenised example: `ids` (completion ending with end of text), of which the first
+/// `prompt_len` are prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Encoded {
+    pub ids: Vec<u32>,
+    pub prompt_len: usize,
+}
+
+impl Encoded {
+    /// Positions whose next token is a completion token: what the loss counts.
+    pub fn targets(&self) -> usize {
+        self.ids.len().saturating_sub(self.prompt_len.max(1))
+    }
+}
+
+/// Tokenises examples, appending `eos` to each completion and cutting to `max_len` tokens; an
+/// example left without completion tokens is dropped (the count is returned).
+pub fn encode_examples(
+    tokenizer: &Tokenizer,
+    examples: &[Example],
+    eos: u32,
+    max_len: usize,
+) -> Result<(Vec<Encoded>, usize)> {
+    let mut out = Vec::with_capacity(examples.len());
+    let mut dropped = 0;
+    for e in examples {
+        let mut ids = encode(tokenizer, &e.prompt)?;
+        let prompt_len = ids.len();
+        ids.extend(encode(tokenizer, &e.completion)?);
+        ids.push(eos);
+        ids.truncate(max_len);
+        let encoded = Encoded { ids, prompt_len };
+        if encoded.targets() == 0 {
+            dropped += 1;
+        } else {
+            out.push(encoded);
+        }
+    }
+    Ok((out, dropped))
+}
+
+/// A micro-batch, right-padded: ids `[B, T]`, key mask, and the next-token targets (`ignore`
+/// where the next token is prompt or padding).
+struct MicroBatch {
+    ids: Tensor,
+    attention: Vec<u8>,
+    targets: Vec<i64>,
+    batch: usize,
+    seq_len: usize,
+    count: usize,
+}
+
+fn micro_batch(examples: &[&Encoded], pad: u32, ignore: i64) -> Result<MicroBatch> {
+    let b = examples.len();
+    let t = examples.iter().map(|e| e.ids.len()).max().unwrap_or(1);
+    let (mut ids, mut attention, mut targets) = (vec![pad; b * t], vec![0u8; b * t], vec![ignore; b * t]);
+    let mut count = 0;
+    for (r, e) in examples.iter().enumerate() {
+        let row = r * t;
+        ids[row..row + e.ids.len()].copy_from_slice(&e.ids);
+        attention[row..row + e.ids.len()].fill(1);
+        for p in e.prompt_len.max(1)..e.ids.len() {
+            targets[row + p - 1] = e.ids[p] as i64;
+            count += 1;
+        }
+    }
+    Ok(MicroBatch {
+        ids: Tensor::from_vec(ids, (b, t), &Device::Cpu)?,
+        attention,
+        targets,
+        batch: b,
+        seq_len: t,
+        count,
+    })
+}
+
+/// The summed cross-entropy of a micro-batch (a graph tensor when `track`).
+fn summed_loss(model: &Qwen2, mb: &MicroBatch, loss: &LossConfig, track: bool) -> Result<Tensor> {
+    let mut options = loss.options.clone();
+    options.reduction = Reduction::Sum;
+    let inputs = Arc::new(LossInputs {
+        kind: LossKind::CrossEntropy,
+        batch: mb.batch,
+        seq_len: mb.seq_len,
+        targets: Some(mb.targets.clone()),
+        mask: None,
+        options,
+        budget: loss.budget(),
+    });
+    let hidden = model.hidden_states(&mb.ids, Some(&mb.attention), track)?;
+    Ok(head_loss(model, &hidden, &inputs, loss.implementation, track)?.loss)
+}
+
+/// The mean completion-token loss over `data` (no gradient).
+pub fn evaluate(model: &Qwen2, data: &[Encoded], batch_size: usize, loss: &LossConfig, pad: u32) -> Result<f64> {
+    let (mut total, mut count) = (0.0, 0usize);
+    let refs: Vec<&Encoded> = data.iter().collect();
+    for chunk in refs.chunks(batch_size.max(1)) {
+        let mb = micro_batch(chunk, pad, loss.options.ignore_index)?;
+        total += summed_loss(model, &mb, loss, false)?.to_scalar::<f32>()? as f64;
+        count += mb.count;
+    }
+    Ok(total / count.max(1) as f64)
+}
+
+/// What an SFT run did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SftSummary {
+    pub first_loss: f64,
+    /// Mean of the last (up to) 10 steps.
+    pub last_loss: f64,
+    pub eval_before: Option<f64>,
+    pub eval_after: Option<f64>,
+    /// Mean step time, first step excluded when there are several.
+    pub step_s_mean: f64,
+    pub peak_rss_bytes: u64,
+    /// Resident memory when the steps began (model, optimiser state, data).
+    pub rss_before_steps: u64,
+    /// With a heap probe installed: the live heap when the steps began, and its highest point
+    /// during any step.
+    pub heap_before_steps: Option<usize>,
+    pub peak_heap_bytes: Option<usize>,
+    pub skipped_steps: usize,
+}
+
+/// Everything a run needs besides the model.
+pub struct SftRun<'a> {
+    pub config: &'a SftConfig,
+    pub loss: &'a LossConfig,
+    pub train: &'a [Encoded],
+    pub eval: &'a [Encoded],
+    pub pad: u32,
+    pub seed: u64,
+    pub log: Option<&'a mut MetricsLog>,
+    /// A progress bar on the terminal (hidden when it is not one).
+    pub progress: bool,
+}
+
+fn bar(steps: usize, show: bool) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("sft {bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
+            .expect("a valid template"),
+    );
+    bar
+}
+
+/// Trains `model` in place.
+pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
+    let SftRun { config, loss, train, eval, pad, seed, mut log, progress } = run;
+    config.validate(loss)?;
+    if train.is_empty() {
+        return Err(TrainError::Other("SFT: no training examples".into()));
+    }
+    let params = &model.params;
+    let mut updater = Updater::new(params, config.optim, config.steps)?;
+    let mut rng = Rng::new(seed ^ 0x5F7);
+    let mut order: Vec<usize> = Vec::new();
+    let mut next = || -> usize {
+        if order.is_empty() {
+            order = (0..train.len()).collect();
+            for i in (1..order.len()).rev() {
+                order.swap(i, rng.below(i + 1));
+            }
+        }
+        order.pop().expect("refilled")
+    };
+    let eval_loss = |model: &Qwen2| -> Result<Option<f64>> {
+        (!eval.is_empty()).then(|| evaluate(model, eval, config.batch_size, loss, pad)).transpose()
+    };
+    let eval_before = eval_loss(model)?;
+    let mut write = |record: &Record| -> Result<()> { log.as_deref_mut().map_or(Ok(()), |l| l.write(record)) };
+    if let Some(e) = eval_before {
+        write(&record(json!({"step": 0, "eval/loss": e})))?;
+    }
+    let bar = bar(config.steps, progress);
+    let (mut losses, mut times) = (Vec::new(), Vec::new());
+    let mut eval_after = eval_before;
+    metrics::reset_peak_rss();
+    let rss_before_steps = metrics::rss_bytes();
+    let probe = metrics::heap_probe();
+    let heap_before_steps = probe.map(|p| (p.live)());
+    let mut peak_heap: Option<usize> = None;
+    for step in 1..=config.steps {
+        if let Some(p) = probe {
+            (p.reset_peak)();
+        }
+        let started = Instant::now();
+        let batches: Vec<Vec<&Encoded>> =
+            (0..config.grad_accum).map(|_| (0..config.batch_size).map(|_| &train[next()]).collect()).collect();
+        let batches =
+            batches.iter().map(|b| micro_batch(b, pad, loss.options.ignore_index)).collect::<Result<Vec<_>>>()?;
+        let window: usize = batches.iter().map(|b| b.count).sum();
+        let mut total = 0.0;
+        for mb in &batches {
+            let summed = summed_loss(model, mb, loss, true)?;
+            let share = (summed / window.max(1) as f64)?;
+            total += share.to_scalar::<f32>()? as f64;
+            updater.accumulate(params, &share)?;
+        }
+        let report = updater.step(params)?;
+        let step_s = started.elapsed().as_secs_f64();
+        let step_heap = probe.map(|p| (p.peak)());
+        peak_heap = peak_heap.max(step_heap);
+        losses.push(total);
+        times.push(step_s);
+        if report.skipped {
+            bar.println(format!("warning: step {step} skipped (non-finite loss or gradient)"));
+        }
+        let mut r = record(json!({
+            "step": step,
+            "train/loss": total,
+            "train/lr": report.lr,
+            "train/grad_norm": report.grad_norm,
+            "train/tokens": window,
+            "train/skipped_steps": updater.skipped,
+            "time/step_s": step_s,
+            "throughput/tokens_per_s": window as f64 / step_s,
+            "mem/peak_rss_bytes": metrics::peak_rss_bytes(),
+        }));
+        if let Some(h) = step_heap {
+            r.insert("mem/peak_heap_bytes".into(), json!(h));
+        }
+        if config.eval_every > 0 && step % config.eval_every == 0 || step == config.steps {
+            eval_after = eval_loss(model)?;
+            if let Some(e) = eval_after {
+                r.insert("eval/loss".into(), json!(e));
+            }
+        }
+        write(&r)?;
+        bar.set_message(metrics::summary_line(
+            &r,
+            &[("train/loss", "loss"), ("train/lr", "lr"), ("eval/loss", "eval")],
+        ));
+        bar.inc(1);
+    }
+    bar.finish();
+    let tail = &losses[losses.len().saturating_sub(10)..];
+    let timed = if times.len() > 1 { &times[1..] } else { &times[..] };
+    Ok(SftSummary {
+        first_loss: losses[0],
+        last_loss: tail.iter().sum::<f64>() / tail.len() as f64,
+        eval_before,
+        eval_after,
+        step_s_mean: timed.iter().sum::<f64>() / timed.len() as f64,
+        peak_rss_bytes: metrics::peak_rss_bytes(),
+        rss_before_steps,
+        heap_before_steps,
+        peak_heap_bytes: peak_heap,
+        skipped_steps: updater.skipped,
+    })
+}
+
+fn record(value: serde_json::Value) -> Record {
+    match value {
+        serde_json::Value::Object(m) => m,
+        _ => unreachable!("records are objects"),
+    }
+}

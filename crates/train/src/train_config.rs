@@ -1,0 +1,218 @@
+//! The configuration of `flashgrpo train`: one YAML file with a section per concern, every key
+//! with a default, unknown keys rejected (a typo is an error that names it, never a silent
+//! default).
+
+use std::path::PathBuf;
+
+use candle_core::DType;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError};
+use crate::head_loss::LossConfig;
+use crate::model::Qwen2Config;
+use crate::sft::SftConfig;
+
+/// Which training algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algo {
+    Sft,
+    #[default]
+    Grpo,
+}
+
+/// Parameter dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParamDType {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl ParamDType {
+    pub fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+        }
+    }
+}
+
+/// `model:` a Hugging Face directory, or (no `path`) a new randomly initialised Qwen2 of the
+/// given size, its vocabulary that of the tokenizer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    pub path: Option<PathBuf>,
+    /// Parameters are converted to this dtype (bf16: f32 master weights in the optimiser).
+    pub dtype: ParamDType,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    /// `null`: 3 x hidden_size.
+    pub intermediate_size: Option<usize>,
+    pub max_positions: usize,
+    pub rope_theta: f64,
+    pub tie_embeddings: bool,
+    /// `null`: the tokenizer's size. Larger pads the head past the tokenizer (as Qwen2.5's 151936
+    /// rows for 151665 tokens), for measuring a real vocabulary with a small tokenizer.
+    pub vocab_size: Option<usize>,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            path: None,
+            dtype: ParamDType::F32,
+            hidden_size: 128,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            intermediate_size: None,
+            max_positions: 1024,
+            rope_theta: 10_000.0,
+            tie_embeddings: true,
+            vocab_size: None,
+        }
+    }
+}
+
+impl ModelSection {
+    /// The config of a new model with `vocab_size` tokens.
+    pub fn new_config(&self, tokenizer_vocab: usize) -> Result<Qwen2Config> {
+        let vocab_size = self.vocab_size.unwrap_or(tokenizer_vocab);
+        if vocab_size < tokenizer_vocab {
+            return Err(TrainError::Config {
+                origin: "model.vocab_size".into(),
+                why: format!("{vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens"),
+            });
+        }
+        let mut c = Qwen2Config::tiny(vocab_size, self.hidden_size, self.num_layers, self.num_heads, self.num_kv_heads);
+        c.intermediate_size = self.intermediate_size.unwrap_or(3 * self.hidden_size);
+        c.max_position_embeddings = self.max_positions;
+        c.rope_theta = self.rope_theta;
+        c.tie_word_embeddings = self.tie_embeddings;
+        c.validate("model")?;
+        Ok(c)
+    }
+}
+
+/// `tokenizer:` a `tokenizer.json` (or a directory holding one); without it, the model
+/// directory's, or for a new model a byte-level BPE trained on the training text.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TokenizerSection {
+    pub path: Option<PathBuf>,
+    /// Size of a trained tokenizer (special tokens included).
+    pub vocab_size: usize,
+}
+
+impl Default for TokenizerSection {
+    fn default() -> Self {
+        Self { path: None, vocab_size: 1024 }
+    }
+}
+
+/// `data:` GSM8K-format JSONL files.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSection {
+    pub path: PathBuf,
+    /// Use at most this many training problems.
+    pub limit: Option<usize>,
+    /// Held-out problems (`null`: no evaluation).
+    pub eval_path: Option<PathBuf>,
+    pub eval_limit: usize,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        Self {
+            path: PathBuf::from("../shared/data/gsm8k/train.jsonl"),
+            limit: None,
+            eval_path: Some(PathBuf::from("../shared/data/gsm8k/test.jsonl")),
+            eval_limit: 128,
+        }
+    }
+}
+
+/// Everything `flashgrpo train` reads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub algo: Algo,
+    pub seed: u64,
+    /// Output directory: metrics, the resolved config, the trained model.
+    pub out: PathBuf,
+    /// Show a progress bar (when the terminal is one).
+    pub progress: bool,
+    pub model: ModelSection,
+    pub tokenizer: TokenizerSection,
+    pub data: DataSection,
+    pub sft: SftConfig,
+    pub loss: LossConfig,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            algo: Algo::default(),
+            seed: 0,
+            out: PathBuf::from("runs/train"),
+            progress: true,
+            model: ModelSection::default(),
+            tokenizer: TokenizerSection::default(),
+            data: DataSection::default(),
+            sft: SftConfig::default(),
+            loss: LossConfig::default(),
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Parses a config from a JSON value (what the YAML and `--set`s resolve to).
+    pub fn from_value(value: serde_json::Value, origin: &str) -> Result<Self> {
+        let config: Self = serde_json::from_value(value)
+            .map_err(|e| TrainError::Config { origin: origin.into(), why: e.to_string() })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.model.path.is_none() {
+            // The architecture's checks; the vocabulary is checked against the tokenizer later.
+            self.model.new_config(1)?;
+        }
+        if self.algo == Algo::Sft {
+            self.sft.validate(&self.loss)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let e = TrainConfig::from_value(serde_json::json!({"sft": {"stepz": 3}}), "t.yaml").unwrap_err();
+        assert!(e.to_string().contains("stepz"), "{e}");
+        let e = TrainConfig::from_value(serde_json::json!({"loss": {"betta": 3}}), "t.yaml").unwrap_err();
+        assert!(e.to_string().contains("loss.betta"), "{e}");
+        let e = TrainConfig::from_value(serde_json::json!({"loss": {"beta": -1}}), "t.yaml").unwrap_err();
+        assert!(e.to_string().contains("beta"), "{e}");
+    }
+
+    #[test]
+    fn round_trips_through_json() {
+        let mut c = TrainConfig::default();
+        c.loss.options.beta = 0.04;
+        c.loss.options.delta = Some(2.0);
+        let v = serde_json::to_value(&c).unwrap();
+        assert_eq!(v["loss"]["impl"], "fused_linear");
+        assert_eq!(TrainConfig::from_value(v, "json").unwrap(), c);
+    }
+}
