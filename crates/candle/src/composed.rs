@@ -13,7 +13,9 @@ pub struct ComposedLoss {
     targets: Tensor,
     /// `[N]` f32 0/1.
     mask: Tensor,
+    /// The normalisers: this call's, or the whole batch's when it is a micro-batch of one.
     valid_rows: f64,
+    norm_batch: f64,
     batch: usize,
     seq_len: usize,
     vocab: usize,
@@ -74,11 +76,15 @@ impl ComposedLoss {
             LossKind::Logprob => Kind::Logprob,
             LossKind::Entropy => bail!("the composed baseline has no entropy op (it has no gradient)"),
         };
-        let valid_rows = mask.iter().map(|&m| m as f64).sum();
+        let (norm_batch, valid_rows) = match inputs.batch_shard {
+            Some(s) => (s.global_batch as f64, s.global_valid_rows),
+            None => (inputs.batch as f64, mask.iter().map(|&m| m as f64).sum()),
+        };
         Ok(Self {
             targets: Tensor::from_slice(&targets, (n, 1), &Device::Cpu)?,
             mask: rows_tensor(&mask)?,
             valid_rows,
+            norm_batch,
             batch: inputs.batch,
             seq_len: inputs.seq_len,
             vocab,
@@ -143,12 +149,12 @@ impl ComposedLoss {
                         let shape = (self.batch, self.seq_len);
                         let per_seq = (per * &self.mask)?.reshape(shape)?.sum(D::Minus1)?;
                         let count = self.mask.reshape(shape)?.sum(D::Minus1)?.clamp(1.0, f64::MAX)?;
-                        scalar((per_seq / count)?.sum_all()?, 1.0 / self.batch as f64)
+                        scalar((per_seq / count)?.sum_all()?, 1.0 / self.norm_batch)
                     }
                     LossType::Bnpo => scalar(masked_sum(&per)?, 1.0 / self.valid_rows.max(1.0)),
                     LossType::DrGrpo => {
                         let mcl = o.max_completion_length.unwrap_or(self.seq_len) as f64;
-                        scalar(masked_sum(&per)?, 1.0 / (self.batch as f64 * mcl))
+                        scalar(masked_sum(&per)?, 1.0 / (self.norm_batch * mcl))
                     }
                     _ => scalar(masked_sum(&per)?, 1.0 / o.num_items.unwrap_or(self.valid_rows).max(1.0)),
                 }

@@ -13,8 +13,8 @@ use candle_core::{
     bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, InplaceOp1, Layout, Result, Shape, Tensor,
 };
 use flashgrpo_kernels::{
-    forward, forward_backward, linear_forward, linear_forward_backward, ChunkBudget, Element, IsRatio, LinearGradients,
-    LinearInputs, Loss, LossOptions, LossOutput, LossSpec, PolicyInputs, Rows,
+    forward, forward_backward, linear_forward, linear_forward_backward, BatchShard, ChunkBudget, Element, IsRatio,
+    LinearGradients, LinearInputs, Loss, LossOptions, LossOutput, LossSpec, PolicyInputs, Rows,
 };
 use half::{bf16, f16};
 
@@ -51,6 +51,9 @@ pub struct LossInputs {
     pub options: LossOptions,
     /// Fused-linear memory budget.
     pub budget: ChunkBudget,
+    /// The whole batch's normalisers when this call is one micro-batch (or one data-parallel
+    /// shard) of it: the micro-batches' losses then sum to the batch's loss.
+    pub batch_shard: Option<BatchShard>,
 }
 
 impl LossInputs {
@@ -78,6 +81,7 @@ impl LossInputs {
             mask: spec.rows.mask.map(<[f32]>::to_vec),
             options: spec.options.clone(),
             budget,
+            batch_shard: spec.batch_shard,
         }
     }
 
@@ -109,7 +113,7 @@ impl LossInputs {
                 mask: self.mask.as_deref(),
             },
             options: &self.options,
-            batch_shard: None,
+            batch_shard: self.batch_shard,
         }
     }
 

@@ -38,6 +38,7 @@ fn inputs(kind_grpo: bool) -> (Arc<LossInputs>, flashgrpo_kernels::synthetic::Sy
         mask: Some(data.mask.clone()),
         options,
         budget: ChunkBudget { bytes: 4 * V * 3 },
+        batch_shard: None,
     };
     (Arc::new(inputs), data)
 }

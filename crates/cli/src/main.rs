@@ -1,5 +1,6 @@
 //! `flashgrpo`: fused loss kernels for RL fine-tuning of language models, from the command line.
 
+mod ab_cmd;
 mod baseline;
 mod batch;
 mod bench;
@@ -46,8 +47,10 @@ enum Command {
     Bench(config::ConfigArgs),
     /// Logits and last hidden states of a Hugging Face Qwen2 directory on given token ids.
     Forward(forward_cmd::ForwardArgs),
-    /// Train a Qwen2 model: SFT (`--algo sft`) with the fused-linear cross-entropy.
+    /// Train a Qwen2 model with GRPO (default: the built-in arithmetic task, end to end) or SFT.
     Train(train_cmd::TrainArgs),
+    /// The same GRPO run with loss.impl = baseline and fused_linear, side by side.
+    Ab(ab_cmd::AbArgs),
 }
 
 fn main() -> ExitCode {
@@ -71,5 +74,6 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => bench::main(args),
         Command::Forward(args) => forward_cmd::main(args),
         Command::Train(args) => train_cmd::main(args),
+        Command::Ab(args) => ab_cmd::main(args),
     }
 }

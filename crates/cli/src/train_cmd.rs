@@ -1,8 +1,10 @@
-//! `flashgrpo train`: SFT now (GRPO in the next step), from a YAML config with `--set` overrides.
+//! `flashgrpo train`: GRPO (default; with no config, the built-in arithmetic task end to end) or
+//! SFT, from a YAML config with `--set` overrides; `--resume` continues a run from its checkpoint.
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
+use flashgrpo_train::grpo_job::{run_grpo_job, GrpoJobSummary, JobOptions};
 use flashgrpo_train::sft_job::run_sft_job;
 use flashgrpo_train::{Algo, TrainConfig};
 use serde_json::Value;
@@ -32,13 +34,39 @@ pub struct TrainArgs {
     /// Print the resolved config as YAML and exit.
     #[arg(long)]
     pub print_config: bool,
+    /// Continue a GRPO run from its checkpoint: the run's output directory (or its
+    /// `checkpoint/`). Without `--config`, the run's own `config.json` is the config.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+}
+
+/// The checkpoint directory and the run directory of `--resume DIR`.
+fn resume_dirs(dir: &std::path::Path) -> Result<(PathBuf, PathBuf)> {
+    if dir.join("trainer_state.json").exists() {
+        let run = dir.parent().map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+        return Ok((dir.to_path_buf(), run));
+    }
+    let checkpoint = flashgrpo_train::grpo::checkpoint_dir(dir);
+    if checkpoint.join("trainer_state.json").exists() {
+        return Ok((checkpoint, dir.to_path_buf()));
+    }
+    bail!(
+        "--resume {}: no checkpoint there (expected {}/trainer_state.json); checkpoints are written every grpo.checkpoint_every steps",
+        dir.display(),
+        checkpoint.display()
+    )
 }
 
 /// The resolved config: file, then `--set`, then the flags.
 pub fn resolve(args: &TrainArgs) -> Result<TrainConfig> {
-    let source = match &args.config {
-        Some(p) => Source::File(p),
-        None => Source::Defaults,
+    let run_config = match (&args.resume, &args.config) {
+        (Some(dir), None) => Some(resume_dirs(dir)?.1.join("config.json")),
+        _ => None,
+    };
+    let source = match (&args.config, &run_config) {
+        (Some(p), _) => Source::File(p),
+        (None, Some(p)) => Source::File(p),
+        (None, None) => Source::Defaults,
     };
     let (mut map, origin) = load_tree(source, &args.sets)?;
     if let Some(algo) = args.algo {
@@ -63,14 +91,19 @@ fn keep_freed_memory() {
     }
 }
 
-pub fn main(args: TrainArgs) -> Result<()> {
-    let config = resolve(&args)?;
+/// What every training command sets up first: the allocator's behaviour and the heap probe.
+pub fn prepare_process() {
     keep_freed_memory();
     flashgrpo_train::metrics::install_heap_probe(flashgrpo_train::metrics::HeapProbe {
         live: crate::memory::live_bytes,
         peak: crate::memory::peak_bytes,
         reset_peak: crate::memory::reset_peak,
     });
+}
+
+pub fn main(args: TrainArgs) -> Result<()> {
+    let config = resolve(&args)?;
+    prepare_process();
     if args.print_config {
         print!("{}", serde_saphyr::to_string(&config)?);
         return Ok(());
@@ -102,6 +135,45 @@ pub fn main(args: TrainArgs) -> Result<()> {
             println!("  model, tokenizer, metrics.jsonl and config.json in {}", config.out.display());
             Ok(())
         }
-        Algo::Grpo => bail!("GRPO training is not implemented yet; run `flashgrpo train --algo sft`"),
+        Algo::Grpo => {
+            let resume = args.resume.as_deref().map(resume_dirs).transpose()?.map(|(c, _)| c);
+            let s = run_grpo_job(&config, &JobOptions { resume, stop_after: None })?;
+            print_grpo_summary(&config, &s);
+            Ok(())
+        }
     }
+}
+
+fn print_grpo_summary(config: &TrainConfig, s: &GrpoJobSummary) {
+    let f = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+    let g = &s.grpo;
+    println!();
+    println!("| {:<34} | {:>14} | {:>14} |", "", "before GRPO", "after GRPO");
+    println!("|{:-<36}|{:->16}|{:->16}|", "", "", "");
+    println!("| {:<34} | {:>14} | {:>14} |", "eval/accuracy (held out)", f(g.eval_before), f(g.eval_after));
+    println!(
+        "| {:<34} | {:>14} | {:>14} |",
+        "train/reward_mean (first, last 10)",
+        format!("{:.3}", g.reward_first),
+        format!("{:.3}", g.reward_last10)
+    );
+    if let Some(w) = &s.warm_start {
+        println!(
+            "SFT warm start: {} steps, loss {:.3} -> {:.3}, held-out loss {} -> {}",
+            config.sft.steps,
+            w.first_loss,
+            w.last_loss,
+            f(w.eval_before),
+            f(w.eval_after)
+        );
+    }
+    println!(
+        "GRPO: {} steps, loss.impl = {}, time/step_avg_last10_s {:.3}, time/update_s mean {:.3}, skipped {}",
+        g.steps,
+        config.loss.implementation.name(),
+        g.step_avg_last10_s,
+        g.update_s_mean,
+        g.skipped_steps
+    );
+    println!("metrics.jsonl, summary.json, plots/*.png, model/ and checkpoint/ in {}", s.out.display());
 }

@@ -20,12 +20,17 @@ fn text(o: &Output) -> String {
 fn every_shipped_sft_config_resolves() {
     for entry in std::fs::read_dir(root().join("configs")).unwrap() {
         let path = entry.unwrap().path();
-        if !path.file_name().unwrap().to_string_lossy().starts_with("sft-") {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let algo = if name.starts_with("sft-") {
+            "algo: sft"
+        } else if name.starts_with("gsm8k-") {
+            "algo: grpo"
+        } else {
             continue;
-        }
+        };
         let o = train(&["--config", path.to_str().unwrap(), "--print-config"]);
         assert!(o.status.success(), "{}: {}", path.display(), text(&o));
-        assert!(text(&o).contains("algo: sft"), "{}", text(&o));
+        assert!(text(&o).contains(algo), "{}", text(&o));
     }
 }
 
@@ -74,4 +79,69 @@ fn bad_keys_and_values_are_named() {
     assert!(!o.status.success() && text(&o).contains("num_attention_heads"), "{}", text(&o));
     let o = train(&["--config", "configs/none.yaml"]);
     assert!(!o.status.success() && text(&o).contains("configs/none.yaml"), "{}", text(&o));
+}
+
+/// Settings that make a GRPO run of the built-in task take seconds.
+const TINY_GRPO: [&str; 22] = [
+    "--set",
+    "model.hidden_size=32",
+    "--set",
+    "model.num_layers=1",
+    "--set",
+    "tokenizer.vocab_size=300",
+    "--set",
+    "data.limit=200",
+    "--set",
+    "data.eval_limit=8",
+    "--set",
+    "sft.steps=3",
+    "--set",
+    "grpo.prompts_per_step=2",
+    "--set",
+    "grpo.num_generations=2",
+    "--set",
+    "grpo.max_new_tokens=8",
+    "--set",
+    "progress=false",
+    "--set",
+    "grpo.checkpoint_every=1",
+];
+
+#[test]
+fn grpo_runs_resumes_and_the_ab_prints_its_table() {
+    let out = std::env::temp_dir().join(format!("flashgrpo-grpo-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let run = out.join("run");
+    let mut args = vec!["--set", "grpo.steps=2", "--out", run.to_str().unwrap()];
+    args.extend(TINY_GRPO);
+    let o = train(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    for needle in ["eval/accuracy (held out)", "before GRPO", "after GRPO", "time/step_avg_last10_s"] {
+        assert!(text(&o).contains(needle), "missing {needle}: {}", text(&o));
+    }
+    for file in [
+        "plots/reward.png",
+        "plots/accuracy.png",
+        "plots/loss.png",
+        "plots/step_time.png",
+        "checkpoint/trainer_state.json",
+    ] {
+        assert!(run.join(file).exists(), "{file}");
+    }
+    // Resuming a finished run has nothing left to do, and says so through the same table.
+    let o = train(&["--resume", run.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = train(&["--resume", out.join("nothing").to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("no checkpoint"), "{}", text(&o));
+
+    let ab = out.join("ab");
+    let mut args = vec!["ab", "--steps", "2", "--out", ab.to_str().unwrap()];
+    args.extend(TINY_GRPO);
+    let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo")).current_dir(root()).args(&args).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    for needle in ["| baseline | fused_linear |", "max |train/loss difference|", "time/update_s", "peak"] {
+        assert!(text(&o).contains(needle), "missing {needle}: {}", text(&o));
+    }
+    assert!(ab.join("ab.md").exists() && ab.join("baseline/metrics.jsonl").exists());
 }

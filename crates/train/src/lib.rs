@@ -2,14 +2,20 @@
 //!
 //! Training language models with flashgrpo's fused losses on candle: a trainable
 //! Qwen2-architecture model (Hugging Face directories in and out, KV-cache generation), the
-//! optimiser and schedule, the loss at the head three ways, and the SFT loop.
+//! optimiser and schedule, the loss at the head three ways, the SFT loop, and the GRPO trainer
+//! (rollouts, rewards, group advantages, checkpoints) with its built-in arithmetic task.
 
 pub mod data;
 pub mod error;
+pub mod grpo;
+pub mod grpo_job;
 pub mod head_loss;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod plot;
+pub mod prompt;
+pub mod rewards;
 pub mod setup;
 pub mod sft;
 pub mod sft_job;

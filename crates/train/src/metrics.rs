@@ -23,15 +23,38 @@ impl MetricsLog {
     /// Creates (or, `append`, continues) `dir/metrics.jsonl`.
     pub fn open(dir: &Path, append: bool) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
-        let path = dir.join("metrics.jsonl");
+        Self::open_file(&dir.join("metrics.jsonl"), append)
+    }
+
+    /// Creates (or, `append`, continues) the JSONL file `path`.
+    pub fn open_file(path: &Path, append: bool) -> Result<Self> {
         let file = std::fs::OpenOptions::new()
             .create(true)
             .write(true)
             .append(append)
             .truncate(!append)
-            .open(&path)
-            .map_err(io(&path))?;
-        Ok(Self { path, file: BufWriter::new(file) })
+            .open(path)
+            .map_err(io(path))?;
+        Ok(Self { path: path.into(), file: BufWriter::new(file) })
+    }
+
+    /// Continues `dir/metrics.jsonl` after step `step`: the records of later steps (logged by a
+    /// run killed after its last checkpoint) are dropped, so the resumed run logs them again.
+    pub fn resume(dir: &Path, step: usize) -> Result<Self> {
+        let path = dir.join("metrics.jsonl");
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let kept: String = text
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<Value>(l)
+                    .ok()
+                    .and_then(|v| v.get("step").and_then(Value::as_u64))
+                    .is_some_and(|s| s as usize <= step)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        std::fs::write(&path, kept).map_err(io(&path))?;
+        Self::open_file(&path, true)
     }
 
     pub fn write(&mut self, record: &Record) -> Result<()> {

@@ -35,6 +35,16 @@ fn load_tokenizer_path(path: &Path) -> Result<Tokenizer> {
 /// Builds the tokenizer and model of `config`; `corpus` is the text a new tokenizer learns from.
 pub fn setup<S: AsRef<str> + Send>(config: &TrainConfig, corpus: impl Iterator<Item = S> + Send) -> Result<Setup> {
     let dtype = config.model.dtype.dtype();
+    if let Some(dir) = config.model.path.as_deref().filter(|d| !d.is_dir()) {
+        return Err(TrainError::Config {
+            origin: "model.path".into(),
+            why: format!(
+                "{} is not a directory; put a Hugging Face checkpoint there (config.json, model.safetensors, \
+                 tokenizer.json) or set model.path, or leave it null for a new model",
+                dir.display()
+            ),
+        });
+    }
     let (tokenizer, trained) = match (&config.tokenizer.path, &config.model.path) {
         (Some(path), _) => (load_tokenizer_path(path)?, false),
         (None, Some(dir)) => (load_tokenizer(dir)?, false),

@@ -166,6 +166,7 @@ fn summed_loss(model: &Qwen2, mb: &MicroBatch, loss: &LossConfig, track: bool) -
         mask: None,
         options,
         budget: loss.budget(),
+        batch_shard: None,
     });
     let hidden = model.hidden_states(&mb.ids, Some(&mb.attention), track)?;
     Ok(head_loss(model, &hidden, &inputs, loss.implementation, track)?.loss)

@@ -1,10 +1,11 @@
-//! `flashgrpo train --algo sft`: GSM8K question / worked answer pairs, a model and tokenizer from
+//! `flashgrpo train --algo sft`: the task's question / worked answer pairs, a model and tokenizer from
 //! the config, SFT, and the trained model saved in Hugging Face's layout.
 
 use std::path::Path;
 
-use crate::data::{load_gsm8k, Gsm8kProblem};
+use crate::data::{Gsm8kProblem, TaskName};
 use crate::error::{io, Result};
+use crate::grpo_job::{prompt_format, warm_start_examples};
 use crate::metrics::MetricsLog;
 use crate::model::save_model;
 use crate::setup::setup;
@@ -22,20 +23,33 @@ pub fn gsm8k_example(p: &Gsm8kProblem) -> Example {
 }
 
 /// Runs SFT as the config says, writing `metrics.jsonl`, `config.json` and `model/` to `out`.
+/// GSM8K trains on `Question: ...\nAnswer: ` + the worked solution; the arithmetic task on its
+/// prompts and the think/answer format the GRPO rewards ask for.
 pub fn run_sft_job(config: &TrainConfig, out: &Path) -> Result<SftSummary> {
-    let train = load_gsm8k(&config.data.path, config.data.limit)?;
-    let eval = match &config.data.eval_path {
-        Some(p) => load_gsm8k(p, Some(config.data.eval_limit))?,
-        None => Vec::new(),
+    let (train, eval) = config.task.load(&config.data, config.seed)?;
+    let gsm8k = config.task.name == TaskName::Gsm8k;
+    let s = if gsm8k {
+        let corpus =
+            train.iter().map(|p| format!("Question: {}\nAnswer: {}\n#### {}", p.question, p.reasoning, p.answer));
+        setup(config, corpus)?
+    } else {
+        let format = prompt_format(config, true)?;
+        let corpus = warm_start_examples(&format, &train)?;
+        setup(config, corpus.iter().map(|e| format!("{}{}", e.prompt, e.completion)))?
     };
-    let corpus = train.iter().map(|p| format!("Question: {}\nAnswer: {}\n#### {}", p.question, p.reasoning, p.answer));
-    let s = setup(config, corpus)?;
     std::fs::create_dir_all(out).map_err(io(out))?;
     let config_path = out.join("config.json");
     std::fs::write(&config_path, serde_json::to_string_pretty(config).expect("json")).map_err(io(&config_path))?;
-    let examples = |problems: &[Gsm8kProblem]| problems.iter().map(gsm8k_example).collect::<Vec<_>>();
-    let (train, _) = encode_examples(&s.tokenizer, &examples(&train), s.eos, config.sft.max_len)?;
-    let (eval, _) = encode_examples(&s.tokenizer, &examples(&eval), s.eos, config.sft.max_len)?;
+    let format = prompt_format(config, s.trained_tokenizer)?;
+    let examples = |problems: &[Gsm8kProblem]| -> Result<Vec<Example>> {
+        if gsm8k {
+            Ok(problems.iter().map(gsm8k_example).collect())
+        } else {
+            warm_start_examples(&format, problems)
+        }
+    };
+    let (train, _) = encode_examples(&s.tokenizer, &examples(&train)?, s.eos, config.sft.max_len)?;
+    let (eval, _) = encode_examples(&s.tokenizer, &examples(&eval)?, s.eos, config.sft.max_len)?;
     let mut log = MetricsLog::open(out, false)?;
     let summary = train_sft(
         &s.model,

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
+use crate::data::TaskSection;
 use crate::error::{Result, TrainError};
+use crate::grpo::GrpoConfig;
 use crate::head_loss::LossConfig;
 use crate::model::Qwen2Config;
 use crate::sft::SftConfig;
@@ -148,10 +150,13 @@ pub struct TrainConfig {
     pub out: PathBuf,
     /// Show a progress bar (when the terminal is one).
     pub progress: bool,
+    pub task: TaskSection,
     pub model: ModelSection,
     pub tokenizer: TokenizerSection,
     pub data: DataSection,
+    /// SFT (`algo: sft`), or the warm start before GRPO (`sft.steps: 0` skips it).
     pub sft: SftConfig,
+    pub grpo: GrpoConfig,
     pub loss: LossConfig,
 }
 
@@ -162,10 +167,12 @@ impl Default for TrainConfig {
             seed: 0,
             out: PathBuf::from("runs/train"),
             progress: true,
+            task: TaskSection::default(),
             model: ModelSection::default(),
             tokenizer: TokenizerSection::default(),
             data: DataSection::default(),
             sft: SftConfig::default(),
+            grpo: GrpoConfig::default(),
             loss: LossConfig::default(),
         }
     }
@@ -185,8 +192,16 @@ impl TrainConfig {
             // The architecture's checks; the vocabulary is checked against the tokenizer later.
             self.model.new_config(1)?;
         }
-        if self.algo == Algo::Sft {
-            self.sft.validate(&self.loss)?;
+        match self.algo {
+            Algo::Sft => self.sft.validate(&self.loss)?,
+            Algo::Grpo => {
+                if self.sft.steps > 0 {
+                    let mut warm_start_loss = self.loss.clone();
+                    warm_start_loss.options.reduction = flashgrpo_kernels::Reduction::Mean;
+                    self.sft.validate(&warm_start_loss)?;
+                }
+                self.grpo.validate()?;
+            }
         }
         Ok(())
     }

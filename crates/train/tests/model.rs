@@ -105,6 +105,7 @@ fn every_parameter_receives_a_gradient() {
             mask: Some(mask.iter().map(|&m| m as f32).collect()),
             options: LossOptions::default(),
             budget: ChunkBudget::default(),
+            batch_shard: None,
         });
         let out = loss_from_hidden(&hidden, m.lm_head().as_tensor(), None, &inputs).unwrap();
         let grads = out.loss.backward().unwrap();

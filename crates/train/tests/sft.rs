@@ -26,6 +26,7 @@ fn out_dir(name: &str) -> PathBuf {
 
 fn tiny(steps: usize) -> TrainConfig {
     let mut c = TrainConfig { algo: flashgrpo_train::Algo::Sft, progress: false, ..TrainConfig::default() };
+    c.task.name = flashgrpo_train::data::TaskName::Gsm8k;
     c.data.path = gsm8k("train.jsonl");
     c.data.limit = Some(300);
     c.data.eval_path = Some(gsm8k("test.jsonl"));

@@ -163,6 +163,17 @@ impl Qwen2 {
         Self::from_params(config, Params::new(params))
     }
 
+    /// A copy with its own storage (the GRPO reference policy: the weights at the start of
+    /// training, untouched by later updates).
+    pub fn frozen_copy(&self) -> Result<Self> {
+        let params = self
+            .params
+            .iter()
+            .map(|(name, var)| Ok((name.to_string(), Var::from_tensor(&var.as_tensor().copy()?)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_params(self.config.clone(), Params::new(params))
+    }
+
     pub fn dtype(&self) -> DType {
         self.embed.dtype()
     }

@@ -104,6 +104,23 @@ impl Updater {
         })
     }
 
+    /// An updater continuing from a checkpoint: the optimiser state saved by
+    /// [`AdamW::save`](super::AdamW::save) and the step counters.
+    pub fn restore(
+        params: &Params,
+        config: OptimConfig,
+        total_steps: usize,
+        optimizer: &std::path::Path,
+        steps: usize,
+        skipped: usize,
+    ) -> Result<Self> {
+        let mut updater = Self::new(params, config, total_steps)?;
+        updater.optimizer = AdamW::load(params, config.adamw(), optimizer)?;
+        updater.steps = steps;
+        updater.skipped = skipped;
+        Ok(updater)
+    }
+
     /// Backpropagates one micro-batch's share of the window's loss (already scaled so that the
     /// window's shares sum to its loss) into the buffers.
     pub fn accumulate(&mut self, params: &Params, loss: &Tensor) -> Result<()> {

@@ -1,0 +1,130 @@
+//! The `grpo:` section: rollout, advantages, update and evaluation settings, named as in TRL's
+//! `GRPOConfig` where it has the setting. The loss's own options are the `loss:` section.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError};
+use crate::model::Sampling;
+use crate::optim::OptimConfig;
+use crate::rewards::{ScaleRewards, DEFAULT_WEIGHTS, REWARD_NAMES};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GrpoConfig {
+    /// GRPO steps (each: one rollout, `ppo_epochs` optimiser steps).
+    pub steps: usize,
+    /// Prompts per step.
+    pub prompts_per_step: usize,
+    /// Completions per prompt (the group, TRL's `num_generations`).
+    pub num_generations: usize,
+    /// Sequences per forward / backward of the update (micro-batch); the step's micro-batches
+    /// accumulate into one optimiser step whose loss is that of the whole batch.
+    pub micro_batch_size: usize,
+    /// Optimiser steps per rollout (TRL's `num_iterations`); above 1, the rollout policy's
+    /// log-probabilities are computed (no-grad fused op) and the ratio is clipped against them.
+    pub ppo_epochs: usize,
+    pub temperature: f64,
+    /// 0: off.
+    pub top_k: usize,
+    pub top_p: f64,
+    pub max_new_tokens: usize,
+    pub scale_rewards: ScaleRewards,
+    /// Added to the standard deviation in the advantages.
+    pub advantage_eps: f64,
+    /// Weights of correctness, strict format and tag count.
+    pub reward_weights: Vec<f64>,
+    /// Held-out accuracy every this many steps (and before the first step and after the last);
+    /// 0: only before and after.
+    pub eval_every_steps: usize,
+    /// Sampling temperature of the evaluation (0: greedy).
+    pub eval_temperature: f64,
+    /// Sequences per generation batch in the evaluation.
+    pub eval_batch_size: usize,
+    /// Save model, optimiser, RNG and step every this many steps to `out/checkpoint` (0: never).
+    pub checkpoint_every: usize,
+    pub optim: OptimConfig,
+}
+
+impl Default for GrpoConfig {
+    fn default() -> Self {
+        Self {
+            steps: 100,
+            prompts_per_step: 16,
+            num_generations: 8,
+            micro_batch_size: 64,
+            ppo_epochs: 1,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            max_new_tokens: 32,
+            scale_rewards: ScaleRewards::Group,
+            advantage_eps: 1e-4,
+            reward_weights: DEFAULT_WEIGHTS.to_vec(),
+            eval_every_steps: 25,
+            eval_temperature: 0.0,
+            eval_batch_size: 128,
+            checkpoint_every: 25,
+            optim: OptimConfig { lr: 1e-3, warmup_steps: 5, min_lr_ratio: 1.0, ..OptimConfig::default() },
+        }
+    }
+}
+
+impl GrpoConfig {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |why: String| Err(TrainError::Config { origin: "grpo".into(), why });
+        for (name, v) in [
+            ("steps", self.steps),
+            ("prompts_per_step", self.prompts_per_step),
+            ("micro_batch_size", self.micro_batch_size),
+            ("ppo_epochs", self.ppo_epochs),
+            ("max_new_tokens", self.max_new_tokens),
+            ("eval_batch_size", self.eval_batch_size),
+        ] {
+            if v == 0 {
+                return bad(format!("grpo.{name} must be positive"));
+            }
+        }
+        if self.num_generations < 2 {
+            return bad(format!(
+                "grpo.num_generations must be at least 2 (advantages compare completions of one prompt), got {}",
+                self.num_generations
+            ));
+        }
+        if !(self.temperature > 0.0 && self.temperature.is_finite()) {
+            return bad(format!("grpo.temperature must be positive, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("grpo.top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(self.eval_temperature >= 0.0 && self.eval_temperature.is_finite()) {
+            return bad(format!("grpo.eval_temperature must be >= 0, got {}", self.eval_temperature));
+        }
+        if self.advantage_eps.is_nan() || self.advantage_eps < 0.0 {
+            return bad(format!("grpo.advantage_eps must be >= 0, got {}", self.advantage_eps));
+        }
+        if self.reward_weights.len() != REWARD_NAMES.len() || self.reward_weights.iter().any(|w| !w.is_finite()) {
+            return bad(format!(
+                "grpo.reward_weights must be {} finite numbers ({}), got {:?}",
+                REWARD_NAMES.len(),
+                REWARD_NAMES.join(", "),
+                self.reward_weights
+            ));
+        }
+        self.optim.validate("grpo.optim")
+    }
+
+    /// The rollout's sampling.
+    pub fn sampling(&self) -> Sampling {
+        Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            max_new_tokens: self.max_new_tokens,
+        }
+    }
+
+    /// The evaluation's sampling.
+    pub fn eval_sampling(&self) -> Sampling {
+        Sampling { temperature: self.eval_temperature, ..self.sampling() }
+    }
+}

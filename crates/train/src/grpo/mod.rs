@@ -1,0 +1,10 @@
+//! GRPO: configuration, the update's micro-batch layout, checkpoints, and the training loop.
+
+pub mod batch;
+pub mod checkpoint;
+pub mod config;
+pub mod trainer;
+
+pub use checkpoint::{checkpoint_dir, Checkpoint, Resume, TrainerState};
+pub use config::GrpoConfig;
+pub use trainer::{train_grpo, Evaluation, GrpoRun, GrpoSummary, Prompt};

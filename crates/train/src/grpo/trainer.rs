@@ -1,0 +1,427 @@
+//! The GRPO loop. Per step: draw prompts, sample `G` completions of each with the KV cache,
+//! score them, turn rewards into group advantages, compute the rollout policy's log-probabilities
+//! (when `ppo_epochs > 1`) and the reference model's (when `beta != 0`) with the no-grad fused
+//! logprob op, then update the policy over micro-batches whose losses sum to the whole batch's
+//! (the kernels' `BatchShard` normalisers), with clipping, AdamW, metrics, evaluation and
+//! checkpoints.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use flashgrpo_candle::LossKind;
+use flashgrpo_kernels::synthetic::Rng;
+use flashgrpo_kernels::{BatchShard, LossOptions};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use tokenizers::Tokenizer;
+
+use super::batch::MicroBatch;
+use super::checkpoint::{checkpoint_dir, save_checkpoint, Resume, TrainerState};
+use super::config::GrpoConfig;
+use crate::error::{Result, TrainError};
+use crate::head_loss::{head_loss, LossConfig};
+use crate::metrics::{self, MetricsLog, Record};
+use crate::model::{generate, Qwen2, Sampling};
+use crate::optim::Updater;
+use crate::rewards::{advantages, correctness, score, REWARD_NAMES};
+use crate::tokenizer::decode;
+
+/// A tokenised prompt and its gold answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prompt {
+    pub ids: Vec<u32>,
+    pub answer: String,
+}
+
+/// Everything a run needs besides the model.
+pub struct GrpoRun<'a> {
+    pub config: &'a GrpoConfig,
+    pub loss: &'a LossConfig,
+    pub train: &'a [Prompt],
+    pub eval: &'a [Prompt],
+    pub tokenizer: &'a Tokenizer,
+    pub eos: &'a [u32],
+    pub pad: u32,
+    /// The frozen reference policy (needed when `loss.beta != 0`).
+    pub reference: Option<&'a Qwen2>,
+    pub seed: u64,
+    /// Where checkpoints go (`out/checkpoint`).
+    pub out: &'a Path,
+    pub log: &'a mut MetricsLog,
+    pub progress: bool,
+    /// Continue from this checkpoint's state (the model and optimiser come from it too).
+    pub resume: Option<&'a Resume>,
+    /// Stop after this step as if killed (tests of `--resume`).
+    pub stop_after: Option<usize>,
+}
+
+/// What a GRPO run did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrpoSummary {
+    pub steps: usize,
+    pub eval_before: Option<f64>,
+    pub eval_after: Option<f64>,
+    pub reward_first: f64,
+    pub reward_last10: f64,
+    pub reward_mean: f64,
+    pub step_avg_last10_s: f64,
+    pub update_s_mean: f64,
+    pub peak_rss_bytes: u64,
+    pub update_peak_heap_bytes: Option<usize>,
+    pub skipped_steps: usize,
+}
+
+/// How held-out accuracy is measured: one completion per prompt (greedy by default), scored by
+/// correctness.
+pub struct Evaluation<'a> {
+    pub sampling: Sampling,
+    pub batch_size: usize,
+    pub tokenizer: &'a Tokenizer,
+    pub eos: &'a [u32],
+    pub pad: u32,
+}
+
+impl Evaluation<'_> {
+    /// The share of `prompts` answered correctly; `seed` drives sampling when it is not greedy.
+    pub fn accuracy(&self, model: &Qwen2, prompts: &[Prompt], seed: u64) -> Result<f64> {
+        if prompts.is_empty() {
+            return Ok(f64::NAN);
+        }
+        let mut rng = Rng::new(seed);
+        let mut correct = 0.0;
+        for chunk in prompts.chunks(self.batch_size.max(1)) {
+            let ids: Vec<Vec<u32>> = chunk.iter().map(|p| p.ids.clone()).collect();
+            let generated = generate(model, &ids, &self.sampling, self.eos, self.pad, &mut rng)?;
+            for (p, completion) in chunk.iter().zip(&generated.completions) {
+                correct += correctness(&decode(self.tokenizer, completion)?, &p.answer);
+            }
+        }
+        Ok(correct / prompts.len() as f64)
+    }
+}
+
+fn bar(steps: usize, done: usize, show: bool) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("grpo {bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
+            .expect("a valid template"),
+    );
+    bar.set_position(done as u64);
+    bar
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+fn std(v: &[f64]) -> f64 {
+    if v.len() < 2 {
+        return 0.0;
+    }
+    let m = mean(v);
+    (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64).sqrt()
+}
+
+/// Per-token outputs summed over the completion tokens of a micro-batch.
+#[derive(Default)]
+struct TokenSums {
+    entropy: f64,
+    kl: f64,
+    clipped: f64,
+    tokens: f64,
+    have_entropy: bool,
+    have_kl: bool,
+    have_clip: bool,
+}
+
+fn masked_sum(t: &candle_core::Tensor, mask: &[f32]) -> Result<f64> {
+    let v = t.flatten_all()?.to_vec1::<f32>()?;
+    Ok(v.iter().zip(mask).map(|(x, m)| *x as f64 * *m as f64).sum())
+}
+
+/// Trains `model` in place.
+pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
+    let GrpoRun {
+        config,
+        loss,
+        train,
+        eval,
+        tokenizer,
+        eos,
+        pad,
+        reference,
+        seed,
+        out,
+        log,
+        progress,
+        resume,
+        stop_after,
+    } = run;
+    config.validate()?;
+    if train.is_empty() {
+        return Err(TrainError::Other("GRPO: no training prompts".into()));
+    }
+    let mut options: LossOptions = loss.options.clone();
+    if options.max_completion_length.is_none() {
+        options.max_completion_length = Some(config.max_new_tokens);
+    }
+    let beta = options.beta;
+    if beta != 0.0 && reference.is_none() {
+        return Err(TrainError::Other("loss.beta != 0 needs a reference model".into()));
+    }
+    let params = &model.params;
+    let total_optimizer_steps = config.steps * config.ppo_epochs;
+    let (mut updater, mut state) = match resume {
+        Some(c) => (
+            Updater::restore(
+                params,
+                config.optim,
+                total_optimizer_steps,
+                &c.optimizer,
+                c.state.optimizer_steps,
+                c.state.skipped_steps,
+            )?,
+            c.state.clone(),
+        ),
+        None => (
+            Updater::new(params, config.optim, total_optimizer_steps)?,
+            TrainerState {
+                step: 0,
+                rng: Rng::new(seed ^ 0x6E90).state(),
+                optimizer_steps: 0,
+                skipped_steps: 0,
+                eval_before: None,
+                recent_step_s: Vec::new(),
+            },
+        ),
+    };
+    let evaluation =
+        Evaluation { sampling: config.eval_sampling(), batch_size: config.eval_batch_size, tokenizer, eos, pad };
+    let eval_at = |model: &Qwen2, step: usize| -> Result<Option<f64>> {
+        if eval.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(evaluation.accuracy(model, eval, seed ^ 0xE7A1 ^ step as u64)?))
+    };
+    if resume.is_none() {
+        state.eval_before = eval_at(model, 0)?;
+        if let Some(a) = state.eval_before {
+            log.write(&record(json!({"step": 0, "eval/accuracy": a})))?;
+        }
+    }
+    let mut rng = Rng::from_state(state.rng);
+    let sampling = config.sampling();
+    let g = config.num_generations;
+    let bar = bar(config.steps, state.step, progress);
+    let probe = metrics::heap_probe();
+    metrics::reset_peak_rss();
+    let (mut rewards_per_step, mut update_times) = (Vec::new(), Vec::new());
+    let mut update_peak: Option<usize> = None;
+    let mut eval_after = state.eval_before;
+    let ckpt = checkpoint_dir(out);
+    while state.step < config.steps {
+        let step = state.step + 1;
+        let started = Instant::now();
+
+        // Rollout.
+        let chosen: Vec<&Prompt> = (0..config.prompts_per_step).map(|_| &train[rng.below(train.len())]).collect();
+        let prompts: Vec<Vec<u32>> = chosen.iter().flat_map(|p| std::iter::repeat_n(p.ids.clone(), g)).collect();
+        let generated = generate(model, &prompts, &sampling, eos, pad, &mut rng)?;
+        let completions: Vec<Vec<u32>> =
+            generated.completions.into_iter().map(|c| if c.is_empty() { vec![pad] } else { c }).collect();
+        let rollout_s = started.elapsed().as_secs_f64();
+
+        // Rewards and advantages.
+        let reward_started = Instant::now();
+        let scores: Vec<[f64; 3]> = completions
+            .iter()
+            .enumerate()
+            .map(|(i, c)| Ok(score(&decode(tokenizer, c)?, &chosen[i / g].answer)))
+            .collect::<Result<_>>()?;
+        let rewards: Vec<f64> =
+            scores.iter().map(|s| s.iter().zip(&config.reward_weights).map(|(r, w)| r * w).sum()).collect();
+        let adv = advantages(&rewards, g, config.scale_rewards, config.advantage_eps);
+        let reward_s = reward_started.elapsed().as_secs_f64();
+
+        // Micro-batches, and the log-probabilities the loss compares against.
+        let logprob_started = Instant::now();
+        let n = completions.len();
+        let ranges: Vec<std::ops::Range<usize>> =
+            (0..n).step_by(config.micro_batch_size).map(|s| s..(s + config.micro_batch_size).min(n)).collect();
+        let batches = ranges
+            .iter()
+            .map(|r| {
+                let p: Vec<&[u32]> = prompts[r.clone()].iter().map(Vec::as_slice).collect();
+                let c: Vec<&[u32]> = completions[r.clone()].iter().map(Vec::as_slice).collect();
+                MicroBatch::new(&p, &c, pad)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let valid_tokens: usize = batches.iter().map(MicroBatch::valid).sum();
+        let shard = BatchShard { global_batch: n, global_valid_rows: valid_tokens as f64 };
+        let old_logp = if config.ppo_epochs > 1 {
+            Some(batches.iter().map(|b| b.logprobs(model, &options, loss)).collect::<Result<Vec<_>>>()?)
+        } else {
+            None
+        };
+        let ref_logp = match (beta != 0.0, reference) {
+            (true, Some(r)) => Some(batches.iter().map(|b| b.logprobs(r, &options, loss)).collect::<Result<Vec<_>>>()?),
+            _ => None,
+        };
+        let logprob_s = logprob_started.elapsed().as_secs_f64();
+
+        // Update.
+        let update_started = Instant::now();
+        let live_before = probe.map(|p| {
+            (p.reset_peak)();
+            (p.live)()
+        });
+        let (mut losses, mut sums) = (Vec::new(), TokenSums::default());
+        let mut report = None;
+        for epoch in 0..config.ppo_epochs {
+            let mut epoch_loss = 0.0;
+            for (k, (mb, range)) in batches.iter().zip(&ranges).enumerate() {
+                let kind = LossKind::Grpo {
+                    advantages: adv[range.clone()].iter().map(|&a| a as f32).collect(),
+                    old_logp: old_logp.as_ref().map(|o| o[k].clone()),
+                    ref_logp: ref_logp.as_ref().map(|r| r[k].clone()),
+                    is_ratio: None,
+                };
+                let inputs = Arc::new(mb.inputs(kind, &options, loss, Some(shard)));
+                let hidden = mb.completion_hidden(model, true)?;
+                let out = head_loss(model, &hidden, &inputs, loss.implementation, true)?;
+                epoch_loss += out.loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+                if epoch == 0 {
+                    if let Some(o) = &out.outputs {
+                        sums.entropy += masked_sum(&o.entropy, &mb.mask)?;
+                        sums.have_entropy = true;
+                        if let Some(kl) = &o.kl {
+                            sums.kl += masked_sum(kl, &mb.mask)?;
+                            sums.have_kl = true;
+                        }
+                        if let Some(c) = &o.is_clipped {
+                            sums.clipped += masked_sum(c, &mb.mask)?;
+                            sums.have_clip = true;
+                        }
+                    }
+                    sums.tokens += mb.valid() as f64;
+                }
+                updater.accumulate(params, &out.loss)?;
+            }
+            losses.push(epoch_loss);
+            report = Some(updater.step(params)?);
+        }
+        let report = report.expect("ppo_epochs >= 1");
+        let update_s = update_started.elapsed().as_secs_f64();
+        let step_peak = probe.map(|p| (p.peak)());
+        let update_heap = step_peak.zip(live_before).map(|(p, l)| p.saturating_sub(l));
+        update_peak = update_peak.max(update_heap);
+        let step_s = started.elapsed().as_secs_f64();
+        state.step = step;
+        state.rng = rng.state();
+        state.optimizer_steps = updater.steps;
+        state.skipped_steps = updater.skipped;
+        state.recent_step_s.push(step_s);
+        if state.recent_step_s.len() > 10 {
+            state.recent_step_s.remove(0);
+        }
+        if report.skipped {
+            bar.println(format!(
+                "warning: step {step} skipped (non-finite loss or gradient); the weights are unchanged"
+            ));
+        }
+
+        // Metrics.
+        let correct: Vec<f64> = scores.iter().map(|s| s[0]).collect();
+        let completion_len = mean(&completions.iter().map(|c| c.len() as f64).collect::<Vec<_>>());
+        let mut r = record(json!({
+            "step": step,
+            "train/loss": mean(&losses),
+            "train/reward_mean": mean(&rewards),
+            "train/reward_std": std(&rewards),
+        }));
+        for (i, name) in REWARD_NAMES.iter().enumerate() {
+            r.insert(format!("train/rewards/{name}"), json!(mean(&scores.iter().map(|s| s[i]).collect::<Vec<_>>())));
+        }
+        let per_token = |have: bool, sum: f64| have.then(|| sum / sums.tokens.max(1.0));
+        let mut put = |key: &str, v: serde_json::Value| {
+            r.insert(key.into(), v);
+        };
+        put("train/accuracy", json!(mean(&correct)));
+        put("train/advantage_std", json!(std(&adv)));
+        if let Some(e) = per_token(sums.have_entropy, sums.entropy) {
+            put("train/entropy", json!(e));
+        }
+        if let Some(k) = per_token(sums.have_kl, sums.kl) {
+            put("train/kl", json!(k));
+        }
+        if let Some(c) = per_token(sums.have_clip, sums.clipped) {
+            put("train/clip_ratio", json!(c));
+        }
+        put("train/completion_len_mean", json!(completion_len));
+        put("train/grad_norm", json!(report.grad_norm));
+        put("train/lr", json!(report.lr));
+        put("train/skipped_steps", json!(updater.skipped));
+        put("time/rollout_s", json!(rollout_s));
+        put("time/reward_s", json!(reward_s));
+        put("time/logprob_s", json!(logprob_s));
+        put("time/update_s", json!(update_s));
+        put("time/step_s", json!(step_s));
+        put("time/step_avg_last10_s", json!(mean(&state.recent_step_s)));
+        put("throughput/valid_tokens_per_s", json!(valid_tokens as f64 / step_s));
+        put("mem/peak_rss_bytes", json!(metrics::peak_rss_bytes()));
+        if let Some(h) = update_heap {
+            put("mem/update_peak_heap_bytes", json!(h));
+        }
+        let eval_now = config.eval_every_steps > 0 && step % config.eval_every_steps == 0 || step == config.steps;
+        if eval_now {
+            eval_after = eval_at(model, step)?;
+            if let Some(a) = eval_after {
+                put("eval/accuracy", json!(a));
+            }
+        }
+        log.write(&r)?;
+        rewards_per_step.push(mean(&rewards));
+        update_times.push(update_s);
+        if config.checkpoint_every > 0 && (step % config.checkpoint_every == 0 || step == config.steps) {
+            save_checkpoint(&ckpt, model, reference, tokenizer, &updater, &state)?;
+        }
+        bar.set_message(metrics::summary_line(
+            &r,
+            &[("train/reward_mean", "reward"), ("train/accuracy", "acc"), ("eval/accuracy", "eval")],
+        ));
+        bar.inc(1);
+        if stop_after == Some(step) {
+            break;
+        }
+    }
+    bar.finish();
+    let tail = &rewards_per_step[rewards_per_step.len().saturating_sub(10)..];
+    Ok(GrpoSummary {
+        steps: state.step,
+        eval_before: state.eval_before,
+        eval_after,
+        reward_first: rewards_per_step.first().copied().unwrap_or(f64::NAN),
+        reward_last10: mean(tail),
+        reward_mean: mean(&rewards_per_step),
+        step_avg_last10_s: mean(&state.recent_step_s),
+        update_s_mean: mean(&update_times),
+        peak_rss_bytes: metrics::peak_rss_bytes(),
+        update_peak_heap_bytes: update_peak,
+        skipped_steps: updater.skipped,
+    })
+}
+
+fn record(value: serde_json::Value) -> Record {
+    match value {
+        serde_json::Value::Object(m) => m,
+        _ => unreachable!("records are objects"),
+    }
+}

@@ -1,0 +1,233 @@
+//! `flashgrpo train` (GRPO): the task's problems, the model and tokenizer (a Hugging Face
+//! directory, or new: a Qwen2 from the config and a BPE trained on the task's text), an optional
+//! SFT warm start on the worked solutions (fused-linear cross-entropy), GRPO, and what a user
+//! reads afterwards: `metrics.jsonl`, `sft_metrics.jsonl`, `config.json`, `summary.json`, the
+//! trained `model/`, PNG plots, and `checkpoint/` to resume from.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+use tokenizers::Tokenizer;
+
+use crate::data::Gsm8kProblem;
+use crate::error::{io, Result, TrainError};
+use crate::grpo::{train_grpo, Checkpoint, GrpoRun, GrpoSummary, Prompt};
+use crate::head_loss::{LossConfig, LossImpl};
+use crate::metrics::MetricsLog;
+use crate::model::{load_tokenizer, save_model, Qwen2};
+use crate::plot::plot_metrics;
+use crate::prompt::PromptFormat;
+use crate::rewards::formatted;
+use crate::setup::{setup, Setup};
+use crate::sft::{encode_examples, train_sft, Example, SftRun, SftSummary};
+use crate::tokenizer::{encode, save_tokenizer, CHATML_TEMPLATE, END_OF_TEXT};
+use crate::train_config::TrainConfig;
+
+/// How a job runs besides its config.
+#[derive(Debug, Clone, Default)]
+pub struct JobOptions {
+    /// Continue from this checkpoint directory (`OUT/checkpoint`).
+    pub resume: Option<PathBuf>,
+    /// Stop after this GRPO step, as if killed (tests).
+    pub stop_after: Option<usize>,
+}
+
+/// What the job did.
+#[derive(Debug, Clone)]
+pub struct GrpoJobSummary {
+    pub warm_start: Option<SftSummary>,
+    pub grpo: GrpoSummary,
+    pub out: PathBuf,
+}
+
+/// The prompt format of a run: the chat template of the tokenizer's directory when it has one
+/// (a trained tokenizer gets ChatML, which `save_tokenizer` also writes), plain text otherwise.
+pub fn prompt_format(config: &TrainConfig, trained_tokenizer: bool) -> Result<PromptFormat> {
+    let system = config.task.system_prompt();
+    if trained_tokenizer {
+        return Ok(PromptFormat {
+            chat_template: Some(CHATML_TEMPLATE.into()),
+            eos_token: Some(END_OF_TEXT.into()),
+            system_prompt: system,
+            ..Default::default()
+        });
+    }
+    let dir = match (&config.tokenizer.path, &config.model.path) {
+        (Some(p), _) if p.is_dir() => Some(p.clone()),
+        (Some(p), _) => p.parent().map(Path::to_path_buf),
+        (None, Some(m)) => Some(m.clone()),
+        (None, None) => None,
+    };
+    match dir {
+        Some(d) => PromptFormat::from_tokenizer_dir(&d, system),
+        None => Ok(PromptFormat { system_prompt: system, ..Default::default() }),
+    }
+}
+
+/// The SFT examples of problems: the prompt, and the worked solution in the rewarded format.
+pub fn warm_start_examples(format: &PromptFormat, problems: &[Gsm8kProblem]) -> Result<Vec<Example>> {
+    problems
+        .iter()
+        .map(|p| Ok(Example { prompt: format.render(&p.question)?, completion: formatted(&p.reasoning, &p.answer) }))
+        .collect()
+}
+
+/// Tokenised prompts that leave room for `max_new_tokens` within the model's positions (longer
+/// ones are dropped, and counted).
+pub fn encode_prompts(
+    tokenizer: &Tokenizer,
+    format: &PromptFormat,
+    problems: &[Gsm8kProblem],
+    room: usize,
+) -> Result<(Vec<Prompt>, usize)> {
+    let mut out = Vec::with_capacity(problems.len());
+    let mut dropped = 0;
+    for p in problems {
+        let ids = encode(tokenizer, &format.render(&p.question)?)?;
+        if ids.is_empty() || ids.len() > room {
+            dropped += 1;
+        } else {
+            out.push(Prompt { ids, answer: p.answer.clone() });
+        }
+    }
+    Ok((out, dropped))
+}
+
+fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
+    std::fs::write(path, serde_json::to_string_pretty(value).expect("json")).map_err(io(path))
+}
+
+/// Runs GRPO as the config says, in `config.out`.
+pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary> {
+    config.validate()?;
+    let out = config.out.clone();
+    std::fs::create_dir_all(&out).map_err(io(&out))?;
+    write_json(&out.join("config.json"), config)?;
+    let (train_problems, eval_problems) = config.task.load(&config.data, config.seed)?;
+
+    let checkpoint = options.resume.as_deref().map(Checkpoint::load).transpose()?;
+    let (setup, reference, warm_start, resume) = match checkpoint {
+        Some(Checkpoint { model, reference, tokenizer_dir, resume }) => {
+            let tokenizer = load_tokenizer(&tokenizer_dir)?;
+            let trained = config.model.path.is_none() && config.tokenizer.path.is_none();
+            let eos = eos_of(&model, &tokenizer)?;
+            let pad = tokenizer.token_to_id(END_OF_TEXT).unwrap_or(eos);
+            (Setup { model, tokenizer, eos, pad, trained_tokenizer: trained }, reference, None, Some(resume))
+        }
+        None => {
+            let corpus_format = prompt_format(config, true)?;
+            let corpus: Vec<String> = train_problems
+                .iter()
+                .map(|p| Ok(format!("{}{}", corpus_format.render(&p.question)?, formatted(&p.reasoning, &p.answer))))
+                .collect::<Result<_>>()?;
+            let setup = setup(config, corpus.iter())?;
+            let format = prompt_format(config, setup.trained_tokenizer)?;
+            let warm_start = if config.sft.steps > 0 {
+                Some(warm_start(config, &setup, &format, &train_problems, &eval_problems, &out)?)
+            } else {
+                None
+            };
+            let reference = (config.loss.options.beta != 0.0).then(|| setup.model.frozen_copy()).transpose()?;
+            (setup, reference, warm_start, None)
+        }
+    };
+    let format = prompt_format(config, setup.trained_tokenizer)?;
+    let room = setup.model.max_positions().saturating_sub(config.grpo.max_new_tokens);
+    let (train, dropped) = encode_prompts(&setup.tokenizer, &format, &train_problems, room)?;
+    if train.is_empty() {
+        return Err(TrainError::Other(format!(
+            "no training prompt fits in the model's {} positions with grpo.max_new_tokens = {} ({dropped} dropped)",
+            setup.model.max_positions(),
+            config.grpo.max_new_tokens
+        )));
+    }
+    let (eval, _) = encode_prompts(&setup.tokenizer, &format, &eval_problems, room)?;
+    let mut log = match &resume {
+        Some(r) => MetricsLog::resume(&out, r.state.step)?,
+        None => MetricsLog::open(&out, false)?,
+    };
+    let eos = [setup.eos];
+    let grpo = train_grpo(
+        &setup.model,
+        GrpoRun {
+            config: &config.grpo,
+            loss: &config.loss,
+            train: &train,
+            eval: &eval,
+            tokenizer: &setup.tokenizer,
+            eos: &eos,
+            pad: setup.pad,
+            reference: reference.as_ref(),
+            seed: config.seed,
+            out: &out,
+            log: &mut log,
+            progress: config.progress,
+            resume: resume.as_ref(),
+            stop_after: options.stop_after,
+        },
+    )?;
+    let model_dir = out.join("model");
+    save_model(&setup.model, &model_dir, None)?;
+    save_tokenizer(&setup.tokenizer, &model_dir)?;
+    write_json(
+        &out.join("summary.json"),
+        &json!({
+            "warm_start": warm_start.as_ref().map(|w| json!({
+                "steps": config.sft.steps, "first_loss": w.first_loss, "last_loss": w.last_loss,
+                "eval_loss_before": w.eval_before, "eval_loss_after": w.eval_after, "step_s_mean": w.step_s_mean,
+            })),
+            "grpo": {
+                "steps": grpo.steps, "eval_accuracy_before": grpo.eval_before, "eval_accuracy_after": grpo.eval_after,
+                "reward_first": grpo.reward_first, "reward_last10": grpo.reward_last10, "reward_mean": grpo.reward_mean,
+                "step_avg_last10_s": grpo.step_avg_last10_s, "update_s_mean": grpo.update_s_mean,
+                "peak_rss_bytes": grpo.peak_rss_bytes, "update_peak_heap_bytes": grpo.update_peak_heap_bytes,
+                "skipped_steps": grpo.skipped_steps,
+            },
+        }),
+    )?;
+    plot_metrics(log.path(), &out.join("plots"))?;
+    Ok(GrpoJobSummary { warm_start, grpo, out })
+}
+
+fn eos_of(model: &Qwen2, tokenizer: &Tokenizer) -> Result<u32> {
+    model
+        .config
+        .eos_token_ids()
+        .first()
+        .copied()
+        .or_else(|| tokenizer.token_to_id(END_OF_TEXT))
+        .ok_or_else(|| TrainError::Tokenizer("no end-of-sequence token".into()))
+}
+
+/// The SFT warm start on the task's worked solutions, with the fused-linear cross-entropy (the
+/// same for every `loss.impl`, so an A/B's two arms start GRPO from the same weights).
+fn warm_start(
+    config: &TrainConfig,
+    s: &Setup,
+    format: &PromptFormat,
+    train: &[Gsm8kProblem],
+    eval: &[Gsm8kProblem],
+    out: &Path,
+) -> Result<SftSummary> {
+    let loss = LossConfig {
+        implementation: LossImpl::FusedLinear,
+        chunk_memory_mb: config.loss.chunk_memory_mb,
+        ..LossConfig::default()
+    };
+    let (train, _) = encode_examples(&s.tokenizer, &warm_start_examples(format, train)?, s.eos, config.sft.max_len)?;
+    let (eval, _) = encode_examples(&s.tokenizer, &warm_start_examples(format, eval)?, s.eos, config.sft.max_len)?;
+    let mut log = MetricsLog::open_file(&out.join("sft_metrics.jsonl"), false)?;
+    train_sft(
+        &s.model,
+        SftRun {
+            config: &config.sft,
+            loss: &loss,
+            train: &train,
+            eval: &eval,
+            pad: s.pad,
+            seed: config.seed,
+            log: Some(&mut log),
+            progress: config.progress,
+        },
+    )
+}
