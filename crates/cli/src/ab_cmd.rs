@@ -81,7 +81,7 @@ pub fn main(args: AbArgs) -> Result<()> {
         ["eval/accuracy before GRPO".into(), opt(base.eval_before), opt(fused.eval_before), String::new()],
         ["eval/accuracy after GRPO".into(), opt(base.eval_after), opt(fused.eval_after), String::new()],
         [
-            format!("max |train/loss difference|, first {first} steps"),
+            format!("max abs train/loss difference, first {first} steps"),
             format!("{max_loss_diff:.2e}"),
             String::new(),
             String::new(),

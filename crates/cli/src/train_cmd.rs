@@ -150,7 +150,20 @@ fn print_grpo_summary(config: &TrainConfig, s: &GrpoJobSummary) {
     println!();
     println!("| {:<34} | {:>14} | {:>14} |", "", "before GRPO", "after GRPO");
     println!("|{:-<36}|{:->16}|{:->16}|", "", "", "");
-    println!("| {:<34} | {:>14} | {:>14} |", "eval/accuracy (held out)", f(g.eval_before), f(g.eval_after));
+    println!(
+        "| {:<34} | {:>14} | {:>14} |",
+        format!("eval/accuracy (held out, T={})", config.grpo.eval_temperature),
+        f(g.eval_before),
+        f(g.eval_after)
+    );
+    if g.eval_greedy_before.is_some() {
+        println!(
+            "| {:<34} | {:>14} | {:>14} |",
+            "eval/accuracy_greedy (held out)",
+            f(g.eval_greedy_before),
+            f(g.eval_greedy_after)
+        );
+    }
     println!(
         "| {:<34} | {:>14} | {:>14} |",
         "train/reward_mean (first, last 10)",

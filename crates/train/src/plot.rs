@@ -200,7 +200,7 @@ pub fn line_plot(path: &Path, title: &str, series: &[Series]) -> Result<()> {
                 c.line((p.0 - 3.0, p.1), (p.0 + 3.0, p.1), color, 3);
             }
         }
-        c.text(LEFT as i64 + 10 + k as i64 * 200, TOP as i64 + 8, &s.name, 2, color);
+        c.text(LEFT as i64 + 10 + k as i64 * 190, TOP as i64 + 8, &s.name, 2, color);
     }
     c.save(path)
 }
@@ -215,14 +215,36 @@ pub fn metric_series(path: &Path, key: &str) -> Result<Vec<(f64, f64)>> {
         .collect())
 }
 
+/// The trailing mean over `window` points.
+pub fn moving_average(points: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
+    (0..points.len())
+        .map(|i| {
+            let from = (i + 1).saturating_sub(window.max(1));
+            let slice = &points[from..=i];
+            (points[i].0, slice.iter().map(|p| p.1).sum::<f64>() / slice.len() as f64)
+        })
+        .collect()
+}
+
 /// `reward.png`, `accuracy.png`, `loss.png` and `step_time.png` of a run's `metrics.jsonl`.
 pub fn plot_metrics(metrics: &Path, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let s = |name: &str, key: &str| -> Result<Series> {
         Ok(Series { name: name.into(), points: metric_series(metrics, key)? })
     };
-    line_plot(&dir.join("reward.png"), "reward (mean per step)", &[s("reward", "train/reward_mean")?])?;
-    line_plot(&dir.join("accuracy.png"), "accuracy", &[s("train", "train/accuracy")?, s("eval", "eval/accuracy")?])?;
+    let avg = |name: &str, key: &str| -> Result<Series> {
+        Ok(Series { name: name.into(), points: moving_average(&metric_series(metrics, key)?, 10) })
+    };
+    line_plot(
+        &dir.join("reward.png"),
+        "reward (mean per step)",
+        &[s("reward", "train/reward_mean")?, avg("avg 10", "train/reward_mean")?],
+    )?;
+    line_plot(
+        &dir.join("accuracy.png"),
+        "accuracy",
+        &[s("train", "train/accuracy")?, s("eval", "eval/accuracy")?, avg("train avg 10", "train/accuracy")?],
+    )?;
     line_plot(&dir.join("loss.png"), "grpo loss", &[s("loss", "train/loss")?])?;
     line_plot(
         &dir.join("step_time.png"),

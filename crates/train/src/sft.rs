@@ -43,8 +43,8 @@ pub struct SftConfig {
 impl Default for SftConfig {
     fn default() -> Self {
         Self {
-            steps: 200,
-            batch_size: 8,
+            steps: 600,
+            batch_size: 16,
             grad_accum: 1,
             max_len: 384,
             eval_every: 0,

@@ -135,7 +135,7 @@ impl Default for DataSection {
             path: PathBuf::from("../shared/data/gsm8k/train.jsonl"),
             limit: None,
             eval_path: Some(PathBuf::from("../shared/data/gsm8k/test.jsonl")),
-            eval_limit: 128,
+            eval_limit: 500,
         }
     }
 }

@@ -24,6 +24,8 @@ pub struct TrainerState {
     pub skipped_steps: usize,
     /// Held-out accuracy before the first GRPO step.
     pub eval_before: Option<f64>,
+    #[serde(default)]
+    pub eval_greedy_before: Option<f64>,
     /// The last (up to) 10 step times, for `time/step_avg_last10_s`.
     pub recent_step_s: Vec<f64>,
 }

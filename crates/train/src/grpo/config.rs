@@ -36,8 +36,14 @@ pub struct GrpoConfig {
     /// Held-out accuracy every this many steps (and before the first step and after the last);
     /// 0: only before and after.
     pub eval_every_steps: usize,
-    /// Sampling temperature of the evaluation (0: greedy).
+    /// Sampling temperature of the evaluation (0: greedy). The default samples as the rollouts
+    /// do (TRL evaluates with the training generation settings): the accuracy of the policy being
+    /// trained. With a temperature, greedy accuracy is also logged before the first and after the
+    /// last step (`eval/accuracy_greedy`).
     pub eval_temperature: f64,
+    /// Completions per held-out prompt when the evaluation samples (the accuracy is their mean:
+    /// less noise than one draw per prompt).
+    pub eval_samples: usize,
     /// Sequences per generation batch in the evaluation.
     pub eval_batch_size: usize,
     /// Save model, optimiser, RNG and step every this many steps to `out/checkpoint` (0: never).
@@ -48,9 +54,9 @@ pub struct GrpoConfig {
 impl Default for GrpoConfig {
     fn default() -> Self {
         Self {
-            steps: 100,
-            prompts_per_step: 16,
-            num_generations: 8,
+            steps: 300,
+            prompts_per_step: 8,
+            num_generations: 16,
             micro_batch_size: 64,
             ppo_epochs: 1,
             temperature: 1.0,
@@ -60,11 +66,12 @@ impl Default for GrpoConfig {
             scale_rewards: ScaleRewards::Group,
             advantage_eps: 1e-4,
             reward_weights: DEFAULT_WEIGHTS.to_vec(),
-            eval_every_steps: 25,
-            eval_temperature: 0.0,
+            eval_every_steps: 100,
+            eval_temperature: 1.0,
+            eval_samples: 4,
             eval_batch_size: 128,
-            checkpoint_every: 25,
-            optim: OptimConfig { lr: 1e-3, warmup_steps: 5, min_lr_ratio: 1.0, ..OptimConfig::default() },
+            checkpoint_every: 50,
+            optim: OptimConfig { lr: 1e-4, warmup_steps: 5, min_lr_ratio: 1.0, ..OptimConfig::default() },
         }
     }
 }
@@ -79,6 +86,7 @@ impl GrpoConfig {
             ("ppo_epochs", self.ppo_epochs),
             ("max_new_tokens", self.max_new_tokens),
             ("eval_batch_size", self.eval_batch_size),
+            ("eval_samples", self.eval_samples),
         ] {
             if v == 0 {
                 return bad(format!("grpo.{name} must be positive"));

@@ -62,6 +62,10 @@ pub struct GrpoSummary {
     pub steps: usize,
     pub eval_before: Option<f64>,
     pub eval_after: Option<f64>,
+    /// Greedy held-out accuracy before the first and after the last step, when the evaluation
+    /// samples (`eval_temperature > 0`).
+    pub eval_greedy_before: Option<f64>,
+    pub eval_greedy_after: Option<f64>,
     pub reward_first: f64,
     pub reward_last10: f64,
     pub reward_mean: f64,
@@ -74,8 +78,11 @@ pub struct GrpoSummary {
 
 /// How held-out accuracy is measured: one completion per prompt (greedy by default), scored by
 /// correctness.
+#[derive(Clone, Copy)]
 pub struct Evaluation<'a> {
     pub sampling: Sampling,
+    /// Completions per prompt (their mean correctness is the prompt's score); 1 when greedy.
+    pub samples: usize,
     pub batch_size: usize,
     pub tokenizer: &'a Tokenizer,
     pub eos: &'a [u32],
@@ -89,12 +96,14 @@ impl Evaluation<'_> {
             return Ok(f64::NAN);
         }
         let mut rng = Rng::new(seed);
+        let k = if self.sampling.temperature == 0.0 { 1 } else { self.samples.max(1) };
+        let repeated: Vec<&Prompt> = prompts.iter().flat_map(|p| std::iter::repeat_n(p, k)).collect();
         let mut correct = 0.0;
-        for chunk in prompts.chunks(self.batch_size.max(1)) {
+        for chunk in repeated.chunks(self.batch_size.max(1)) {
             let ids: Vec<Vec<u32>> = chunk.iter().map(|p| p.ids.clone()).collect();
             let generated = generate(model, &ids, &self.sampling, self.eos, self.pad, &mut rng)?;
             for (p, completion) in chunk.iter().zip(&generated.completions) {
-                correct += correctness(&decode(self.tokenizer, completion)?, &p.answer);
+                correct += correctness(&decode(self.tokenizer, completion)?, &p.answer) / k as f64;
             }
         }
         Ok(correct / prompts.len() as f64)
@@ -199,12 +208,26 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
                 optimizer_steps: 0,
                 skipped_steps: 0,
                 eval_before: None,
+                eval_greedy_before: None,
                 recent_step_s: Vec::new(),
             },
         ),
     };
-    let evaluation =
-        Evaluation { sampling: config.eval_sampling(), batch_size: config.eval_batch_size, tokenizer, eos, pad };
+    let evaluation = Evaluation {
+        sampling: config.eval_sampling(),
+        samples: config.eval_samples,
+        batch_size: config.eval_batch_size,
+        tokenizer,
+        eos,
+        pad,
+    };
+    let greedy = Evaluation { sampling: Sampling { temperature: 0.0, ..evaluation.sampling }, ..evaluation };
+    let greedy_at = |model: &Qwen2| -> Result<Option<f64>> {
+        if eval.is_empty() || config.eval_temperature == 0.0 {
+            return Ok(None);
+        }
+        Ok(Some(greedy.accuracy(model, eval, 0)?))
+    };
     let eval_at = |model: &Qwen2, step: usize| -> Result<Option<f64>> {
         if eval.is_empty() {
             return Ok(None);
@@ -213,8 +236,13 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
     };
     if resume.is_none() {
         state.eval_before = eval_at(model, 0)?;
+        state.eval_greedy_before = greedy_at(model)?;
         if let Some(a) = state.eval_before {
-            log.write(&record(json!({"step": 0, "eval/accuracy": a})))?;
+            let mut r = record(json!({"step": 0, "eval/accuracy": a}));
+            if let Some(g) = state.eval_greedy_before {
+                r.insert("eval/accuracy_greedy".into(), json!(g));
+            }
+            log.write(&r)?;
         }
     }
     let mut rng = Rng::from_state(state.rng);
@@ -226,6 +254,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
     let (mut rewards_per_step, mut update_times) = (Vec::new(), Vec::new());
     let mut update_peak: Option<usize> = None;
     let mut eval_after = state.eval_before;
+    let mut eval_greedy_after = state.eval_greedy_before;
     let ckpt = checkpoint_dir(out);
     while state.step < config.steps {
         let step = state.step + 1;
@@ -386,6 +415,12 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             if let Some(a) = eval_after {
                 put("eval/accuracy", json!(a));
             }
+            if step == config.steps {
+                eval_greedy_after = greedy_at(model)?;
+                if let Some(g) = eval_greedy_after {
+                    put("eval/accuracy_greedy", json!(g));
+                }
+            }
         }
         log.write(&r)?;
         rewards_per_step.push(mean(&rewards));
@@ -408,6 +443,8 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         steps: state.step,
         eval_before: state.eval_before,
         eval_after,
+        eval_greedy_before: state.eval_greedy_before,
+        eval_greedy_after,
         reward_first: rewards_per_step.first().copied().unwrap_or(f64::NAN),
         reward_last10: mean(tail),
         reward_mean: mean(&rewards_per_step),

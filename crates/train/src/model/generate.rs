@@ -41,6 +41,19 @@ pub fn sample(logits: &[f32], s: &Sampling, rng: &mut Rng) -> u32 {
     if s.temperature <= 0.0 {
         return argmax() as u32;
     }
+    if s.top_k == 0 && s.top_p >= 1.0 {
+        // No filter: draw from the whole softmax in one pass, without sorting the vocabulary.
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+        let weights: Vec<f64> = logits.iter().map(|&x| ((x as f64 - max) / s.temperature).exp()).collect();
+        let mut u = rng.uniform() * weights.iter().sum::<f64>();
+        for (i, w) in weights.iter().enumerate() {
+            u -= w;
+            if u < 0.0 {
+                return i as u32;
+            }
+        }
+        return weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32;
+    }
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
     if s.top_k > 0 {
