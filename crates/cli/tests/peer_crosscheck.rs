@@ -2,7 +2,9 @@
 //! `bench/peers/setup.sh`; set `FLASHGRPO_PEERS_VENV` to use another location):
 //! - `tests/peers/crosscheck.py`: `flashgrpo loss` against `F.cross_entropy`, Liger-Kernel's
 //!   `LigerFusedLinearGRPOLoss` and TRL-style float64 autograd;
-//! - `tests/peers/hf_forward.py`: `flashgrpo forward` against Hugging Face transformers' Qwen2.
+//! - `tests/peers/hf_forward.py`: `flashgrpo forward` against Hugging Face transformers' Qwen2;
+//! - `tests/cuda/nvrtc_compile.py`: every CUDA source compiles to PTX for sm_80 and sm_90 with the
+//!   venv's NVRTC (no GPU or CUDA toolkit needed).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -53,4 +55,13 @@ fn flashgrpo_loss_matches_pytorch_and_liger_kernel() {
 #[test]
 fn flashgrpo_forward_matches_hugging_face_transformers() {
     run_script("tests/peers/hf_forward.py");
+}
+
+#[test]
+fn cuda_sources_compile_to_ptx_for_sm80_and_sm90() {
+    let out = Command::new(python()).arg(root().join("tests/cuda/nvrtc_compile.py")).output().expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "NVRTC compile check failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains(" 0 failures"), "{stdout}");
 }

@@ -1,0 +1,168 @@
+// flashgrpo's two streaming passes on CUDA, the same contract as the CPU engine (crates/kernels/src/
+// stats.rs and objective/mod.rs):
+//
+// 1. row statistics: one block per row of `[rows, vocab]` logits (f32 / f16 / bf16), f32
+//    accumulation, `u = logits * inv_temperature`:
+//      max, sum_exp = sum exp(u - max), sum_exp_shifted = sum exp(u - max) * (u - max),
+//      sum_u = sum u, target_u = u[target] (or NaN when the target is out of range),
+//    written as five floats per row. Rows with `active[r] == 0` are not read.
+// 2. gradient: from the token objective's per-row scalars (lse, a, b, c, d), computed on the host,
+//      dlogits_j = a * [j == target] + p_j * (b + c * log p_j) + d,   p_j = exp(u_j - lse),
+//    written in the logits' dtype, into a separate buffer or over the logits themselves (each
+//    element is read before it is written, by the same thread). A row whose four scalars are
+//    all zero is written as zeros without reading its logits.
+//
+// Deterministic: every thread walks a fixed strided slice of the row in order, and the block
+// combines the threads' partials by a fixed tree in shared memory; there are no atomics.
+//
+// Compiled at run time by NVRTC (feature `cuda`); tests/cuda/nvrtc_compile.py compiles this file to
+// PTX for sm_80 and sm_90 in CI, where there is no GPU.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define FLASHGRPO_THREADS 256
+
+// NVRTC has no <cmath>: the constants by their bits.
+#define FLASHGRPO_NEG_INF __int_as_float(0xff800000)
+#define FLASHGRPO_NAN __int_as_float(0x7fc00000)
+
+struct Partial {
+    float max;
+    float sum_exp;
+    float sum_exp_shifted;
+    float sum_u;
+};
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// Adds the value `u` to a running partial (online softmax with the shifted entropy sum).
+__device__ __forceinline__ void push(Partial &p, float u) {
+    if (u > p.max) {
+        if (p.sum_exp > 0.0f) {
+            float shift = p.max - u;  // < 0
+            float k = __expf(shift);
+            p.sum_exp_shifted = (p.sum_exp_shifted + shift * p.sum_exp) * k;
+            p.sum_exp *= k;
+        }
+        p.max = u;
+    }
+    float d = u - p.max;
+    float e = __expf(d);
+    p.sum_exp += e;
+    p.sum_exp_shifted += e * d;
+    p.sum_u += u;
+}
+
+// Combines two partials of disjoint parts of a row.
+__device__ __forceinline__ Partial combine(Partial x, Partial y) {
+    float m = fmaxf(x.max, y.max);
+    Partial r;
+    r.max = m;
+    r.sum_exp = 0.0f;
+    r.sum_exp_shifted = 0.0f;
+    r.sum_u = x.sum_u + y.sum_u;
+    if (m == FLASHGRPO_NEG_INF) return r;
+    if (x.sum_exp > 0.0f) {
+        float shift = x.max - m;
+        float k = __expf(shift);
+        r.sum_exp += x.sum_exp * k;
+        r.sum_exp_shifted += (x.sum_exp_shifted + shift * x.sum_exp) * k;
+    }
+    if (y.sum_exp > 0.0f) {
+        float shift = y.max - m;
+        float k = __expf(shift);
+        r.sum_exp += y.sum_exp * k;
+        r.sum_exp_shifted += (y.sum_exp_shifted + shift * y.sum_exp) * k;
+    }
+    return r;
+}
+
+template <typename T>
+__device__ void row_stats(const T *__restrict__ logits, int vocab, float inv_temperature,
+                          const long long *__restrict__ targets, const float *__restrict__ active,
+                          float *__restrict__ out) {
+    __shared__ Partial partials[FLASHGRPO_THREADS];
+    const long long row = blockIdx.x;
+    float *o = out + row * 5;
+    if (active != nullptr && active[row] == 0.0f) {
+        if (threadIdx.x == 0) {
+            o[0] = FLASHGRPO_NEG_INF;
+            o[1] = 0.0f;
+            o[2] = 0.0f;
+            o[3] = 0.0f;
+            o[4] = FLASHGRPO_NAN;
+        }
+        return;
+    }
+    const T *z = logits + row * (long long)vocab;
+    Partial p = {FLASHGRPO_NEG_INF, 0.0f, 0.0f, 0.0f};
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        push(p, to_float(z[j]) * inv_temperature);
+    }
+    partials[threadIdx.x] = p;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (threadIdx.x < stride) {
+            partials[threadIdx.x] = combine(partials[threadIdx.x], partials[threadIdx.x + stride]);
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        Partial r = partials[0];
+        o[0] = r.max;
+        o[1] = r.sum_exp;
+        o[2] = r.sum_exp_shifted;
+        o[3] = r.sum_u;
+        long long y = targets != nullptr ? targets[row] : -1;
+        o[4] = (y >= 0 && y < vocab) ? to_float(z[y]) * inv_temperature : FLASHGRPO_NAN;
+    }
+}
+
+// `scalars`: five floats per row, (lse, a, b, c, d). `grad` may be `logits` (in place).
+template <typename T>
+__device__ void row_gradient(const T *logits, T *grad, int vocab, float inv_temperature,
+                             const long long *__restrict__ targets, const float *__restrict__ scalars) {
+    const long long row = blockIdx.x;
+    const float *s = scalars + row * 5;
+    const float lse = s[0], a = s[1], b = s[2], c = s[3], d = s[4];
+    const T *z = logits + row * (long long)vocab;
+    T *g = grad + row * (long long)vocab;
+    if (a == 0.0f && b == 0.0f && c == 0.0f && d == 0.0f) {
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) g[j] = from_float<T>(0.0f);
+        return;
+    }
+    const long long y = targets != nullptr ? targets[row] : -1;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        float log_p = to_float(z[j]) * inv_temperature - lse;
+        float p = __expf(log_p);
+        float v = p * (b + c * log_p) + d;
+        if (j == y) v += a;
+        g[j] = from_float<T>(v);
+    }
+}
+
+#define FLASHGRPO_INSTANTIATE(NAME, T)                                                              \
+    extern "C" __global__ void __launch_bounds__(FLASHGRPO_THREADS)                                 \
+        row_stats_##NAME(const T *logits, int vocab, float inv_temperature,                          \
+                         const long long *targets, const float *active, float *out) {                \
+        row_stats<T>(logits, vocab, inv_temperature, targets, active, out);                          \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FLASHGRPO_THREADS)                                 \
+        row_gradient_##NAME(const T *logits, T *grad, int vocab, float inv_temperature,              \
+                            const long long *targets, const float *scalars) {                        \
+        row_gradient<T>(logits, grad, vocab, inv_temperature, targets, scalars);                     \
+    }
+
+FLASHGRPO_INSTANTIATE(f32, float)
+FLASHGRPO_INSTANTIATE(f16, __half)
+FLASHGRPO_INSTANTIATE(bf16, __nv_bfloat16)
