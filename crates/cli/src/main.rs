@@ -5,6 +5,8 @@ mod baseline;
 mod batch;
 mod bench;
 mod config;
+#[cfg(feature = "cuda")]
+mod cuda_run;
 mod forward_cmd;
 mod gradcheck;
 mod input_spec;

@@ -379,3 +379,49 @@ fn fused_linear_inputs_give_the_linear_gradients() {
         .unwrap();
     assert!(String::from_utf8_lossy(&o.stderr).contains("with `hidden` and `weight` use `fused`"));
 }
+
+/// `--device cuda`: on a machine with a GPU, the same outputs as the CPU kernels (f32 and bf16,
+/// out of place and in place); without one, a clear error and no output file.
+#[test]
+fn device_cuda_matches_the_cpu_or_says_why_not() {
+    let dir = Dir::new("cuda");
+    for dtype in [Dtype::F32, Dtype::BF16] {
+        let (input, _) = grpo_inputs(&dir, dtype);
+        let cpu_out = dir.path("cpu.safetensors");
+        let o = bin()
+            .args(["loss", "--op", "grpo", "--set", "beta=0.04", "--inputs"])
+            .arg(&input)
+            .arg("--out")
+            .arg(&cpu_out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        for implementation in ["fused", "fused-inplace"] {
+            let gpu_out = dir.path("gpu.safetensors");
+            let _ = std::fs::remove_file(&gpu_out);
+            let o = bin()
+                .args(["loss", "--op", "grpo", "--set", "beta=0.04", "--device", "cuda", "--impl", implementation])
+                .arg("--inputs")
+                .arg(&input)
+                .arg("--out")
+                .arg(&gpu_out)
+                .output()
+                .unwrap();
+            if !o.status.success() {
+                let err = String::from_utf8_lossy(&o.stderr);
+                assert!(err.contains("CUDA") || err.contains("NVRTC") || err.contains("cuda"), "{err}");
+                assert!(!gpu_out.exists());
+                continue;
+            }
+            let (cpu, gpu) = (std::fs::read(&cpu_out).unwrap(), std::fs::read(&gpu_out).unwrap());
+            for name in ["loss", "per_token_loss", "logp", "entropy", "kl", "grad_logits"] {
+                let (a, _) = read_f32(&cpu, name);
+                let (b, _) = read_f32(&gpu, name);
+                let tol = if dtype == Dtype::BF16 && name == "grad_logits" { 1e-2 } else { 1e-4 };
+                for (x, y) in a.iter().zip(&b) {
+                    assert!((x - y).abs() <= tol * (1.0 + x.abs()), "{name} {implementation} {dtype:?}: {x} vs {y}");
+                }
+            }
+        }
+    }
+}

@@ -40,7 +40,7 @@ impl<'a> PreparedLoss<'a> {
         Ok(Self { spec, active })
     }
 
-    fn expecting_gradient(self) -> Result<Self, LossError> {
+    pub(crate) fn expecting_gradient(self) -> Result<Self, LossError> {
         if self.spec.loss.has_gradient() {
             Ok(self)
         } else {

@@ -37,4 +37,7 @@ pub enum LossError {
 
     #[error("vocabulary shards: {0}")]
     Shard(String),
+
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }

@@ -35,6 +35,8 @@
 //! ```
 
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod element;
 mod engine;
 pub mod error;
