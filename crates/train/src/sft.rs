@@ -125,8 +125,6 @@ struct MicroBatch {
     ids: Tensor,
     attention: Vec<u8>,
     targets: Vec<i64>,
-    batch: usize,
-    seq_len: usize,
     count: usize,
 }
 
@@ -144,32 +142,35 @@ fn micro_batch(examples: &[&Encoded], pad: u32, ignore: i64) -> Result<MicroBatc
             count += 1;
         }
     }
-    Ok(MicroBatch {
-        ids: Tensor::from_vec(ids, (b, t), &Device::Cpu)?,
-        attention,
-        targets,
-        batch: b,
-        seq_len: t,
-        count,
-    })
+    Ok(MicroBatch { ids: Tensor::from_vec(ids, (b, t), &Device::Cpu)?, attention, targets, count })
 }
 
-/// The summed cross-entropy of a micro-batch (a graph tensor when `track`).
+/// The summed cross-entropy of a micro-batch (a graph tensor when `track`). Only the positions
+/// with a target reach the head: prompt and padding positions (half of them or more in a typical
+/// SFT batch) are dropped from the hidden states first, so the head's products, the largest cost
+/// of a step at a real vocabulary, run over completion tokens only. Cross-entropy is per token,
+/// so this changes no number.
 fn summed_loss(model: &Qwen2, mb: &MicroBatch, loss: &LossConfig, track: bool) -> Result<Tensor> {
     let mut options = loss.options.clone();
     options.reduction = Reduction::Sum;
+    let keep: Vec<u32> =
+        (0..mb.targets.len()).filter(|&i| mb.targets[i] != options.ignore_index).map(|i| i as u32).collect();
+    let targets: Vec<i64> = keep.iter().map(|&i| mb.targets[i as usize]).collect();
     let inputs = Arc::new(LossInputs {
         kind: LossKind::CrossEntropy,
-        batch: mb.batch,
-        seq_len: mb.seq_len,
-        targets: Some(mb.targets.clone()),
+        batch: 1,
+        seq_len: keep.len(),
+        targets: Some(targets),
         mask: None,
         options,
         budget: loss.budget(),
         batch_shard: None,
     });
     let hidden = model.hidden_states(&mb.ids, Some(&mb.attention), track)?;
-    Ok(head_loss(model, &hidden, &inputs, loss.implementation, track)?.loss)
+    let (b, t, h) = hidden.dims3()?;
+    let index = Tensor::from_vec(keep.clone(), keep.len(), &Device::Cpu)?;
+    let kept = hidden.reshape((b * t, h))?.index_select(&index, 0)?.reshape((1, keep.len(), h))?;
+    Ok(head_loss(model, &kept, &inputs, loss.implementation, track)?.loss)
 }
 
 /// The mean completion-token loss over `data` (no gradient).
