@@ -10,14 +10,13 @@ use candle_core::{Device, Tensor};
 use flashgrpo_candle::{LossInputs, LossKind};
 use flashgrpo_kernels::synthetic::Rng;
 use flashgrpo_kernels::Reduction;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokenizers::Tokenizer;
 
 use crate::error::{Result, TrainError};
 use crate::head_loss::{head_loss, LossConfig};
-use crate::metrics::{self, MetricsLog, Record};
+use crate::metrics::{self, progress_bar, record, MetricsLog, Record};
 use crate::model::Qwen2;
 use crate::optim::{OptimConfig, Updater};
 use crate::tokenizer::encode;
@@ -218,18 +217,6 @@ pub struct SftRun<'a> {
     pub progress: bool,
 }
 
-fn bar(steps: usize, show: bool) -> ProgressBar {
-    if !show {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(steps as u64);
-    bar.set_style(
-        ProgressStyle::with_template("sft {bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-            .expect("a valid template"),
-    );
-    bar
-}
-
 /// Trains `model` in place.
 pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
     let SftRun { config, loss, train, eval, pad, seed, mut log, progress } = run;
@@ -258,7 +245,7 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
     if let Some(e) = eval_before {
         write(&record(json!({"step": 0, "eval/loss": e})))?;
     }
-    let bar = bar(config.steps, progress);
+    let bar = progress_bar("sft", config.steps, 0, progress);
     let (mut losses, mut times) = (Vec::new(), Vec::new());
     let mut eval_after = eval_before;
     metrics::reset_peak_rss();
@@ -334,11 +321,4 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
         peak_heap_bytes: peak_heap,
         skipped_steps: updater.skipped,
     })
-}
-
-fn record(value: serde_json::Value) -> Record {
-    match value {
-        serde_json::Value::Object(m) => m,
-        _ => unreachable!("records are objects"),
-    }
 }

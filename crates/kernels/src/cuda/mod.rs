@@ -76,6 +76,21 @@ pub fn include_dirs() -> Vec<String> {
     dirs.into_iter().filter(|d| d.join("cuda_fp16.h").exists()).map(|d| d.display().to_string()).collect()
 }
 
+/// The device pointer of an optional buffer (0, a null pointer, when absent), and the guard that
+/// orders the stream's use of it.
+fn optional_ptr<'a, T>(
+    buffer: Option<&'a CudaSlice<T>>,
+    stream: &'a CudaStream,
+) -> (u64, Option<cudarc::driver::SyncOnDrop<'a>>) {
+    match buffer {
+        Some(b) => {
+            let (p, guard) = b.device_ptr(stream);
+            (p, Some(guard))
+        }
+        None => (0, None),
+    }
+}
+
 /// Steps 1 and 2's results, and the targets already on the device for step 3.
 struct Evaluated {
     output: LossOutput,
@@ -182,14 +197,7 @@ impl CudaDevice {
         let mut out = self.stream.alloc_zeros::<f32>(n * 5).map_err(cuda_error("allocating the statistics"))?;
         let function =
             self.module.load_function(&format!("row_stats_{}", T::SUFFIX)).map_err(cuda_error("finding row_stats"))?;
-        let null: u64 = 0;
-        let (targets_ptr, _t) = match &targets {
-            Some(t) => {
-                let (p, s) = t.device_ptr(&self.stream);
-                (p, Some(s))
-            }
-            None => (null, None),
-        };
+        let (targets_ptr, _t) = optional_ptr(targets.as_ref(), &self.stream);
         let mut launch = self.stream.launch_builder(&function);
         launch.arg(logits).arg(&vocab).arg(&inv_temperature).arg(&targets_ptr).arg(&active).arg(&mut out);
         // SAFETY: the arguments match `row_stats_*`'s signature in rows.cu, the buffers hold N*V
@@ -242,25 +250,13 @@ impl CudaDevice {
             .module
             .load_function(&format!("row_gradient_{}", T::SUFFIX))
             .map_err(cuda_error("finding row_gradient"))?;
-        let null: u64 = 0;
-        let (targets_ptr, _t) = match &targets {
-            Some(t) => {
-                let (p, s) = t.device_ptr(&self.stream);
-                (p, Some(s))
-            }
-            None => (null, None),
-        };
+        let (targets_ptr, _t) = optional_ptr(targets.as_ref(), &self.stream);
         let (logits_ptr, _l) = logits.device_ptr(&self.stream);
-        let (grad_ptr, _g) = match &grad {
-            Some(g) => {
-                if g.len() != logits.len() {
-                    return Err(LossError::GradientBuffer { got: g.len(), expected: logits.len() });
-                }
-                let (p, s) = g.device_ptr(&self.stream);
-                (p, Some(s))
-            }
-            None => (logits_ptr, None),
-        };
+        if let Some(g) = grad.as_ref().filter(|g| g.len() != logits.len()) {
+            return Err(LossError::GradientBuffer { got: g.len(), expected: logits.len() });
+        }
+        let (grad_ptr, _g) = optional_ptr(grad.as_deref(), &self.stream);
+        let grad_ptr = if grad.is_some() { grad_ptr } else { logits_ptr };
         let mut launch = self.stream.launch_builder(&function);
         launch.arg(&logits_ptr).arg(&grad_ptr).arg(&vocab).arg(&inv_temperature).arg(&targets_ptr).arg(&scalars);
         // SAFETY: the arguments match `row_gradient_*`'s signature; `grad` holds as many elements

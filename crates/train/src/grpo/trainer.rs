@@ -12,7 +12,6 @@ use std::time::Instant;
 use flashgrpo_candle::LossKind;
 use flashgrpo_kernels::synthetic::Rng;
 use flashgrpo_kernels::{BatchShard, LossOptions};
-use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tokenizers::Tokenizer;
 
@@ -21,7 +20,7 @@ use super::checkpoint::{checkpoint_dir, save_checkpoint, Resume, TrainerState};
 use super::config::GrpoConfig;
 use crate::error::{Result, TrainError};
 use crate::head_loss::{head_loss, LossConfig};
-use crate::metrics::{self, MetricsLog, Record};
+use crate::metrics::{self, progress_bar, record, MetricsLog};
 use crate::model::{generate, Qwen2, Sampling};
 use crate::optim::Updater;
 use crate::rewards::{advantages, correctness, score, REWARD_NAMES};
@@ -108,19 +107,6 @@ impl Evaluation<'_> {
         }
         Ok(correct / prompts.len() as f64)
     }
-}
-
-fn bar(steps: usize, done: usize, show: bool) -> ProgressBar {
-    if !show {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(steps as u64);
-    bar.set_style(
-        ProgressStyle::with_template("grpo {bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-            .expect("a valid template"),
-    );
-    bar.set_position(done as u64);
-    bar
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -248,7 +234,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
     let mut rng = Rng::from_state(state.rng);
     let sampling = config.sampling();
     let g = config.num_generations;
-    let bar = bar(config.steps, state.step, progress);
+    let bar = progress_bar("grpo", config.steps, state.step, progress);
     let probe = metrics::heap_probe();
     metrics::reset_peak_rss();
     let (mut rewards_per_step, mut update_times) = (Vec::new(), Vec::new());
@@ -454,11 +440,4 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         update_peak_heap_bytes: update_peak,
         skipped_steps: updater.skipped,
     })
-}
-
-fn record(value: serde_json::Value) -> Record {
-    match value {
-        serde_json::Value::Object(m) => m,
-        _ => unreachable!("records are objects"),
-    }
 }
