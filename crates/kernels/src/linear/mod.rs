@@ -239,16 +239,6 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         }
     }
 
-    fn block(&self, chunk: &Range<usize>) -> Block<'_> {
-        Block {
-            rows: &self.prepared.spec().rows,
-            active: self.prepared.active_rows(),
-            first_row: chunk.start,
-            len: chunk.len(),
-            columns: self.columns.clone(),
-        }
-    }
-
     /// Pass 1: every row's partial statistics over the columns.
     fn statistics(&mut self) -> Result<Vec<PartialRowStats>, LossError> {
         let mut stats = Vec::with_capacity(self.prepared.spec().rows.len());
@@ -257,7 +247,12 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         for chunk in chunks {
             self.logits(&chunk);
             let n = chunk.len() * self.width();
-            stats.extend(cpu::statistics(&self.z[..n], &self.block(&chunk), temperature, self.prepared.needs_sum_u())?);
+            stats.extend(cpu::statistics(
+                &self.z[..n],
+                &chunk_block(self.prepared, &self.columns, &chunk),
+                temperature,
+                self.prepared.needs_sum_u(),
+            )?);
         }
         Ok(stats)
     }
@@ -269,13 +264,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         for (i, chunk) in chunks.iter().enumerate() {
             let hc = self.logits(chunk);
             let n = chunk.len() * self.width();
-            let block = Block {
-                rows: &self.prepared.spec().rows,
-                active: self.prepared.active_rows(),
-                first_row: chunk.start,
-                len: chunk.len(),
-                columns: self.columns.clone(),
-            };
+            let block = chunk_block(self.prepared, &self.columns, chunk);
             cpu::gradient(GradientTarget::InPlace(&mut self.z[..n]), &block, row_grads, temperature);
             self.backward(chunk, &hc, grads, i == 0);
         }
@@ -293,13 +282,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         for (i, chunk) in chunks.iter().enumerate() {
             let hc = self.logits(chunk);
             let n = chunk.len() * self.width();
-            let block = Block {
-                rows: &self.prepared.spec().rows,
-                active: self.prepared.active_rows(),
-                first_row: chunk.start,
-                len: chunk.len(),
-                columns: self.columns.clone(),
-            };
+            let block = chunk_block(self.prepared, &self.columns, chunk);
             results.extend(cpu::sweep(
                 GradientTarget::InPlace(&mut self.z[..n]),
                 &block,
@@ -310,6 +293,18 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             self.backward(chunk, &hc, grads, i == 0);
         }
         Ok(results)
+    }
+}
+
+/// The rows of `chunk` over `columns`, as the CPU row passes take them. A free function (not a
+/// method) so that it borrows only these fields while the chunk's logits are borrowed mutably.
+fn chunk_block<'b>(prepared: &'b PreparedLoss<'_>, columns: &Range<usize>, chunk: &Range<usize>) -> Block<'b> {
+    Block {
+        rows: &prepared.spec().rows,
+        active: prepared.active_rows(),
+        first_row: chunk.start,
+        len: chunk.len(),
+        columns: columns.clone(),
     }
 }
 

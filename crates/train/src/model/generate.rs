@@ -45,14 +45,7 @@ pub fn sample(logits: &[f32], s: &Sampling, rng: &mut Rng) -> u32 {
         // No filter: draw from the whole softmax in one pass, without sorting the vocabulary.
         let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
         let weights: Vec<f64> = logits.iter().map(|&x| ((x as f64 - max) / s.temperature).exp()).collect();
-        let mut u = rng.uniform() * weights.iter().sum::<f64>();
-        for (i, w) in weights.iter().enumerate() {
-            u -= w;
-            if u < 0.0 {
-                return i as u32;
-            }
-        }
-        return weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32;
+        return draw(&weights, rng) as u32;
     }
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
@@ -73,15 +66,20 @@ pub fn sample(logits: &[f32], s: &Sampling, rng: &mut Rng) -> u32 {
             }
         }
     }
-    let kept: f64 = weights[..keep].iter().sum();
-    let mut u = rng.uniform() * kept;
-    for (n, w) in weights[..keep].iter().enumerate() {
+    order[draw(&weights[..keep], rng)] as u32
+}
+
+/// An index drawn with probability proportional to `weights` (non-negative, not all zero).
+fn draw(weights: &[f64], rng: &mut Rng) -> usize {
+    let mut u = rng.uniform() * weights.iter().sum::<f64>();
+    for (i, w) in weights.iter().enumerate() {
         u -= w;
         if u < 0.0 {
-            return order[n] as u32;
+            return i;
         }
     }
-    order[keep - 1] as u32
+    // Rounding left `u` at or just above 0: the last index that can be drawn.
+    weights.iter().rposition(|&w| w > 0.0).unwrap_or(0)
 }
 
 /// Generates a completion for each prompt (token ids), in one batch.
