@@ -20,6 +20,7 @@ use crate::batch::{Batch, LinearData, OpName, Scores};
 use crate::config::{self, ConfigArgs};
 use crate::input_spec::{DTypeName, InputSpec};
 use crate::memory;
+use crate::run::Device;
 use crate::tensor_io::{FloatData, FloatElement, FloatVisitor, FloatVisitorMut};
 
 /// What is timed.
@@ -39,7 +40,7 @@ pub enum BenchImpl {
 }
 
 impl BenchImpl {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             BenchImpl::Baseline => "baseline",
             BenchImpl::Fused => "fused",
@@ -81,7 +82,12 @@ pub fn main(args: ConfigArgs) -> Result<()> {
     if loaded.inputs.dtype == DTypeName::F16 && loaded.command.implementation == BenchImpl::Baseline {
         bail!("the candle baseline is benchmarked in f32 and bf16 only");
     }
-    let run = || -> Result<Report> { run(&loaded.command, &loaded.inputs, &loaded.options) };
+    let run = || -> Result<Report> {
+        match args.device {
+            Device::Cpu => run(&loaded.command, &loaded.inputs, &loaded.options),
+            Device::Cuda => on_gpu(&loaded.command, &loaded.inputs, &loaded.options),
+        }
+    };
     let report = match loaded.command.threads {
         Some(n) => rayon::ThreadPoolBuilder::new().num_threads(n).build()?.install(run)?,
         None => run()?,
@@ -92,6 +98,16 @@ pub fn main(args: ConfigArgs) -> Result<()> {
         report.print();
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn on_gpu(cfg: &BenchConfig, inputs: &InputSpec, options: &LossOptions) -> Result<Report> {
+    crate::cuda_bench::run(cfg, inputs, options)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn on_gpu(_: &BenchConfig, _: &InputSpec, _: &LossOptions) -> Result<Report> {
+    bail!("this flashgrpo was built without the `cuda` feature")
 }
 
 /// Bytes per second of a parallel copy (read + written) of a 512 MiB buffer (no cache holds it,
@@ -303,7 +319,7 @@ fn run(cfg: &BenchConfig, inputs: &InputSpec, options: &LossOptions) -> Result<R
 }
 
 /// The printed metrics.
-struct Report {
+pub(crate) struct Report {
     rows: Vec<(&'static str, serde_json::Value)>,
 }
 
@@ -312,6 +328,11 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 }
 
 impl Report {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn from_rows(rows: Vec<(&'static str, serde_json::Value)>) -> Self {
+        Self { rows }
+    }
+
     fn new(cfg: &BenchConfig, batch: &Batch, m: Measured, extra: Vec<(&'static str, serde_json::Value)>) -> Self {
         let mut sorted = m.times.clone();
         sorted.sort_by(f64::total_cmp);

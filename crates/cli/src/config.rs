@@ -60,6 +60,9 @@ pub struct ConfigArgs {
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Where the kernels run: `cpu`, or `cuda` (GPU 0).
+    #[arg(long, value_enum, default_value_t = crate::run::Device::Cpu)]
+    pub device: crate::run::Device,
 }
 
 impl ConfigArgs {

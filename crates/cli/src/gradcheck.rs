@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::batch::{Batch, Scores};
 use crate::config::{self, ConfigArgs};
 use crate::input_spec::InputSpec;
-use crate::run::{reference_results, run, Impl, Results};
+use crate::run::{reference_results, run_on, Device, Impl, Results};
 
 /// Gates; unset ones take LOSSES.md's tolerance for the dtype.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -56,7 +56,7 @@ pub fn main(args: ConfigArgs) -> Result<()> {
     let source = args.source("configs/gradcheck-grpo-original.yaml (built in)", DEFAULT_CONFIG);
     let loaded = config::load::<GradcheckConfig, InputSpec>(source, &args.sets)?;
     let batch = loaded.inputs.build(&loaded.options)?;
-    let metrics = check(&loaded.command, &batch, &loaded.options, loaded.inputs.budget())?;
+    let metrics = check(&loaded.command, &batch, &loaded.options, loaded.inputs.budget(), args.device)?;
     if args.json {
         println!("{}", serde_json::to_string(&metrics.as_json())?);
     } else {
@@ -75,6 +75,8 @@ pub fn main(args: ConfigArgs) -> Result<()> {
 /// The metrics of one gradcheck, by their printed names.
 #[derive(Debug, Clone)]
 pub struct Metrics {
+    /// Where the kernels ran ([`Device::describe`]).
+    device: String,
     rows: Vec<(&'static str, Value)>,
     low_precision: bool,
     /// Fused-linear: LOSSES.md's fused-linear tolerances apply.
@@ -96,6 +98,7 @@ impl Metrics {
     }
 
     fn print(&self) {
+        println!("{:<26} {}", "device", self.device);
         for (name, value) in &self.rows {
             match value {
                 Value::Float(f) => println!("{name:<26} {f:.6e}"),
@@ -106,6 +109,7 @@ impl Metrics {
 
     fn as_json(&self) -> serde_json::Value {
         let mut map = serde_json::Map::new();
+        map.insert("device".into(), serde_json::json!(self.device));
         for (name, value) in &self.rows {
             let v = match value {
                 Value::Float(f) => serde_json::json!(f),
@@ -163,10 +167,17 @@ fn worst_scaled(got: &[f32], want: &[f64]) -> f64 {
     got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs() / w.abs().max(1.0)).fold(0.0, f64::max)
 }
 
-fn check(cfg: &GradcheckConfig, batch: &Batch, options: &LossOptions, budget: ChunkBudget) -> Result<Metrics> {
+fn check(
+    cfg: &GradcheckConfig,
+    batch: &Batch,
+    options: &LossOptions,
+    budget: ChunkBudget,
+    device: Device,
+) -> Result<Metrics> {
     if cfg.implementation == Impl::Reference {
         bail!("`impl` must be a kernel variant (fused or fused-inplace): the reference is what it is checked against");
     }
+    let described = device.describe()?;
     let start = Instant::now();
     let (_, reference) = reference_results(batch, options)?;
     let ref_s = start.elapsed().as_secs_f64();
@@ -176,7 +187,7 @@ fn check(cfg: &GradcheckConfig, batch: &Batch, options: &LossOptions, budget: Ch
     let mut result = None;
     for _ in 0..cfg.repeats.max(1) {
         let start = Instant::now();
-        let r = run(batch, options, cfg.implementation, budget)?;
+        let r = run_on(device, batch, options, cfg.implementation, budget)?;
         times.push(start.elapsed().as_secs_f64());
         result = Some(r);
     }
@@ -240,7 +251,7 @@ fn check(cfg: &GradcheckConfig, batch: &Batch, options: &LossOptions, budget: Ch
     ]);
     let low_precision = batch.scores.dtype() != safetensors::Dtype::F32;
     let linear = matches!(batch.scores, Scores::Linear(_));
-    Ok(Metrics { rows, low_precision, linear })
+    Ok(Metrics { device: described, rows, low_precision, linear })
 }
 
 /// The metric names of a gradient's comparison: `dlogits_*` (the original's names), `dhidden_*`...

@@ -7,16 +7,10 @@ use anyhow::{Context, Result};
 
 use crate::batch::{Batch, OpName};
 use crate::config::{self, NoKeys};
-use crate::run::{run, Impl, Results};
+use crate::run::{run_on, Device, Impl, Results};
 use crate::tensor_io::{write_atomically, Output, TensorFile};
 use flashgrpo_kernels::ChunkBudget;
 use serde::{Deserialize, Serialize};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Device {
-    Cpu,
-    Cuda,
-}
 
 #[derive(Debug, clap::Args)]
 pub struct LossArgs {
@@ -34,8 +28,8 @@ pub struct LossArgs {
     pub out: PathBuf,
     #[arg(long = "impl", value_enum, default_value_t = Impl::Fused)]
     pub implementation: Impl,
-    /// Where the fused kernels run: `cpu`, or `cuda` (GPU 0; logits only; needs a driver and
-    /// NVRTC at run time).
+    /// Where the fused kernels run: `cpu`, or `cuda` (GPU 0; needs a driver and NVRTC at run
+    /// time, and cuBLAS for fused-linear).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
     /// A loss option of LOSSES.md, e.g. `--set beta=0.04 --set loss_type=grpo`, or
@@ -64,10 +58,7 @@ pub fn main(args: LossArgs) -> Result<()> {
     let file = TensorFile::read(&args.inputs)?;
     let batch = Batch::read(&file, args.op).with_context(|| format!("in {}", args.inputs.display()))?;
     drop(file);
-    let results = match args.device {
-        Device::Cpu => run(&batch, &options, args.implementation, budget)?,
-        Device::Cuda => run_on_gpu(&batch, &options, args.implementation)?,
-    };
+    let results = run_on(args.device, &batch, &options, args.implementation, budget)?;
     write_atomically(&args.out, &outputs(&batch, results))?;
     Ok(())
 }
@@ -89,18 +80,4 @@ fn outputs(batch: &Batch, results: Results) -> Vec<Output> {
         out.push(Output::float(g.name, g.shape.clone(), &g.data));
     }
     out
-}
-
-#[cfg(feature = "cuda")]
-fn run_on_gpu(batch: &Batch, options: &flashgrpo_kernels::LossOptions, implementation: Impl) -> Result<Results> {
-    match implementation {
-        Impl::Reference => anyhow::bail!("--device cuda runs the fused kernels; the reference is `--device cpu`"),
-        Impl::Fused => crate::cuda_run::run_cuda(batch, options, false),
-        Impl::FusedInplace => crate::cuda_run::run_cuda(batch, options, true),
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_on_gpu(_: &Batch, _: &flashgrpo_kernels::LossOptions, _: Impl) -> Result<Results> {
-    anyhow::bail!("this flashgrpo was built without the `cuda` feature")
 }

@@ -6,6 +6,8 @@ mod batch;
 mod bench;
 mod config;
 #[cfg(feature = "cuda")]
+mod cuda_bench;
+#[cfg(feature = "cuda")]
 mod cuda_run;
 mod forward_cmd;
 mod gradcheck;

@@ -175,6 +175,54 @@ pub fn reference_results(batch: &Batch, options: &LossOptions) -> Result<(Result
     Ok((Results { output, grads: rounded }, ReferenceResults { output: r, grads: exact }))
 }
 
+/// Where the fused kernels run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// GPU 0 (feature `cuda`; needs a driver, NVRTC and, for fused-linear, cuBLAS at run time).
+    Cuda,
+}
+
+/// Runs `imp` on the batch on `device`.
+pub fn run_on(device: Device, batch: &Batch, options: &LossOptions, imp: Impl, budget: ChunkBudget) -> Result<Results> {
+    match device {
+        Device::Cpu => run(batch, options, imp, budget),
+        Device::Cuda => run_on_gpu(batch, options, imp, budget),
+    }
+}
+
+impl Device {
+    /// What the device is, for reports: `cpu`, or `cuda: NAME (sm_XY)` (opening the GPU).
+    pub fn describe(self) -> Result<String> {
+        match self {
+            Device::Cpu => Ok("cpu".into()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda => {
+                let gpu = crate::cuda_run::gpu()?;
+                Ok(format!("cuda: {} ({})", gpu.name, gpu.arch))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda => bail!("this flashgrpo was built without the `cuda` feature"),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn run_on_gpu(batch: &Batch, options: &LossOptions, imp: Impl, budget: ChunkBudget) -> Result<Results> {
+    match imp {
+        Impl::Reference => bail!("--device cuda runs the fused kernels; the reference is `--device cpu`"),
+        Impl::Fused => crate::cuda_run::run_cuda(batch, options, false, budget),
+        Impl::FusedInplace => crate::cuda_run::run_cuda(batch, options, true, budget),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_on_gpu(_: &Batch, _: &LossOptions, _: Impl, _: ChunkBudget) -> Result<Results> {
+    bail!("this flashgrpo was built without the `cuda` feature")
+}
+
 /// Runs `imp` on the batch.
 pub fn run(batch: &Batch, options: &LossOptions, imp: Impl, budget: ChunkBudget) -> Result<Results> {
     let spec = batch.spec(options);

@@ -167,3 +167,38 @@ fn bench_reports_every_metric_and_impls_agree() {
     let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo")).args(["bench", "--set", "imp=fused"]).output().unwrap();
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown key `imp`"));
 }
+
+/// `gradcheck --device cuda` and `bench --device cuda`: where a GPU exists, a passing gradcheck
+/// (logits and fused-linear) and a bench report with CUDA timings and allocator memory; where none
+/// does, an error saying why, not a crash.
+#[test]
+fn device_cuda_checks_and_benches_or_says_why_not() {
+    let small = ["--set", "repeats=1", "--set", "batch=2", "--set", "seq_len=16", "--set", "vocab=3001"];
+    for config in ["configs/gradcheck-grpo-original-bf16.yaml", "configs/gradcheck-linear-grpo.yaml"] {
+        let path = root().join(config);
+        let mut args = vec!["--config", path.to_str().unwrap(), "--device", "cuda"];
+        args.extend(small);
+        let o = gradcheck(&args);
+        let (stdout, stderr) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        if o.status.success() {
+            assert!(stdout.contains("device                     cuda: "), "{stdout}");
+            assert!(stdout.contains("gradcheck passed"), "{stdout}");
+        } else {
+            assert!(stderr.contains("CUDA") || stderr.contains("NVRTC"), "{config}: {stdout}{stderr}");
+        }
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo"))
+        .args(["bench", "--device", "cuda", "--json", "--set", "seq_len=64", "--set", "vocab=5000"])
+        .args(["--set", "warmup=1", "--set", "steps=2"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    if o.status.success() {
+        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        for key in ["bench/step_s_p50", "mem/peak_bytes", "mem/free_drop_bytes", "bench/copy_gbps"] {
+            assert!(report[key].is_number(), "{key} missing: {stdout}");
+        }
+    } else {
+        assert!(stderr.contains("CUDA") || stderr.contains("NVRTC"), "{stdout}{stderr}");
+    }
+}

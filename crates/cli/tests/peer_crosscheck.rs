@@ -65,3 +65,30 @@ fn cuda_sources_compile_to_ptx_for_sm80_and_sm90() {
     assert!(out.status.success(), "NVRTC compile check failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains(" 0 failures"), "{stdout}");
 }
+
+/// The GPU peer script (bench/peers/gpu_grpo.py) runs end to end with `--device cpu`, so that a
+/// lent GPU's time is not spent on its bugs: one JSON line per peer with a finite loss and time.
+#[test]
+fn gpu_peer_script_runs_on_the_cpu() {
+    let out = Command::new(python())
+        .arg(root().join("bench/peers/gpu_grpo.py"))
+        .args(["--device", "cpu", "--peers", "torch-eager,torch-compile", "--batch", "2", "--seq-len", "8"])
+        .args(["--vocab", "300", "--dtype", "f32", "--warmup", "1", "--steps", "2"])
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "gpu_grpo.py failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).expect("JSON lines")).collect();
+    assert_eq!(lines.len(), 3, "{stdout}");
+    for (line, peer) in lines.iter().zip(["torch-eager", "torch-compile"]) {
+        assert_eq!(line["peer"], peer, "{stdout}");
+        assert!(line["loss"].as_f64().is_some_and(f64::is_finite), "{stdout}");
+        assert!(line["step_s_p50"].as_f64().is_some_and(|t| t > 0.0), "{stdout}");
+    }
+    let (eager, compiled) = (lines[0]["loss"].as_f64().unwrap(), lines[1]["loss"].as_f64().unwrap());
+    assert!(
+        (eager - compiled).abs() <= 1e-5 * eager.abs().max(1.0),
+        "eager and compiled compute one function: {stdout}"
+    );
+    assert!(lines[2]["copy_gbps"].as_f64().is_some_and(|g| g > 0.0), "{stdout}");
+}

@@ -4,32 +4,13 @@
 
 mod common;
 
-use common::{Case, Data, Op};
+use common::{linear_for, Case, Data, Linear, Op};
 use flashgrpo_kernels::linear::reference;
-use flashgrpo_kernels::synthetic::Rng;
 use flashgrpo_kernels::{
     combine_shards, linear_forward, linear_forward_backward, ChunkBudget, Element, ImportanceSamplingLevel,
     LinearGradients, LinearInputs, LossOutput, LossType, PreparedLinearLoss, Reduction,
 };
 use half::bf16;
-
-/// Hidden states and an lm_head for a case: logits of spread about 2.
-struct Linear {
-    h: usize,
-    hidden: Vec<f32>,
-    weight: Vec<f32>,
-    bias: Option<Vec<f32>>,
-}
-
-fn linear_for(case: &Case, h: usize, with_bias: bool) -> Linear {
-    let mut rng = Rng::new(case.seed ^ 0x11EA);
-    let (n, v) = (case.batch * case.seq_len, case.vocab);
-    let hidden = (0..n * h).map(|_| rng.normal() as f32).collect();
-    let scale = 2.0 / (h as f64).sqrt();
-    let weight = (0..v * h).map(|_| (rng.normal() * scale) as f32).collect();
-    let bias = with_bias.then(|| (0..v).map(|_| (rng.normal() * 0.5) as f32).collect());
-    Linear { h, hidden, weight, bias }
-}
 
 struct Got {
     out: LossOutput,

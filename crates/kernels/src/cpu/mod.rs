@@ -137,7 +137,7 @@ fn local_target(rows: &Rows, row: usize, columns: &Range<usize>) -> Option<usize
     (y >= columns.start as i64 && y < columns.end as i64).then(|| y as usize - columns.start)
 }
 
-fn non_finite(rows: &Rows, row: usize) -> LossError {
+pub(crate) fn non_finite(rows: &Rows, row: usize) -> LossError {
     let (b, t) = rows.position(row);
     LossError::NonFiniteLogits { row, b, t }
 }

@@ -11,6 +11,8 @@
 //    written in the logits' dtype, into a separate buffer or over the logits themselves (each
 //    element is read before it is written, by the same thread). A row whose four scalars are
 //    all zero is written as zeros without reading its logits.
+// 3. fused-linear's helpers around cuBLAS's products: the bias broadcast into the f32 logits of a
+//    chunk of rows, and the bias gradient (column sums).
 //
 // Deterministic: every thread walks a fixed strided slice of the row in order, and the block
 // combines the threads' partials by a fixed tree in shared memory; there are no atomics.
@@ -128,17 +130,19 @@ __device__ void row_stats(const T *__restrict__ logits, int vocab, float inv_tem
     }
 }
 
-// `scalars`: five floats per row, (lse, a, b, c, d). `grad` may be `logits` (in place).
-template <typename T>
-__device__ void row_gradient(const T *logits, T *grad, int vocab, float inv_temperature,
+// `scalars`: five floats per row, (lse, a, b, c, d). `grad` may be `logits` (in place, `In` ==
+// `Out`). Fused-linear reads its f32 logits and writes the gradient in the inputs' dtype (`In` =
+// float, `Out` = half / bfloat16) for the tensor-core products that follow.
+template <typename In, typename Out>
+__device__ void row_gradient(const In *logits, Out *grad, int vocab, float inv_temperature,
                              const long long *__restrict__ targets, const float *__restrict__ scalars) {
     const long long row = blockIdx.x;
     const float *s = scalars + row * 5;
     const float lse = s[0], a = s[1], b = s[2], c = s[3], d = s[4];
-    const T *z = logits + row * (long long)vocab;
-    T *g = grad + row * (long long)vocab;
+    const In *z = logits + row * (long long)vocab;
+    Out *g = grad + row * (long long)vocab;
     if (a == 0.0f && b == 0.0f && c == 0.0f && d == 0.0f) {
-        for (int j = threadIdx.x; j < vocab; j += blockDim.x) g[j] = from_float<T>(0.0f);
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) g[j] = from_float<Out>(0.0f);
         return;
     }
     const long long y = targets != nullptr ? targets[row] : -1;
@@ -147,8 +151,30 @@ __device__ void row_gradient(const T *logits, T *grad, int vocab, float inv_temp
         float p = __expf(log_p);
         float v = p * (b + c * log_p) + d;
         if (j == y) v += a;
-        g[j] = from_float<T>(v);
+        g[j] = from_float<Out>(v);
     }
+}
+
+// Fused-linear: every row of the f32 logits `z [rows, vocab]` set to the bias, before the product
+// adds `hidden @ weight^T` to it.
+template <typename T>
+__device__ void bias_rows(float *z, const T *__restrict__ bias, long long rows, int vocab) {
+    const long long total = rows * (long long)vocab;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        z[i] = to_float(bias[i % vocab]);
+    }
+}
+
+// Fused-linear: the bias gradient, column sums of `dz [rows, vocab]` in row order (one thread per
+// column: deterministic), written (`accumulate == 0`) or added (`accumulate != 0`) to `db`.
+template <typename T>
+__device__ void bias_grad(const T *__restrict__ dz, float *db, int rows, int vocab, int accumulate) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= vocab) return;
+    float sum = accumulate ? db[j] : 0.0f;
+    for (int r = 0; r < rows; ++r) sum += to_float(dz[(long long)r * vocab + j]);
+    db[j] = sum;
 }
 
 #define FLASHGRPO_INSTANTIATE(NAME, T)                                                              \
@@ -160,7 +186,20 @@ __device__ void row_gradient(const T *logits, T *grad, int vocab, float inv_temp
     extern "C" __global__ void __launch_bounds__(FLASHGRPO_THREADS)                                 \
         row_gradient_##NAME(const T *logits, T *grad, int vocab, float inv_temperature,              \
                             const long long *targets, const float *scalars) {                        \
-        row_gradient<T>(logits, grad, vocab, inv_temperature, targets, scalars);                     \
+        row_gradient<T, T>(logits, grad, vocab, inv_temperature, targets, scalars);                  \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FLASHGRPO_THREADS)                                 \
+        row_gradient_f32_to_##NAME(const float *logits, T *grad, int vocab, float inv_temperature,   \
+                                   const long long *targets, const float *scalars) {                 \
+        row_gradient<float, T>(logits, grad, vocab, inv_temperature, targets, scalars);              \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FLASHGRPO_THREADS)                                 \
+        bias_rows_##NAME(float *z, const T *bias, long long rows, int vocab) {                       \
+        bias_rows<T>(z, bias, rows, vocab);                                                          \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FLASHGRPO_THREADS)                                 \
+        bias_grad_##NAME(const T *dz, float *db, int rows, int vocab, int accumulate) {              \
+        bias_grad<T>(dz, db, rows, vocab, accumulate);                                               \
     }
 
 FLASHGRPO_INSTANTIATE(f32, float)

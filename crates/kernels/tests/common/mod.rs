@@ -231,3 +231,21 @@ pub fn assert_data_matches_reference<T: Element>(data: &Data, grad_tol: f64) {
         (g, w) => panic!("gradient presence differs: fused {} reference {} in {name}", g.is_some(), w.is_some()),
     }
 }
+
+/// Hidden states and an lm_head for a case: logits of spread about 2.
+pub struct Linear {
+    pub h: usize,
+    pub hidden: Vec<f32>,
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+}
+
+pub fn linear_for(case: &Case, h: usize, with_bias: bool) -> Linear {
+    let mut rng = Rng::new(case.seed ^ 0x11EA);
+    let (n, v) = (case.batch * case.seq_len, case.vocab);
+    let hidden = (0..n * h).map(|_| rng.normal() as f32).collect();
+    let scale = 2.0 / (h as f64).sqrt();
+    let weight = (0..v * h).map(|_| (rng.normal() * scale) as f32).collect();
+    let bias = with_bias.then(|| (0..v).map(|_| (rng.normal() * 0.5) as f32).collect());
+    Linear { h, hidden, weight, bias }
+}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Run ON THE GPU MACHINE, from the repository root, with gpu-carry/ from bench/gpu/prepare.sh:
+#   bash bench/gpu/run.sh check   the CUDA kernel tests and every gradcheck config on CUDA
+#   bash bench/gpu/run.sh bench   flashgrpo's bench and the peers (PyTorch eager, torch.compile,
+#                                 Liger's triton_grpo_loss) at B=1 T=4096 and B=16 T=2048, V=151936
+# Each stays inside the device tool's 10-minute call. Logs and JSON go to $OUT (default /tmp/gpu-out).
+set -uo pipefail
+stage=${1:-check}
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# NVRTC and cuBLAS: the NVIDIA wheels of the machine's python (torch's), and the CUDA toolkit's.
+site=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null || true)
+libs=$( { [ -n "$site" ] && find "$site/nvidia" \( -name 'libnvrtc.so*' -o -name 'libcublas.so*' \) ; } 2>/dev/null \
+    | xargs -r -n1 dirname | sort -u | tr '\n' ':')
+export LD_LIBRARY_PATH="${libs}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+FG=gpu-carry/flashgrpo
+{ nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt" | head -20
+
+case "$stage" in
+check)
+    gpu-carry/cuda-tests --test-threads 1 2>&1 | tee "$OUT/cuda-tests.log"
+    for config in configs/gradcheck-*.yaml; do
+        name=$(basename "$config" .yaml)
+        echo "== $name (cuda)"
+        $FG gradcheck --config "$config" --device cuda 2>&1 | tee "$OUT/$name.cuda.txt" | grep -E "device|rel_norm|loss_rel|per_token_worst|passed|error|failed"
+    done
+    ;;
+bench)
+    for shape in "1 4096" "16 2048"; do
+        set -- $shape
+        for impl in fused-inplace fused; do
+            echo "== flashgrpo $impl B=$1 T=$2"
+            $FG bench --config configs/bench-grpo-original.yaml --device cuda --json \
+                --set batch=$1 --set seq_len=$2 --set impl=$impl --set warmup=3 --set steps=10 \
+                2>&1 | tee "$OUT/flashgrpo-$impl-b$1-t$2.json"
+        done
+        pip_site=/tmp/site
+        if [ ! -d "$pip_site/liger_kernel" ]; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$pip_site" gpu-carry/wheels/*.whl
+        fi
+        echo "== peers B=$1 T=$2"
+        PYTHONPATH="$pip_site" python3 bench/peers/gpu_grpo.py --batch "$1" --seq-len "$2" --vocab 151936 --dtype bf16 \
+            2>&1 | tee "$OUT/peers-b$1-t$2.jsonl"
+    done
+    ;;
+linear)
+    echo "== flashgrpo fused-linear (cuda)"
+    for dtype in bf16 f32; do
+        $FG bench --config configs/bench-linear-original.yaml --device cuda --json --set dtype=$dtype \
+            --set chunk_memory_mb=2048 --set warmup=2 --set steps=10 2>&1 | tee "$OUT/flashgrpo-linear-$dtype.json"
+    done
+    ;;
+*)
+    echo "usage: bash bench/gpu/run.sh check|bench|linear" >&2
+    exit 2
+    ;;
+esac

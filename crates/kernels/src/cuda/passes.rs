@@ -1,0 +1,116 @@
+//! The row passes of rows.cu, launched over a block of consecutive rows given by raw device
+//! pointers (the whole logits, or one chunk of fused-linear's), and the conversions of their O(N)
+//! inputs and outputs between the host and the GPU.
+
+use cudarc::driver::{CudaSlice, PushKernelArg};
+
+use super::device::{cuda_error, CudaDevice};
+use crate::cpu::non_finite;
+use crate::error::LossError;
+use crate::inputs::Rows;
+use crate::objective::RowGradient;
+use crate::stats::PartialRowStats;
+
+/// A block of `rows` consecutive rows of `vocab` logits on the GPU, with the per-row inputs of the
+/// same rows (null pointers where absent).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RowBlock {
+    pub logits: u64,
+    pub rows: usize,
+    pub vocab: usize,
+    pub inv_temperature: f32,
+    /// `i64` targets of these rows, or 0.
+    pub targets: u64,
+    /// `f32` 0/1 of these rows (0: skipped), or 0.
+    pub active: u64,
+}
+
+fn vocab_i32(vocab: usize) -> Result<i32, LossError> {
+    i32::try_from(vocab).map_err(|_| LossError::Cuda(format!("a vocabulary of {vocab} exceeds the kernels' i32")))
+}
+
+impl CudaDevice {
+    /// Statistics pass: `row_stats_{suffix}` over the block, five floats per row into `out`.
+    pub(crate) fn row_stats(&self, suffix: &str, block: RowBlock, out: &mut CudaSlice<f32>) -> Result<(), LossError> {
+        if out.len() < 5 * block.rows {
+            return Err(LossError::Cuda(format!("{} statistics for {} rows", out.len() / 5, block.rows)));
+        }
+        if block.rows == 0 {
+            return Ok(());
+        }
+        let vocab = vocab_i32(block.vocab)?;
+        let function = self.function(&format!("row_stats_{suffix}"))?;
+        let mut launch = self.stream().launch_builder(&function);
+        launch
+            .arg(&block.logits)
+            .arg(&vocab)
+            .arg(&block.inv_temperature)
+            .arg(&block.targets)
+            .arg(&block.active)
+            .arg(out);
+        // SAFETY: the arguments match `row_stats_*`'s signature in rows.cu; the block's pointers hold
+        // rows*vocab logits, `rows` targets and mask values (or are null), `out` 5*rows floats.
+        unsafe { launch.launch(Self::per_row(block.rows)?) }.map_err(cuda_error("launching row_stats"))?;
+        Ok(())
+    }
+
+    /// Gradient pass: `kernel` (`row_gradient_*`) writes the block's gradient to `grad` (which may
+    /// be `block.logits`) from five scalars per row.
+    pub(crate) fn row_gradient(
+        &self,
+        kernel: &str,
+        block: RowBlock,
+        grad: u64,
+        scalars: &CudaSlice<f32>,
+    ) -> Result<(), LossError> {
+        if block.rows == 0 {
+            return Ok(());
+        }
+        let vocab = vocab_i32(block.vocab)?;
+        let function = self.function(kernel)?;
+        let mut launch = self.stream().launch_builder(&function);
+        launch.arg(&block.logits).arg(&grad).arg(&vocab).arg(&block.inv_temperature).arg(&block.targets).arg(scalars);
+        // SAFETY: the arguments match `row_gradient_*`'s signature; `grad` holds as many elements
+        // as the block's logits (or is the logits: each element is read before the same thread
+        // writes it), `scalars` five floats per row.
+        unsafe { launch.launch(Self::per_row(block.rows)?) }.map_err(cuda_error("launching row_gradient"))?;
+        Ok(())
+    }
+}
+
+/// The kernels' five floats per row as statistics (a NaN `target_u`: no target in range).
+pub(crate) fn statistics_from(raw: &[f32]) -> Vec<PartialRowStats> {
+    raw.chunks_exact(5)
+        .map(|s| PartialRowStats {
+            max: s[0],
+            sum_exp: s[1],
+            sum_exp_shifted: s[2],
+            sum_u: s[3],
+            target_u: (!s[4].is_nan()).then_some(s[4]),
+        })
+        .collect()
+}
+
+/// Five floats per row for the gradient kernels: `lse, a, b, c, d`.
+pub(crate) fn scalars_of(grads: &[RowGradient]) -> Vec<f32> {
+    grads.iter().flat_map(|g| [g.lse, g.a, g.b, g.c, g.d]).collect()
+}
+
+/// The NaN / Inf check of the statistics of rows `first..first + stats.len()`: the lowest active
+/// row with non-finite logits, named.
+pub(crate) fn check_finite(
+    rows: &Rows,
+    active: &[bool],
+    first: usize,
+    stats: &[PartialRowStats],
+) -> Result<(), LossError> {
+    match stats.iter().enumerate().position(|(k, s)| active[first + k] && !s.is_finite()) {
+        Some(k) => Err(non_finite(rows, first + k)),
+        None => Ok(()),
+    }
+}
+
+/// `active` as the kernels' 0/1 floats.
+pub(crate) fn active_mask(active: &[bool]) -> Vec<f32> {
+    active.iter().map(|&a| if a { 1.0 } else { 0.0 }).collect()
+}
