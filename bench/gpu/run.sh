@@ -9,22 +9,24 @@ stage=${1:-check}
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# NVRTC and cuBLAS: the NVIDIA wheels of the machine's python (torch's), and the CUDA toolkit's.
+# NVRTC and cuBLAS: the CUDA toolkit's first (one consistent set: NVRTC, its headers, cuBLAS and
+# cuBLASLt of the driver's version), then the NVIDIA wheels of the machine's python (torch's).
 site=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null || true)
 libs=$( { [ -n "$site" ] && find "$site/nvidia" \( -name 'libnvrtc.so*' -o -name 'libcublas.so*' \) ; } 2>/dev/null \
     | xargs -r -n1 dirname | sort -u | tr '\n' ':')
-export LD_LIBRARY_PATH="${libs}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${libs}${LD_LIBRARY_PATH:-}"
 FG=gpu-carry/flashgrpo
-{ nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; } > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt" | head -20
+{ nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; $FG cuda-check; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
 
 case "$stage" in
 check)
     gpu-carry/cuda-tests --test-threads 1 2>&1 | tee "$OUT/cuda-tests.log"
+    # One file for all configs: the device tool returns at most 8 files from $OUT.
     for config in configs/gradcheck-*.yaml; do
-        name=$(basename "$config" .yaml)
-        echo "== $name (cuda)"
-        $FG gradcheck --config "$config" --device cuda 2>&1 | tee "$OUT/$name.cuda.txt" | grep -E "device|rel_norm|loss_rel|per_token_worst|passed|error|failed"
+        echo "== $config (cuda)" | tee -a "$OUT/gradcheck.cuda.txt"
+        $FG gradcheck --config "$config" --device cuda 2>&1 | tee -a "$OUT/gradcheck.cuda.txt" \
+            | grep -E "device|rel_norm|loss_rel|per_token_worst|passed|error|failed"
     done
     ;;
 bench)
@@ -34,7 +36,7 @@ bench)
             echo "== flashgrpo $impl B=$1 T=$2"
             $FG bench --config configs/bench-grpo-original.yaml --device cuda --json \
                 --set batch=$1 --set seq_len=$2 --set impl=$impl --set warmup=3 --set steps=10 \
-                2>&1 | tee "$OUT/flashgrpo-$impl-b$1-t$2.json"
+                | tee "$OUT/flashgrpo-$impl-b$1-t$2.json"
         done
         pip_site=/tmp/site
         if [ ! -d "$pip_site/liger_kernel" ]; then
@@ -49,7 +51,7 @@ linear)
     echo "== flashgrpo fused-linear (cuda)"
     for dtype in bf16 f32; do
         $FG bench --config configs/bench-linear-original.yaml --device cuda --json --set dtype=$dtype \
-            --set chunk_memory_mb=2048 --set warmup=2 --set steps=10 2>&1 | tee "$OUT/flashgrpo-linear-$dtype.json"
+            --set chunk_memory_mb=2048 --set warmup=2 --set steps=10 | tee "$OUT/flashgrpo-linear-$dtype.json"
     done
     ;;
 *)

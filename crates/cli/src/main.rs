@@ -8,6 +8,8 @@ mod config;
 #[cfg(feature = "cuda")]
 mod cuda_bench;
 #[cfg(feature = "cuda")]
+mod cuda_check_cmd;
+#[cfg(feature = "cuda")]
 mod cuda_run;
 mod forward_cmd;
 mod gradcheck;
@@ -55,6 +57,9 @@ enum Command {
     Train(train_cmd::TrainArgs),
     /// The same GRPO run with loss.impl = baseline and fused_linear, side by side.
     Ab(ab_cmd::AbArgs),
+    /// What the CUDA backend finds here (GPU, NVRTC, headers, cuBLAS); compiles the kernels.
+    #[cfg(feature = "cuda")]
+    CudaCheck(cuda_check_cmd::CudaCheckArgs),
 }
 
 fn main() -> ExitCode {
@@ -79,5 +84,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Forward(args) => forward_cmd::main(args),
         Command::Train(args) => train_cmd::main(args),
         Command::Ab(args) => ab_cmd::main(args),
+        #[cfg(feature = "cuda")]
+        Command::CudaCheck(args) => cuda_check_cmd::main(args),
     }
 }

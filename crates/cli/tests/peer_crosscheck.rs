@@ -92,3 +92,27 @@ fn gpu_peer_script_runs_on_the_cpu() {
     );
     assert!(lines[2]["copy_gbps"].as_f64().is_some_and(|g| g > 0.0), "{stdout}");
 }
+
+/// `flashgrpo cuda-check` compiles the kernels to machine code for sm_80 and sm_90 through the
+/// binary's own NVRTC path (cudarc's dynamic loading, header discovery beside the library, CUBIN
+/// extraction), with the venv's NVRTC wheel and no GPU: what `--device cuda` does first on a GPU.
+#[test]
+fn the_binary_compiles_the_kernels_to_cubin_with_nvrtc() {
+    let find = "import glob, os, nvidia\n\
+                libs = [l for p in nvidia.__path__ for l in glob.glob(os.path.join(p, '**', 'libnvrtc.so*'), recursive=True)\n\
+                        if 'builtins' not in l]\n\
+                print(os.path.dirname(libs[0]))";
+    let out = Command::new(python()).args(["-c", find]).output().expect("python runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lib_dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    for arch in ["sm_80", "sm_90"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo"))
+            .args(["cuda-check", "--arch", arch])
+            .env("LD_LIBRARY_PATH", &lib_dir)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{stdout}{}", String::from_utf8_lossy(&o.stderr));
+        assert!(stdout.contains(&format!("rows.cu compiled for {arch}")), "{stdout}");
+    }
+}

@@ -11,7 +11,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, SyncOnDrop,
     ValidAsZeroBits,
 };
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
 use crate::error::LossError;
 use crate::Element;
@@ -73,6 +73,68 @@ pub fn include_dirs() -> Vec<String> {
     dirs.into_iter().filter(|d| d.join("cuda_fp16.h").exists()).map(|d| d.display().to_string()).collect()
 }
 
+/// Whether cuBLAS (fused-linear's products) can be loaded.
+pub fn cublas_present() -> bool {
+    // SAFETY: only probes whether the shared library can be loaded.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
+}
+
+/// `rows.cu` compiled by NVRTC to machine code (CUBIN) for `arch` (`sm_XY`). Machine code, not
+/// PTX: a driver loads CUBIN from a newer NVRTC of its major version, but refuses PTX of a newer
+/// version than its own. Needs NVRTC (no GPU): `flashgrpo cuda-check` runs it anywhere.
+pub fn compile_kernels(arch: &str) -> Result<Vec<u8>, LossError> {
+    // SAFETY: only probes whether the shared library can be loaded.
+    if !unsafe { nvrtc_sys::is_culib_present() } {
+        return Err(LossError::Cuda(
+            "no NVRTC: libnvrtc.so could not be loaded; `pip install nvidia-cuda-nvrtc nvidia-cuda-runtime` \
+             and put the wheel's lib directory (site-packages/nvidia/cu13/lib) on LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let includes = include_dirs();
+    if includes.is_empty() {
+        return Err(LossError::Cuda(
+            "the CUDA headers (cuda_fp16.h) were not found; set FLASHGRPO_CUDA_INCLUDE".into(),
+        ));
+    }
+    let nvrtc_error = |what: &str| {
+        let what = what.to_string();
+        move |e: nvrtc::NvrtcError| LossError::Cuda(format!("NVRTC, {what} for {arch}: {e:?}"))
+    };
+    let source = std::ffi::CString::new(ROWS_SOURCE).expect("rows.cu has no NUL");
+    let program = nvrtc::create_program(&source, Some(c"rows.cu")).map_err(nvrtc_error("creating the program"))?;
+    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
+    options.extend(includes.iter().map(|d| format!("--include-path={d}")));
+    // SAFETY: `program` was created above and is destroyed once, below; the buffers passed to
+    // NVRTC are sized by its own size queries.
+    let result = unsafe {
+        match nvrtc::compile_program(program, &options) {
+            Err(e) => {
+                let log = nvrtc::get_program_log(program).unwrap_or_default();
+                let log = std::ffi::CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+                Err(LossError::Cuda(format!("NVRTC could not compile rows.cu for {arch}: {e:?}\n{log}")))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                nvrtc_sys::nvrtcGetCUBINSize(program, &mut size).result().map_err(nvrtc_error("sizing the CUBIN"))?;
+                let mut cubin = vec![0u8; size];
+                nvrtc_sys::nvrtcGetCUBIN(program, cubin.as_mut_ptr().cast())
+                    .result()
+                    .map_err(nvrtc_error("reading the CUBIN"))?;
+                Ok(cubin)
+            }
+        }
+    };
+    // SAFETY: created above, not destroyed before.
+    unsafe { nvrtc::destroy_program(program) }.map_err(nvrtc_error("destroying the program"))?;
+    match result {
+        Ok(cubin) if cubin.is_empty() => {
+            Err(LossError::Cuda(format!("NVRTC gave no machine code for {arch} (is it a real architecture, sm_XY?)")))
+        }
+        other => other,
+    }
+}
+
 /// The device pointer of an optional buffer (0, a null pointer, when absent), and the guard that
 /// orders the stream's use of it.
 pub(crate) fn optional_ptr<'a, T>(
@@ -123,33 +185,12 @@ impl CudaDevice {
                 "no CUDA driver: libcuda.so could not be loaded (this machine has no NVIDIA GPU or driver)".into(),
             ));
         }
-        // SAFETY: as above.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(LossError::Cuda(
-                "no NVRTC: libnvrtc.so could not be loaded; `pip install nvidia-cuda-nvrtc nvidia-cuda-runtime` \
-                 and put the wheel's lib directory (site-packages/nvidia/cu13/lib) on LD_LIBRARY_PATH"
-                    .into(),
-            ));
-        }
         let context = CudaContext::new(ordinal).map_err(cuda_error("opening the GPU"))?;
         let (major, minor) = context.compute_capability().map_err(cuda_error("reading the compute capability"))?;
         let name = context.name().map_err(cuda_error("reading the device name"))?;
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
-        let includes = include_dirs();
-        if includes.is_empty() {
-            return Err(LossError::Cuda(
-                "the CUDA headers (cuda_fp16.h) were not found; set FLASHGRPO_CUDA_INCLUDE".into(),
-            ));
-        }
-        let options = CompileOptions {
-            arch: Some(arch),
-            include_paths: includes,
-            options: vec!["--std=c++17".into()],
-            ..Default::default()
-        };
-        let ptx = compile_ptx_with_opts(ROWS_SOURCE, options)
-            .map_err(|e| LossError::Cuda(format!("NVRTC could not compile rows.cu for {arch}: {e:?}")))?;
-        let module = context.load_module(ptx).map_err(cuda_error("loading the kernels"))?;
+        let cubin = compile_kernels(arch)?;
+        let module = context.load_module(Ptx::from_binary(cubin)).map_err(cuda_error("loading the kernels"))?;
         let stream = context.default_stream();
         Ok(Self { context, stream, module, blas: OnceLock::new(), name, arch })
     }
@@ -163,8 +204,7 @@ impl CudaDevice {
         if let Some(b) = self.blas.get() {
             return Ok(b);
         }
-        // SAFETY: only probes whether the shared library can be loaded.
-        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        if !cublas_present() {
             return Err(LossError::Cuda(
                 "no cuBLAS: libcublas.so could not be loaded (fused-linear needs it); `pip install nvidia-cublas` \
                  and put its lib directory on LD_LIBRARY_PATH"
@@ -251,11 +291,13 @@ impl CudaDevice {
         Ok(Some(value))
     }
 
-    /// Free and total device memory, and the allocator's peak.
+    /// Free and total device memory, and the allocator's figures (`None` where the pool's
+    /// attributes cannot be read: a reading, not a reason to fail).
     pub fn memory(&self) -> Result<DeviceMemory, LossError> {
         let (free, total) = self.context.mem_get_info().map_err(cuda_error("reading the memory"))?;
-        let allocator_peak = self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, None)?;
-        let allocator_in_use = self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, None)?;
+        let read = |a| self.pool_attribute(a, None).ok().flatten();
+        let allocator_peak = read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH);
+        let allocator_in_use = read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
         Ok(DeviceMemory { free, total, allocator_peak, allocator_in_use })
     }
 

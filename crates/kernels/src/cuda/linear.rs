@@ -15,7 +15,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 
 use super::blas::{gemm, Operand};
 use super::device::{cuda_error, optional_ptr, CudaDevice, CudaElement};
-use super::passes::{active_mask, check_finite, scalars_of, statistics_from, RowBlock};
+use super::passes::{active_mask, check_finite, scalars_of, statistics_from, vocab_i32, RowBlock};
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 use crate::linear::ChunkBudget;
@@ -134,7 +134,7 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         let (z, _z) = self.z.device_ptr(&stream);
         if let Some(bias) = self.inputs.bias {
             let function = self.device.function(&format!("bias_rows_{}", T::SUFFIX))?;
-            let (rows, vocab) = (chunk.len() as i64, v as i32);
+            let (rows, vocab) = (chunk.len() as i64, vocab_i32(v)?);
             let mut launch = stream.launch_builder(&function);
             launch.arg(&z).arg(bias).arg(&rows).arg(&vocab);
             // SAFETY: matches `bias_rows_*`: `z` holds rows*vocab floats, `bias` vocab values.
@@ -173,7 +173,7 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         self.device.row_stats("f32", block, &mut self.stats)?;
         let mut raw = self.device.download(&self.stats)?;
         raw.truncate(5 * chunk.len());
-        let stats = statistics_from(&raw);
+        let stats = statistics_from(&raw, self.prepared.spec().rows.targets.is_some());
         check_finite(&self.prepared.spec().rows, self.prepared.active_rows(), chunk.start, &stats)?;
         Ok(stats)
     }
@@ -218,7 +218,7 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
             let (db, _g) = db.device_ptr(&stream);
             let suffix = if self.dz.is_some() { T::SUFFIX } else { "f32" };
             let function = self.device.function(&format!("bias_grad_{suffix}"))?;
-            let (rows, vocab, accumulate) = (n as i32, v as i32, i32::from(!first_chunk));
+            let (rows, vocab, accumulate) = (n as i32, vocab_i32(v)?, i32::from(!first_chunk));
             let mut launch = stream.launch_builder(&function);
             launch.arg(&dz).arg(&db).arg(&rows).arg(&vocab).arg(&accumulate);
             // SAFETY: matches `bias_grad_*`: `dz` holds rows*vocab values of the suffix's type,
@@ -252,6 +252,9 @@ impl CudaDevice {
         budget: ChunkBudget,
     ) -> Result<LossOutput, LossError> {
         let prepared = PreparedLoss::new(spec)?;
+        if spec.rows.is_empty() {
+            return Ok(prepared.objective(&[])?.0);
+        }
         let mut streamer = Streamer::new(self, &prepared, inputs, budget, false)?;
         let mut stats = Vec::with_capacity(spec.rows.len());
         for chunk in streamer.chunks() {
@@ -273,6 +276,13 @@ impl CudaDevice {
         let prepared = PreparedLoss::new(spec)?.expecting_gradient()?;
         let rows = &spec.rows;
         check_gradients(rows.len(), inputs.hidden_size, rows.vocab, &grads)?;
+        if rows.is_empty() {
+            // No rows: no logits, and zero gradients for the lm_head.
+            for g in [grads.weight.as_deref_mut(), grads.bias.as_deref_mut()].into_iter().flatten() {
+                self.stream().memset_zeros(g).map_err(cuda_error("zeroing a gradient"))?;
+            }
+            return Ok(prepared.objective(&[])?.0);
+        }
         let mut streamer = Streamer::new(self, &prepared, inputs, budget, true)?;
         let active = prepared.active_rows();
         let objective = Objective::new(&spec.loss, rows, spec.options, spec.batch_shard, active);

@@ -35,6 +35,11 @@ impl CudaDevice {
                 expected: format!("it must hold N*V = {n}*{} elements", rows.vocab),
             });
         }
+        if n == 0 {
+            let block = RowBlock { logits: 0, rows: 0, vocab: rows.vocab, inv_temperature: 1.0, targets: 0, active: 0 };
+            let (output, grads) = prepared.objective(&[])?;
+            return then(block, Evaluated { output, grads });
+        }
         let targets = rows.targets.map(|t| self.upload(t)).transpose()?;
         let active = self.upload(&active_mask(prepared.active_rows()))?;
         let mut out = self.zeros::<f32>(n * 5)?;
@@ -50,7 +55,7 @@ impl CudaDevice {
             active: active_ptr,
         };
         self.row_stats(T::SUFFIX, block, &mut out)?;
-        let stats = statistics_from(&self.download(&out)?);
+        let stats = statistics_from(&self.download(&out)?, rows.targets.is_some());
         check_finite(rows, prepared.active_rows(), 0, &stats)?;
         let (output, grads) = prepared.objective(&stats)?;
         then(block, Evaluated { output, grads })
@@ -76,6 +81,9 @@ impl CudaDevice {
         }
         let (grad_ptr, _g) = optional_ptr(grad.as_deref(), self.stream());
         self.with_statistics(&prepared, logits, |block, Evaluated { output, grads }| {
+            if grads.is_empty() {
+                return Ok(output);
+            }
             let scalars = self.upload(&scalars_of(&grads))?;
             let target = if grad_ptr != 0 { grad_ptr } else { block.logits };
             self.row_gradient(&format!("row_gradient_{}", T::SUFFIX), block, target, &scalars)?;

@@ -26,5 +26,5 @@ mod passes;
 
 /// Device buffers, as the functions here take them.
 pub use cudarc::driver::CudaSlice;
-pub use device::{include_dirs, CudaDevice, CudaElement, DeviceMemory, ROWS_SOURCE};
+pub use device::{compile_kernels, cublas_present, include_dirs, CudaDevice, CudaElement, DeviceMemory, ROWS_SOURCE};
 pub use linear::{CudaLinearGradients, CudaLinearInputs};

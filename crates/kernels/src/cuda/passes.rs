@@ -25,7 +25,7 @@ pub(crate) struct RowBlock {
     pub active: u64,
 }
 
-fn vocab_i32(vocab: usize) -> Result<i32, LossError> {
+pub(crate) fn vocab_i32(vocab: usize) -> Result<i32, LossError> {
     i32::try_from(vocab).map_err(|_| LossError::Cuda(format!("a vocabulary of {vocab} exceeds the kernels' i32")))
 }
 
@@ -78,15 +78,17 @@ impl CudaDevice {
     }
 }
 
-/// The kernels' five floats per row as statistics (a NaN `target_u`: no target in range).
-pub(crate) fn statistics_from(raw: &[f32]) -> Vec<PartialRowStats> {
+/// The kernels' five floats per row as statistics. With targets, `target_u` is kept as written
+/// (active rows' targets are in range, so a NaN there is a NaN logit, which the finiteness check
+/// must see); without targets (entropy), there is none.
+pub(crate) fn statistics_from(raw: &[f32], with_targets: bool) -> Vec<PartialRowStats> {
     raw.chunks_exact(5)
         .map(|s| PartialRowStats {
             max: s[0],
             sum_exp: s[1],
             sum_exp_shifted: s[2],
             sum_u: s[3],
-            target_u: (!s[4].is_nan()).then_some(s[4]),
+            target_u: with_targets.then_some(s[4]),
         })
         .collect()
 }

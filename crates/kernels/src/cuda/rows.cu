@@ -16,6 +16,8 @@
 //
 // Deterministic: every thread walks a fixed strided slice of the row in order, and the block
 // combines the threads' partials by a fixed tree in shared memory; there are no atomics.
+// `expf`, not the fast `__expf`: its error (2 + 1.17|x| ulp) would use up a tenth of the f32
+// tolerances at V = 151936, and these passes are bound by memory, not by arithmetic.
 //
 // Compiled at run time by NVRTC (feature `cuda`); tests/cuda/nvrtc_compile.py compiles this file to
 // PTX for sm_80 and sm_90 in CI, where there is no GPU.
@@ -47,25 +49,31 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
     return __float2bfloat16_rn(x);
 }
 
-// Adds the value `u` to a running partial (online softmax with the shifted entropy sum).
+// Adds the value `u` to a running partial (online softmax with the shifted entropy sum). A NaN or
+// an infinite `u` turns `sum_exp` / `sum_exp_shifted` into NaN (NaN - max, inf - inf, -inf - -inf).
 __device__ __forceinline__ void push(Partial &p, float u) {
     if (u > p.max) {
         if (p.sum_exp > 0.0f) {
             float shift = p.max - u;  // < 0
-            float k = __expf(shift);
+            float k = expf(shift);
             p.sum_exp_shifted = (p.sum_exp_shifted + shift * p.sum_exp) * k;
             p.sum_exp *= k;
         }
         p.max = u;
     }
     float d = u - p.max;
-    float e = __expf(d);
+    float e = expf(d);
     p.sum_exp += e;
     p.sum_exp_shifted += e * d;
     p.sum_u += u;
 }
 
-// Combines two partials of disjoint parts of a row.
+__device__ __forceinline__ bool poisoned(const Partial &p) {
+    return p.sum_exp != p.sum_exp || p.sum_exp_shifted != p.sum_exp_shifted;  // NaN
+}
+
+// Combines two partials of disjoint parts of a row. A NaN (from a NaN or infinite logit, see
+// `push`) is carried to the result, so that the host's finiteness check sees it, as the CPU's does.
 __device__ __forceinline__ Partial combine(Partial x, Partial y) {
     float m = fmaxf(x.max, y.max);
     Partial r;
@@ -73,16 +81,21 @@ __device__ __forceinline__ Partial combine(Partial x, Partial y) {
     r.sum_exp = 0.0f;
     r.sum_exp_shifted = 0.0f;
     r.sum_u = x.sum_u + y.sum_u;
+    if (poisoned(x) || poisoned(y)) {
+        r.sum_exp = FLASHGRPO_NAN;
+        r.sum_exp_shifted = FLASHGRPO_NAN;
+        return r;
+    }
     if (m == FLASHGRPO_NEG_INF) return r;
     if (x.sum_exp > 0.0f) {
         float shift = x.max - m;
-        float k = __expf(shift);
+        float k = expf(shift);
         r.sum_exp += x.sum_exp * k;
         r.sum_exp_shifted += (x.sum_exp_shifted + shift * x.sum_exp) * k;
     }
     if (y.sum_exp > 0.0f) {
         float shift = y.max - m;
-        float k = __expf(shift);
+        float k = expf(shift);
         r.sum_exp += y.sum_exp * k;
         r.sum_exp_shifted += (y.sum_exp_shifted + shift * y.sum_exp) * k;
     }
@@ -148,7 +161,7 @@ __device__ void row_gradient(const In *logits, Out *grad, int vocab, float inv_t
     const long long y = targets != nullptr ? targets[row] : -1;
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
         float log_p = to_float(z[j]) * inv_temperature - lse;
-        float p = __expf(log_p);
+        float p = expf(log_p);
         float v = p * (b + c * log_p) + d;
         if (j == y) v += a;
         g[j] = from_float<Out>(v);
