@@ -2,10 +2,18 @@
 //! same seed, `loss.impl = baseline` (materialised logits, candle autograd) and `fused_linear`,
 //! then a side-by-side table: rewards, held-out accuracy, how far the losses drift apart, step and
 //! update time, peak memory, and the ratio. The table is printed and written to `OUT/ab.md`.
+//!
+//! The arms run in two threads that take turns step by step ([`Baton`]): one computes while the
+//! other waits, so each step is timed alone on the machine, and both arms see the same minutes of
+//! a shared machine, whose speed drifts by 10% over a few minutes (run one after the other, the
+//! second arm was measured up to 25% slower in the same code, its rollouts included). The waiting
+//! arm allocates nothing, so the update's heap peak is the active arm's own.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
 
 use anyhow::{Context, Result};
+use flashgrpo_train::grpo::StepHook;
 use flashgrpo_train::grpo_job::{run_grpo_job, GrpoJobSummary, JobOptions};
 use flashgrpo_train::plot::{line_plot, metric_series, Series};
 use flashgrpo_train::{LossImpl, TrainConfig};
@@ -52,18 +60,95 @@ fn mib(bytes: Option<u64>) -> String {
     bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1048576.0))
 }
 
+/// Turns between the two arms: arm `turn` runs, the other waits; an arm that finishes (or fails)
+/// leaves the machine to the other for good.
+struct Baton {
+    state: Mutex<(usize, [bool; 2])>,
+    changed: Condvar,
+}
+
+impl Baton {
+    fn new() -> Self {
+        Self { state: Mutex::new((0, [false; 2])), changed: Condvar::new() }
+    }
+
+    fn wait_turn(&self, me: usize) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        while s.0 != me && !s.1[1 - me] {
+            s = self.changed.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Hands the machine to the other arm (unless it has finished) and waits for it back.
+    fn pass(&self, me: usize) {
+        {
+            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            s.0 = 1 - me;
+            self.changed.notify_all();
+        }
+        self.wait_turn(me);
+    }
+
+    fn finish(&self, me: usize) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.1[me] = true;
+        s.0 = 1 - me;
+        self.changed.notify_all();
+    }
+}
+
+/// Marks an arm finished however its thread ends (an error or a panic included).
+struct Finished<'a>(&'a Baton, usize);
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        self.0.finish(self.1);
+    }
+}
+
+/// Runs the two arms alternately, step by step (see the module's doc).
+fn run_alternating(configs: [TrainConfig; 2]) -> Result<Vec<GrpoJobSummary>> {
+    let baton = Arc::new(Baton::new());
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = configs
+            .iter()
+            .enumerate()
+            .map(|(me, config)| {
+                let baton = baton.clone();
+                std::thread::Builder::new()
+                    .name(format!("ab-{}", config.loss.implementation.name()))
+                    .stack_size(64 << 20)
+                    .spawn_scoped(scope, move || -> Result<GrpoJobSummary> {
+                        let _finished = Finished(&baton, me);
+                        baton.wait_turn(me);
+                        let hook_baton = baton.clone();
+                        let after_step = StepHook(Arc::new(move |_step| hook_baton.pass(me)));
+                        let options = JobOptions { after_step: Some(after_step), ..Default::default() };
+                        run_grpo_job(config, &options)
+                            .with_context(|| format!("the {} arm", config.loss.implementation.name()))
+                    })
+                    .expect("spawning an arm's thread")
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| anyhow::bail!("an arm panicked"))).collect()
+    })
+}
+
 pub fn main(args: AbArgs) -> Result<()> {
     crate::train_cmd::prepare_process();
-    let arms = [LossImpl::Baseline, LossImpl::FusedLinear];
-    let mut results: Vec<(TrainConfig, GrpoJobSummary)> = Vec::new();
-    for implementation in arms {
+    let mut configs = Vec::new();
+    for (k, implementation) in [LossImpl::Baseline, LossImpl::FusedLinear].into_iter().enumerate() {
         let out = args.out.join(implementation.name());
-        let config = arm_config(&args, implementation, &out)?;
+        let mut config = arm_config(&args, implementation, &out)?;
+        // One progress bar: the first arm's (the two advance together).
+        config.progress &= k == 0;
         eprintln!("== arm loss.impl = {} -> {}", implementation.name(), out.display());
-        let summary = run_grpo_job(&config, &JobOptions::default())
-            .with_context(|| format!("the {} arm", implementation.name()))?;
-        results.push((config, summary));
+        configs.push(config);
     }
+    eprintln!("(the arms take turns step by step)");
+    let configs: [TrainConfig; 2] = configs.try_into().map_err(|_| anyhow::anyhow!("two arms"))?;
+    let summaries = run_alternating(configs.clone())?;
+    let results: Vec<(TrainConfig, GrpoJobSummary)> = configs.into_iter().zip(summaries).collect();
     let losses: Vec<Vec<(f64, f64)>> = results
         .iter()
         .map(|(_, s)| metric_series(&s.out.join("metrics.jsonl"), "train/loss"))

@@ -81,13 +81,16 @@ pub fn resolve(args: &TrainArgs) -> Result<TrainConfig> {
 /// Keeps freed memory in the heap: training allocates and frees the same activation-sized blocks
 /// every step, and glibc would otherwise return each one to the kernel (`munmap`) and fault it in
 /// again, zeroed, the next step. Measured: the SFT step of the default config takes half the time
-/// (docs/BENCHMARKS.md).
+/// (docs/BENCHMARKS.md). One arena: glibc's per-thread arenas hold at most 64 MiB each and serve
+/// anything larger by `mmap` whatever the threshold, so the same faults came back for work done on
+/// other threads than the main one (rayon's workers, `flashgrpo ab`'s arms).
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets allocator parameters; it is called before the training allocates.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
         libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        libc::mallopt(libc::M_ARENA_MAX, 1);
     }
 }
 
@@ -137,7 +140,7 @@ pub fn main(args: TrainArgs) -> Result<()> {
         }
         Algo::Grpo => {
             let resume = args.resume.as_deref().map(resume_dirs).transpose()?.map(|(c, _)| c);
-            let s = run_grpo_job(&config, &JobOptions { resume, stop_after: None })?;
+            let s = run_grpo_job(&config, &JobOptions { resume, ..Default::default() })?;
             print_grpo_summary(&config, &s);
             Ok(())
         }

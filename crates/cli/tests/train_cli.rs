@@ -82,7 +82,9 @@ fn bad_keys_and_values_are_named() {
 }
 
 /// Settings that make a GRPO run of the built-in task take seconds.
-const TINY_GRPO: [&str; 22] = [
+const TINY_GRPO: [&str; 24] = [
+    "--set",
+    "model.vocab_size=null",
     "--set",
     "model.hidden_size=32",
     "--set",

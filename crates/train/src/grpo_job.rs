@@ -11,7 +11,7 @@ use tokenizers::Tokenizer;
 
 use crate::data::Gsm8kProblem;
 use crate::error::{io, Result, TrainError};
-use crate::grpo::{train_grpo, Checkpoint, GrpoRun, GrpoSummary, Prompt};
+use crate::grpo::{train_grpo, Checkpoint, GrpoRun, GrpoSummary, Prompt, StepHook};
 use crate::head_loss::{LossConfig, LossImpl};
 use crate::metrics::MetricsLog;
 use crate::model::{load_tokenizer, save_model, Qwen2};
@@ -30,6 +30,8 @@ pub struct JobOptions {
     pub resume: Option<PathBuf>,
     /// Stop after this GRPO step, as if killed (tests).
     pub stop_after: Option<usize>,
+    /// Called after every GRPO step, outside all timed regions (`flashgrpo ab` alternates its arms).
+    pub after_step: Option<StepHook>,
 }
 
 /// What the job did.
@@ -164,6 +166,7 @@ pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJo
             progress: config.progress,
             resume: resume.as_ref(),
             stop_after: options.stop_after,
+            after_step: options.after_step.as_ref(),
         },
     )?;
     let model_dir = out.join("model");

@@ -30,6 +30,7 @@ fn tiny(name: &str) -> TrainConfig {
     c.model.num_heads = 2;
     c.model.num_kv_heads = 1;
     c.tokenizer.vocab_size = 300;
+    c.model.vocab_size = None;
     c.data.limit = Some(300);
     c.data.eval_limit = 8;
     c.sft.steps = 5;

@@ -32,6 +32,7 @@ fn tiny(steps: usize) -> TrainConfig {
     c.data.eval_path = Some(gsm8k("test.jsonl"));
     c.data.eval_limit = 16;
     c.tokenizer.vocab_size = 512;
+    c.model.vocab_size = None;
     c.model.hidden_size = 64;
     c.model.num_layers = 2;
     c.model.num_heads = 4;

@@ -7,4 +7,4 @@ pub mod trainer;
 
 pub use checkpoint::{checkpoint_dir, Checkpoint, Resume, TrainerState};
 pub use config::GrpoConfig;
-pub use trainer::{train_grpo, Evaluation, GrpoRun, GrpoSummary, Prompt};
+pub use trainer::{train_grpo, Evaluation, GrpoRun, GrpoSummary, Prompt, StepHook};

@@ -53,6 +53,21 @@ pub struct GrpoRun<'a> {
     pub resume: Option<&'a Resume>,
     /// Stop after this step as if killed (tests of `--resume`).
     pub stop_after: Option<usize>,
+    /// Called after every step, outside all timed regions.
+    pub after_step: Option<&'a StepHook>,
+}
+
+/// A callback after every GRPO step, outside all timed regions: `flashgrpo ab` hands the machine
+/// to the other arm here, so that the two arms alternate step by step and share the machine's
+/// drift (on a shared VM, speed wanders by 10% over minutes) instead of one arm getting the fast
+/// minutes.
+#[derive(Clone)]
+pub struct StepHook(pub std::sync::Arc<dyn Fn(usize) + Send + Sync>);
+
+impl std::fmt::Debug for StepHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepHook")
+    }
 }
 
 /// What a GRPO run did.
@@ -159,6 +174,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         progress,
         resume,
         stop_after,
+        after_step,
     } = run;
     config.validate()?;
     if train.is_empty() {
@@ -421,6 +437,9 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         bar.inc(1);
         if stop_after == Some(step) {
             break;
+        }
+        if let Some(hook) = after_step {
+            (hook.0)(step);
         }
     }
     bar.finish();

@@ -4,6 +4,7 @@
 
 use candle_core::{Device, Result, Tensor};
 use flashgrpo_kernels::synthetic::Rng;
+use rayon::prelude::*;
 
 use super::qwen2::{KvCache, Qwen2};
 
@@ -36,6 +37,21 @@ pub struct Generated {
 
 /// Draws one token from `logits` (f32, `[V]`).
 pub fn sample(logits: &[f32], s: &Sampling, rng: &mut Rng) -> u32 {
+    sample_with(logits, s, uniform_for(s, rng))
+}
+
+/// The one uniform number a draw takes from the stream (none when greedy), so that rows can be
+/// sampled in parallel from numbers drawn in row order: the same tokens for any thread count.
+fn uniform_for(s: &Sampling, rng: &mut Rng) -> f64 {
+    if s.temperature > 0.0 {
+        rng.uniform()
+    } else {
+        0.0
+    }
+}
+
+/// [`sample`] with its uniform number `u` in `[0, 1)` given.
+fn sample_with(logits: &[f32], s: &Sampling, u: f64) -> u32 {
     let argmax =
         || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0;
     if s.temperature <= 0.0 {
@@ -45,7 +61,7 @@ pub fn sample(logits: &[f32], s: &Sampling, rng: &mut Rng) -> u32 {
         // No filter: draw from the whole softmax in one pass, without sorting the vocabulary.
         let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
         let weights: Vec<f64> = logits.iter().map(|&x| ((x as f64 - max) / s.temperature).exp()).collect();
-        return draw(&weights, rng) as u32;
+        return draw(&weights, u) as u32;
     }
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
@@ -66,12 +82,13 @@ pub fn sample(logits: &[f32], s: &Sampling, rng: &mut Rng) -> u32 {
             }
         }
     }
-    order[draw(&weights[..keep], rng)] as u32
+    order[draw(&weights[..keep], u)] as u32
 }
 
-/// An index drawn with probability proportional to `weights` (non-negative, not all zero).
-fn draw(weights: &[f64], rng: &mut Rng) -> usize {
-    let mut u = rng.uniform() * weights.iter().sum::<f64>();
+/// The index that `u` in `[0, 1)` picks with probability proportional to `weights` (non-negative,
+/// not all zero).
+fn draw(weights: &[f64], u: f64) -> usize {
+    let mut u = u * weights.iter().sum::<f64>();
     for (i, w) in weights.iter().enumerate() {
         u -= w;
         if u < 0.0 {
@@ -119,15 +136,19 @@ pub fn generate(
     for _ in 0..s.max_new_tokens {
         let t = hidden.dim(1)?;
         let logits: Vec<Vec<f32>> = model.logits(&hidden.narrow(1, t - 1, 1)?)?.squeeze(1)?.to_vec2()?;
+        // The rows' uniform numbers in row order, then the rows in parallel (a softmax over the
+        // vocabulary each): the same tokens as one row after the other.
+        let uniforms: Vec<Option<f64>> = finished.iter().map(|&f| (!f).then(|| uniform_for(s, rng))).collect();
+        let tokens: Vec<Option<u32>> =
+            logits.par_iter().zip(&uniforms).map(|(row, u)| u.map(|u| sample_with(row, s, u))).collect();
         let mut step = Vec::with_capacity(b);
         let mut step_mask = Vec::with_capacity(b);
         for r in 0..b {
-            if finished[r] {
+            let Some(token) = tokens[r] else {
                 step.push(pad);
                 step_mask.push(0u8);
                 continue;
-            }
-            let token = sample(&logits[r], s, rng);
+            };
             completions[r].push(token);
             finished[r] = eos.contains(&token);
             step.push(token);
