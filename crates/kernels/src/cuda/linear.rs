@@ -18,7 +18,7 @@ use super::device::{cuda_error, optional_ptr, CudaDevice, CudaElement};
 use super::passes::{active_mask, check_finite, scalars_of, statistics_from, vocab_i32, RowBlock};
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
-use crate::linear::ChunkBudget;
+use crate::linear::{shapes, ChunkBudget};
 use crate::objective::{LossOutput, Objective, RowGradient, RowOutcome};
 use crate::stats::{PartialRowStats, RowStats};
 
@@ -55,14 +55,6 @@ fn rows_per_chunk<T: CudaElement>(n: usize, vocab: usize, budget: ChunkBudget) -
     n.max(1).div_ceil(n.max(1).div_ceil(most))
 }
 
-fn shape_error(tensor: &'static str, got: usize, want: usize, what: String) -> Result<(), LossError> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(LossError::Shape { tensor, got: vec![got], expected: format!("it must hold {what} elements") })
-    }
-}
-
 /// One fused-linear call's device state: the inputs' pointers, the chunk buffers, the O(N) inputs.
 struct Streamer<'d, 'p, 'a, T> {
     device: &'d CudaDevice,
@@ -88,18 +80,8 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
     ) -> Result<Self, LossError> {
         let rows = &prepared.spec().rows;
         let (n, h, v) = (rows.len(), inputs.hidden_size, rows.vocab);
-        if h == 0 {
-            return Err(LossError::Shape {
-                tensor: "hidden",
-                got: vec![inputs.hidden.len()],
-                expected: "the hidden size must be at least 1".into(),
-            });
-        }
-        shape_error("hidden", inputs.hidden.len(), n * h, format!("B*T*H = {}*{}*{h}", rows.batch, rows.seq_len))?;
-        shape_error("weight", inputs.weight.len(), v * h, format!("V*H = {v}*{h}"))?;
-        if let Some(b) = inputs.bias {
-            shape_error("bias", b.len(), v, format!("V = {v}"))?;
-        }
+        let bias = inputs.bias.map(CudaSlice::len);
+        shapes::check_inputs(rows, h, v, inputs.hidden.len(), inputs.weight.len(), bias)?;
         let chunk_rows = rows_per_chunk::<T>(n, v, budget);
         let separate_dz = gradient && T::as_f32_slice(&[]).is_none();
         Ok(Self {
@@ -229,20 +211,6 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
     }
 }
 
-fn check_gradients(n: usize, h: usize, v: usize, grads: &CudaLinearGradients<'_>) -> Result<(), LossError> {
-    let check = |tensor: &'static str, got: usize, want: usize| {
-        shape_error(tensor, got, want, format!("{want} (the gradient buffer's)"))
-    };
-    check("grad_hidden", grads.hidden.len(), n * h)?;
-    if let Some(w) = &grads.weight {
-        check("grad_weight", w.len(), v * h)?;
-    }
-    if let Some(b) = &grads.bias {
-        check("grad_bias", b.len(), v)?;
-    }
-    Ok(())
-}
-
 impl CudaDevice {
     /// The loss and per-token outputs of `hidden @ weight^T (+ bias)` on this device, no gradient.
     pub fn linear_forward<T: CudaElement>(
@@ -275,7 +243,8 @@ impl CudaDevice {
     ) -> Result<LossOutput, LossError> {
         let prepared = PreparedLoss::new(spec)?.expecting_gradient()?;
         let rows = &spec.rows;
-        check_gradients(rows.len(), inputs.hidden_size, rows.vocab, &grads)?;
+        let (weight, bias) = (grads.weight.as_deref().map(CudaSlice::len), grads.bias.as_deref().map(CudaSlice::len));
+        shapes::check_gradients(rows, inputs.hidden_size, rows.vocab, grads.hidden.len(), weight, bias)?;
         if rows.is_empty() {
             // No rows: no logits, and zero gradients for the lm_head.
             for g in [grads.weight.as_deref_mut(), grads.bias.as_deref_mut()].into_iter().flatten() {

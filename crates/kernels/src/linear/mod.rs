@@ -19,6 +19,7 @@
 
 mod matmul;
 pub mod reference;
+pub(crate) mod shapes;
 
 use std::ops::Range;
 
@@ -141,25 +142,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 rows.vocab
             )));
         }
-        let shape = |tensor: &'static str, got: usize, want: usize, what: String| {
-            if got == want {
-                Ok(())
-            } else {
-                Err(LossError::Shape { tensor, got: vec![got], expected: format!("it must hold {what} elements") })
-            }
-        };
-        if h == 0 {
-            return Err(LossError::Shape {
-                tensor: "hidden",
-                got: vec![inputs.hidden.len()],
-                expected: "the hidden size must be at least 1".into(),
-            });
-        }
-        shape("hidden", inputs.hidden.len(), n * h, format!("B*T*H = {}*{}*{h}", rows.batch, rows.seq_len))?;
-        shape("weight", inputs.weight.len(), v * h, format!("V*H = {v}*{h}"))?;
-        if let Some(b) = inputs.bias {
-            shape("bias", b.len(), v, format!("V = {v}"))?;
-        }
+        shapes::check_inputs(rows, h, v, inputs.hidden.len(), inputs.weight.len(), inputs.bias.map(<[T]>::len))?;
         let plan = Plan::new::<T>(n, h, v, budget);
         Ok(Self { prepared, inputs, columns, plan, z: Vec::new(), hidden_buf: Vec::new(), weight_buf: Vec::new() })
     }
@@ -314,25 +297,8 @@ fn check_gradients(
     columns: usize,
     grads: &LinearGradients<'_>,
 ) -> Result<(), LossError> {
-    let check = |what: &'static str, got: usize, want: usize| {
-        if got == want {
-            Ok(())
-        } else {
-            Err(LossError::Shape {
-                tensor: what,
-                got: vec![got],
-                expected: format!("the gradient buffer must hold {want} elements"),
-            })
-        }
-    };
-    check("grad_hidden", grads.hidden.len(), spec.rows.len() * hidden_size)?;
-    if let Some(w) = &grads.weight {
-        check("grad_weight", w.len(), columns * hidden_size)?;
-    }
-    if let Some(b) = &grads.bias {
-        check("grad_bias", b.len(), columns)?;
-    }
-    Ok(())
+    let (weight, bias) = (grads.weight.as_deref().map(<[f32]>::len), grads.bias.as_deref().map(<[f32]>::len));
+    shapes::check_gradients(&spec.rows, hidden_size, columns, grads.hidden.len(), weight, bias)
 }
 
 /// The loss and per-token outputs of `hidden @ weight^T (+ bias)`, no gradient.
