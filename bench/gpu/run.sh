@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run ON THE GPU MACHINE, from the repository root, with gpu-carry/ from bench/gpu/prepare.sh:
 #   bash bench/gpu/run.sh check   the CUDA kernel tests and every gradcheck config on CUDA
-#   bash bench/gpu/run.sh bench   flashgrpo's bench and the peers (PyTorch eager, torch.compile,
-#                                 Liger's triton_grpo_loss) at B=1 T=4096 and B=16 T=2048, V=151936
+#   bash bench/gpu/run.sh bench B T   flashgrpo's bench and the peers (PyTorch eager, torch.compile,
+#                                 Liger's triton_grpo_loss) at one shape, V=151936 bf16: one call
+#                                 for B=1 T=4096, one for B=16 T=2048 (each well inside 10 minutes)
 # Each stays inside the device tool's 10-minute call. Logs and JSON go to $OUT (default /tmp/gpu-out).
 set -uo pipefail
 stage=${1:-check}
@@ -30,22 +31,22 @@ check)
     done
     ;;
 bench)
-    for shape in "1 4096" "16 2048"; do
-        set -- $shape
-        for impl in fused-inplace fused; do
-            echo "== flashgrpo $impl B=$1 T=$2"
-            $FG bench --config configs/bench-grpo-original.yaml --device cuda --json \
-                --set batch=$1 --set seq_len=$2 --set impl=$impl --set warmup=3 --set steps=10 \
-                | tee "$OUT/flashgrpo-$impl-b$1-t$2.json"
-        done
-        pip_site=/tmp/site
-        if [ ! -d "$pip_site/liger_kernel" ]; then
-            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$pip_site" gpu-carry/wheels/*.whl
-        fi
-        echo "== peers B=$1 T=$2"
-        PYTHONPATH="$pip_site" python3 bench/peers/gpu_grpo.py --batch "$1" --seq-len "$2" --vocab 151936 --dtype bf16 \
-            2>&1 | tee "$OUT/peers-b$1-t$2.jsonl"
+    b=${2:-1}
+    t=${3:-4096}
+    for impl in fused-inplace fused; do
+        echo "== flashgrpo $impl B=$b T=$t"
+        $FG bench --config configs/bench-grpo-original.yaml --device cuda --json \
+            --set batch=$b --set seq_len=$t --set impl=$impl --set warmup=3 --set steps=10 \
+            | tee "$OUT/flashgrpo-$impl-b$b-t$t.json"
     done
+    pip_site=/tmp/site
+    if [ ! -d "$pip_site/liger_kernel" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$pip_site" \
+            gpu-carry/wheels/*.whl
+    fi
+    echo "== peers B=$b T=$t"
+    PYTHONPATH="$pip_site" python3 bench/peers/gpu_grpo.py --batch "$b" --seq-len "$t" --vocab 151936 --dtype bf16 \
+        2>&1 | tee "$OUT/peers-b$b-t$t.jsonl"
     ;;
 linear)
     echo "== flashgrpo fused-linear (cuda)"
@@ -55,7 +56,7 @@ linear)
     done
     ;;
 *)
-    echo "usage: bash bench/gpu/run.sh check|bench|linear" >&2
+    echo "usage: bash bench/gpu/run.sh check | bench B T | linear" >&2
     exit 2
     ;;
 esac
