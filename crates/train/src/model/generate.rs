@@ -63,26 +63,60 @@ fn sample_with(logits: &[f32], s: &Sampling, u: f64) -> u32 {
         let weights: Vec<f64> = logits.iter().map(|&x| ((x as f64 - max) / s.temperature).exp()).collect();
         return draw(&weights, u) as u32;
     }
+    let (order, weights) = most_likely(logits, s);
+    order[draw(&weights, u)] as u32
+}
+
+/// The tokens top-k / top-p keep, most likely first (ties: lower id first), and their unnormalised
+/// weights. Selects instead of sorting the vocabulary: top-k sorts only its `k`; top-p sorts
+/// growing prefixes (64, 256, ...) until one holds `top_p` of the mass, which at a 151,936-token
+/// vocabulary and a peaked distribution is a few hundred tokens, not the whole row.
+fn most_likely(logits: &[f32], s: &Sampling) -> (Vec<usize>, Vec<f64>) {
+    let by_likelihood = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+    let weight = |i: usize| ((logits[i] as f64 - max) / s.temperature).exp();
     let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    if s.top_k > 0 {
-        order.truncate(s.top_k);
-    }
-    let max = logits[order[0]] as f64;
-    let weights: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - max) / s.temperature).exp()).collect();
-    let total: f64 = weights.iter().sum();
-    let mut keep = weights.len();
-    if s.top_p < 1.0 {
-        let mut cumulative = 0.0;
-        for (n, w) in weights.iter().enumerate() {
-            cumulative += w / total;
-            if cumulative >= s.top_p {
-                keep = n + 1;
-                break;
+    let top = |order: &mut Vec<usize>, k: usize| -> Vec<usize> {
+        let k = k.clamp(1, order.len());
+        if k < order.len() {
+            order.select_nth_unstable_by(k - 1, by_likelihood);
+        }
+        let mut prefix = order[..k].to_vec();
+        prefix.sort_by(by_likelihood);
+        prefix
+    };
+    let (candidates, total) = if s.top_k > 0 {
+        let kept = top(&mut order, s.top_k);
+        let total: f64 = kept.iter().map(|&i| weight(i)).sum();
+        (Some(kept), total)
+    } else {
+        (None, (0..logits.len()).map(weight).sum())
+    };
+    let mut k = 64;
+    loop {
+        let prefix = match &candidates {
+            Some(kept) => kept.clone(),
+            None => top(&mut order, k),
+        };
+        let weights: Vec<f64> = prefix.iter().map(|&i| weight(i)).collect();
+        let mut keep = weights.len();
+        let mut reached = s.top_p >= 1.0;
+        if !reached {
+            let mut cumulative = 0.0;
+            for (n, w) in weights.iter().enumerate() {
+                cumulative += w / total;
+                if cumulative >= s.top_p {
+                    keep = n + 1;
+                    reached = true;
+                    break;
+                }
             }
         }
+        if reached || candidates.is_some() || prefix.len() == logits.len() {
+            return (prefix[..keep].to_vec(), weights[..keep].to_vec());
+        }
+        k *= 4;
     }
-    order[draw(&weights[..keep], u)] as u32
 }
 
 /// The index that `u` in `[0, 1)` picks with probability proportional to `weights` (non-negative,
@@ -170,6 +204,38 @@ pub fn generate(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The selection gives the tokens and weights of sorting the whole vocabulary.
+    #[test]
+    fn selection_equals_a_full_sort() {
+        let mut rng = Rng::new(7);
+        for case in 0..300 {
+            let v = [5, 70, 300, 5000][case % 4];
+            let logits: Vec<f32> = (0..v).map(|_| (rng.normal() * 3.0) as f32).collect();
+            let (top_k, top_p) = [(0, 0.5), (0, 0.95), (0, 0.999), (10, 1.0), (40, 0.9), (v + 3, 0.7)][case % 6];
+            let s = Sampling { temperature: 0.8, top_k, top_p, max_new_tokens: 1 };
+            let mut full: Vec<usize> = (0..v).collect();
+            full.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+            if top_k > 0 {
+                full.truncate(top_k);
+            }
+            let max = logits[full[0]] as f64;
+            let w: Vec<f64> = full.iter().map(|&i| ((logits[i] as f64 - max) / 0.8).exp()).collect();
+            let total: f64 = w.iter().sum();
+            let mut keep = w.len();
+            let mut cumulative = 0.0;
+            for (n, x) in w.iter().enumerate() {
+                cumulative += x / total;
+                if top_p < 1.0 && cumulative >= top_p {
+                    keep = n + 1;
+                    break;
+                }
+            }
+            let (order, weights) = most_likely(&logits, &s);
+            assert_eq!(order, full[..keep].to_vec(), "case {case}");
+            assert_eq!(weights, w[..keep].to_vec(), "case {case}");
+        }
+    }
 
     #[test]
     fn sampling_filters() {
