@@ -107,7 +107,7 @@ impl Drop for Finished<'_> {
 }
 
 /// Runs the two arms alternately, step by step (see the module's doc).
-fn run_alternating(configs: [TrainConfig; 2]) -> Result<Vec<GrpoJobSummary>> {
+fn run_alternating(configs: &[TrainConfig; 2]) -> Result<Vec<GrpoJobSummary>> {
     let baton = Arc::new(Baton::new());
     std::thread::scope(|scope| {
         let handles: Vec<_> = configs
@@ -147,7 +147,7 @@ pub fn main(args: AbArgs) -> Result<()> {
     }
     eprintln!("(the arms take turns step by step)");
     let configs: [TrainConfig; 2] = configs.try_into().map_err(|_| anyhow::anyhow!("two arms"))?;
-    let summaries = run_alternating(configs.clone())?;
+    let summaries = run_alternating(&configs)?;
     let results: Vec<(TrainConfig, GrpoJobSummary)> = configs.into_iter().zip(summaries).collect();
     let losses: Vec<Vec<(f64, f64)>> = results
         .iter()

@@ -130,9 +130,7 @@ fn copy_bandwidth() -> f64 {
 
 impl Measured {
     fn p50(&self) -> f64 {
-        let mut sorted = self.times.clone();
-        sorted.sort_by(f64::total_cmp);
-        percentile(&sorted, 0.5)
+        median(&self.times)
     }
 }
 
@@ -327,6 +325,40 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
+/// The median of step times.
+pub(crate) fn median(times: &[f64]) -> f64 {
+    let mut sorted = times.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    percentile(&sorted, 0.5)
+}
+
+/// The rows every report starts with, on any device: what ran, the shape, the step-time
+/// statistics and the loss.
+pub(crate) fn step_rows(
+    cfg: &BenchConfig,
+    batch: &Batch,
+    times: &[f64],
+    loss: f64,
+) -> Vec<(&'static str, serde_json::Value)> {
+    let mut sorted = times.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let mean = sorted.iter().sum::<f64>() / sorted.len() as f64;
+    vec![
+        ("bench/op", json!(format!("{:?}", batch.op).to_lowercase())),
+        ("bench/impl", json!(cfg.implementation.name())),
+        ("shape/batch", json!(batch.batch)),
+        ("shape/seq_len", json!(batch.seq_len)),
+        ("shape/vocab", json!(batch.vocab)),
+        ("shape/dtype", json!(format!("{:?}", batch.scores.dtype()).to_lowercase())),
+        ("bench/steps", json!(sorted.len())),
+        ("bench/step_s_mean", json!(mean)),
+        ("bench/step_s_p50", json!(percentile(&sorted, 0.5))),
+        ("bench/step_s_p90", json!(percentile(&sorted, 0.9))),
+        ("bench/step_s_min", json!(sorted[0])),
+        ("bench/loss", json!(loss)),
+    ]
+}
+
 impl Report {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn from_rows(rows: Vec<(&'static str, serde_json::Value)>) -> Self {
@@ -334,27 +366,13 @@ impl Report {
     }
 
     fn new(cfg: &BenchConfig, batch: &Batch, m: Measured, extra: Vec<(&'static str, serde_json::Value)>) -> Self {
-        let mut sorted = m.times.clone();
-        sorted.sort_by(f64::total_cmp);
-        let mean = sorted.iter().sum::<f64>() / sorted.len() as f64;
-        let mut rows = vec![
-            ("bench/op", json!(format!("{:?}", batch.op).to_lowercase())),
-            ("bench/impl", json!(cfg.implementation.name())),
-            ("shape/batch", json!(batch.batch)),
-            ("shape/seq_len", json!(batch.seq_len)),
-            ("shape/vocab", json!(batch.vocab)),
-            ("shape/dtype", json!(format!("{:?}", batch.scores.dtype()).to_lowercase())),
+        let mut rows = step_rows(cfg, batch, &m.times, m.loss);
+        rows.extend([
             ("bench/threads", json!(rayon::current_num_threads())),
-            ("bench/steps", json!(sorted.len())),
-            ("bench/step_s_mean", json!(mean)),
-            ("bench/step_s_p50", json!(percentile(&sorted, 0.5))),
-            ("bench/step_s_p90", json!(percentile(&sorted, 0.9))),
-            ("bench/step_s_min", json!(sorted[0])),
-            ("bench/loss", json!(m.loss)),
             ("mem/peak_bytes", json!(m.peak_bytes)),
             ("mem/peak_rss_bytes", json!(m.peak_rss)),
             ("mem/rss_before_steps_bytes", json!(m.rss_before_steps)),
-        ];
+        ]);
         rows.extend(extra);
         Self { rows }
     }

@@ -7,13 +7,13 @@
 //! forward product are measured in the same run.
 
 use anyhow::{bail, Context, Result};
-use flashgrpo_kernels::cuda::{CudaDevice, CudaElement, CudaLinearGradients, CudaLinearInputs};
+use flashgrpo_kernels::cuda::{CudaDevice, CudaElement, CudaLinearGradients};
 use flashgrpo_kernels::{ChunkBudget, LossSpec};
 use serde_json::{json, Value};
 
 use crate::batch::{Batch, LinearData, OpName, Scores};
-use crate::bench::{BenchConfig, BenchImpl, Report};
-use crate::cuda_run::{gpu, typed};
+use crate::bench::{median, step_rows, BenchConfig, BenchImpl, Report};
+use crate::cuda_run::{gpu, DeviceLinear};
 use crate::input_spec::InputSpec;
 use crate::tensor_io::{FloatData, FloatElement};
 
@@ -102,9 +102,7 @@ pub fn run(cfg: &BenchConfig, inputs: &InputSpec, options: &flashgrpo_kernels::L
     };
     let memory = device.memory()?;
     extra.push(("mem/free_drop_bytes", json!(free_before.saturating_sub(memory.free))));
-    let mut sorted = steps.times.clone();
-    sorted.sort_by(f64::total_cmp);
-    let p50 = sorted[sorted.len() / 2];
+    let p50 = median(&steps.times);
     let input_bytes = batch.scores.size_in_bytes();
     match &batch.scores {
         Scores::Logits(_) => {
@@ -159,27 +157,12 @@ fn report(
     steps: Steps,
     extra: Vec<(&'static str, Value)>,
 ) -> Report {
-    let mut sorted = steps.times.clone();
-    sorted.sort_by(f64::total_cmp);
-    let at = |q: f64| sorted[((sorted.len() - 1) as f64 * q).round() as usize];
-    let mean = sorted.iter().sum::<f64>() / sorted.len() as f64;
-    let mut rows = vec![
-        ("bench/op", json!(format!("{:?}", batch.op).to_lowercase())),
-        ("bench/impl", json!(cfg.implementation.name())),
+    let mut rows = step_rows(cfg, batch, &steps.times, steps.loss);
+    rows.extend([
         ("bench/device", json!(format!("cuda: {} ({})", device.name, device.arch))),
-        ("shape/batch", json!(batch.batch)),
-        ("shape/seq_len", json!(batch.seq_len)),
-        ("shape/vocab", json!(batch.vocab)),
-        ("shape/dtype", json!(format!("{:?}", batch.scores.dtype()).to_lowercase())),
-        ("bench/steps", json!(sorted.len())),
-        ("bench/step_s_mean", json!(mean)),
-        ("bench/step_s_p50", json!(at(0.5))),
-        ("bench/step_s_p90", json!(at(0.9))),
-        ("bench/step_s_min", json!(sorted[0])),
-        ("bench/loss", json!(steps.loss)),
         ("mem/peak_bytes", json!(steps.allocator_peak)),
         ("mem/step_extra_bytes", json!(steps.step_extra)),
-    ];
+    ]);
     rows.extend(extra);
     Report::from_rows(rows)
 }
@@ -238,11 +221,9 @@ impl LinearBench<'_> {
         if self.cfg.implementation != BenchImpl::FusedLinear {
             bail!("with `hidden_size`, `impl: fused-linear` is what runs on CUDA");
         }
-        let hidden = device.upload(hidden)?;
-        let weight = device.upload(typed::<T>(&lin.weight)?)?;
-        let bias = lin.bias.as_ref().map(|b| typed::<T>(b).and_then(|b| Ok(device.upload(b)?))).transpose()?;
-        let inputs =
-            CudaLinearInputs { hidden: &hidden, weight: &weight, bias: bias.as_ref(), hidden_size: lin.hidden_size };
+        let on_gpu = DeviceLinear::upload(device, lin, hidden)?;
+        let inputs = on_gpu.inputs();
+        let has_bias = on_gpu.bias.is_some();
         if !spec.loss.has_gradient() {
             let steps = time_steps(
                 device,
@@ -255,8 +236,7 @@ impl LinearBench<'_> {
         }
         let (h, v) = (lin.hidden_size, self.vocab);
         let mut grads = (device.zeros::<f32>(hidden.len())?, device.zeros::<f32>(v * h)?, device.zeros::<f32>(v)?);
-        let grad_bytes = 4 * (hidden.len() + v * h + if bias.is_some() { v } else { 0 });
-        let has_bias = bias.is_some();
+        let grad_bytes = 4 * (hidden.len() + v * h + if has_bias { v } else { 0 });
         let steps = time_steps(
             device,
             self.cfg,

@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 use anyhow::{bail, Context, Result};
-use flashgrpo_kernels::cuda::{CudaDevice, CudaElement, CudaLinearGradients, CudaLinearInputs};
+use flashgrpo_kernels::cuda::{CudaDevice, CudaElement, CudaLinearGradients, CudaLinearInputs, CudaSlice};
 use flashgrpo_kernels::{ChunkBudget, LossOptions, LossSpec};
 
 use crate::batch::{Batch, LinearData, Scores};
@@ -78,11 +78,9 @@ struct LinearRun<'a> {
 impl LinearRun<'_> {
     fn on_device<T: CudaElement + FloatElement + Default + Clone>(self, hidden: &[T]) -> Result<Results> {
         let (device, lin) = (self.device, self.linear);
-        let hidden_d = device.upload(hidden)?;
-        let weight = device.upload(typed::<T>(&lin.weight)?)?;
-        let bias = lin.bias.as_ref().map(|b| typed::<T>(b).and_then(|b| Ok(device.upload(b)?))).transpose()?;
-        let inputs =
-            CudaLinearInputs { hidden: &hidden_d, weight: &weight, bias: bias.as_ref(), hidden_size: lin.hidden_size };
+        let on_gpu = DeviceLinear::upload(device, lin, hidden)?;
+        let inputs = on_gpu.inputs();
+        let has_bias = on_gpu.bias.is_some();
         if !self.spec.loss.has_gradient() {
             return Ok(Results { output: device.linear_forward(self.spec, inputs, self.budget)?, grads: Vec::new() });
         }
@@ -94,21 +92,50 @@ impl LinearRun<'_> {
         let grads = CudaLinearGradients {
             hidden: &mut gh,
             weight: Some(&mut gw),
-            bias: if bias.is_some() { Some(&mut gb) } else { None },
+            bias: if has_bias { Some(&mut gb) } else { None },
         };
         let output = device.linear_forward_backward(self.spec, inputs, grads, self.budget)?;
         let mut named = vec![
             Grad { name: "grad_hidden", shape: vec![b, t, h], data: T::wrap_f32(&device.download(&gh)?) },
             Grad { name: "grad_weight", shape: vec![v, h], data: T::wrap_f32(&device.download(&gw)?) },
         ];
-        if bias.is_some() {
+        if has_bias {
             named.push(Grad { name: "grad_bias", shape: vec![v], data: T::wrap_f32(&device.download(&gb)?) });
         }
         Ok(Results { output, grads: named })
     }
 }
 
-/// The weight or bias in the hidden states' dtype (`Batch::read` and `InputSpec` give one dtype).
-pub fn typed<T: FloatElement>(data: &FloatData) -> Result<&[T]> {
-    T::slice_of(data).context("the hidden states, weight and bias share one dtype")
+/// A fused-linear batch's hidden states, lm_head weight and bias on the GPU.
+pub struct DeviceLinear<T> {
+    pub hidden: CudaSlice<T>,
+    pub weight: CudaSlice<T>,
+    pub bias: Option<CudaSlice<T>>,
+    pub hidden_size: usize,
+}
+
+impl<T: CudaElement + FloatElement> DeviceLinear<T> {
+    /// Copies `hidden` and `lin`'s weight and bias (one dtype: `Batch::read` and `InputSpec` give
+    /// one) to the GPU.
+    pub fn upload(device: &CudaDevice, lin: &LinearData, hidden: &[T]) -> Result<Self> {
+        let typed = |d: &FloatData| -> Result<CudaSlice<T>> {
+            let values = T::slice_of(d).context("the hidden states, weight and bias share one dtype")?;
+            Ok(device.upload(values)?)
+        };
+        Ok(Self {
+            hidden: device.upload(hidden)?,
+            weight: typed(&lin.weight)?,
+            bias: lin.bias.as_ref().map(typed).transpose()?,
+            hidden_size: lin.hidden_size,
+        })
+    }
+
+    pub fn inputs(&self) -> CudaLinearInputs<'_, T> {
+        CudaLinearInputs {
+            hidden: &self.hidden,
+            weight: &self.weight,
+            bias: self.bias.as_ref(),
+            hidden_size: self.hidden_size,
+        }
+    }
 }

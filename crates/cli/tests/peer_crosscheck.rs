@@ -34,50 +34,63 @@ fn python() -> String {
     python
 }
 
-fn run_script(script: &str) {
-    let out = Command::new(python())
-        .arg(root().join(script))
-        .arg("--bin")
-        .arg(env!("CARGO_BIN_EXE_flashgrpo"))
-        .output()
-        .expect("python runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+/// The venv's python on `args`: its stdout, after checking that it succeeded.
+fn python_stdout<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
+    let out = Command::new(python()).args(args).output().expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     println!("{stdout}");
-    assert!(out.status.success(), "{script} failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let what = args.first().map(|a| a.as_ref().to_string_lossy().into_owned()).unwrap_or_default();
+    assert!(out.status.success(), "{what} failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+/// A script of the repository that ends by printing "N checks, 0 failures".
+fn run_script(script: &str, args: &[&str]) {
+    let mut all = vec![root().join(script).into_os_string()];
+    all.extend(args.iter().map(Into::into));
+    let stdout = python_stdout(&all);
     assert!(stdout.contains(" 0 failures"), "{stdout}");
 }
 
 #[test]
 fn flashgrpo_loss_matches_pytorch_and_liger_kernel() {
-    run_script("tests/peers/crosscheck.py");
+    run_script("tests/peers/crosscheck.py", &["--bin", env!("CARGO_BIN_EXE_flashgrpo")]);
 }
 
 #[test]
 fn flashgrpo_forward_matches_hugging_face_transformers() {
-    run_script("tests/peers/hf_forward.py");
+    run_script("tests/peers/hf_forward.py", &["--bin", env!("CARGO_BIN_EXE_flashgrpo")]);
 }
 
 #[test]
 fn cuda_sources_compile_to_ptx_for_sm80_and_sm90() {
-    let out = Command::new(python()).arg(root().join("tests/cuda/nvrtc_compile.py")).output().expect("python runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    assert!(out.status.success(), "NVRTC compile check failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains(" 0 failures"), "{stdout}");
+    run_script("tests/cuda/nvrtc_compile.py", &[]);
 }
 
 /// The GPU peer script (bench/peers/gpu_grpo.py) runs end to end with `--device cpu`, so that a
 /// lent GPU's time is not spent on its bugs: one JSON line per peer with a finite loss and time.
 #[test]
 fn gpu_peer_script_runs_on_the_cpu() {
-    let out = Command::new(python())
-        .arg(root().join("bench/peers/gpu_grpo.py"))
-        .args(["--device", "cpu", "--peers", "torch-eager,torch-compile", "--batch", "2", "--seq-len", "8"])
-        .args(["--vocab", "300", "--dtype", "f32", "--warmup", "1", "--steps", "2"])
-        .output()
-        .expect("python runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "gpu_grpo.py failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let script = root().join("bench/peers/gpu_grpo.py").display().to_string();
+    let stdout = python_stdout(&[
+        script.as_str(),
+        "--device",
+        "cpu",
+        "--peers",
+        "torch-eager,torch-compile",
+        "--batch",
+        "2",
+        "--seq-len",
+        "8",
+        "--vocab",
+        "300",
+        "--dtype",
+        "f32",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+    ]);
     let lines: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).expect("JSON lines")).collect();
     assert_eq!(lines.len(), 3, "{stdout}");
     for (line, peer) in lines.iter().zip(["torch-eager", "torch-compile"]) {
@@ -102,9 +115,7 @@ fn the_binary_compiles_the_kernels_to_cubin_with_nvrtc() {
                 libs = [l for p in nvidia.__path__ for l in glob.glob(os.path.join(p, '**', 'libnvrtc.so*'), recursive=True)\n\
                         if 'builtins' not in l]\n\
                 print(os.path.dirname(libs[0]))";
-    let out = Command::new(python()).args(["-c", find]).output().expect("python runs");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let lib_dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let lib_dir = python_stdout(&["-c", find]).trim().to_string();
     for arch in ["sm_80", "sm_90"] {
         let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo"))
             .args(["cuda-check", "--arch", arch])

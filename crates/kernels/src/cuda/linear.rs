@@ -15,7 +15,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 
 use super::blas::{gemm, Operand};
 use super::device::{cuda_error, optional_ptr, CudaDevice, CudaElement};
-use super::passes::{active_mask, check_finite, scalars_of, statistics_from, vocab_i32, RowBlock};
+use super::passes::{active_mask, vocab_i32, RowBlock};
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 use crate::linear::{shapes, ChunkBudget};
@@ -51,8 +51,7 @@ pub struct CudaLinearGradients<'a> {
 fn rows_per_chunk<T: CudaElement>(n: usize, vocab: usize, budget: ChunkBudget) -> usize {
     let separate_dz = if T::as_f32_slice(&[]).is_none() { std::mem::size_of::<T>() } else { 0 };
     let per_row = vocab.max(1) * (4 + separate_dz);
-    let most = (budget.bytes / per_row).clamp(1, n.max(1));
-    n.max(1).div_ceil(n.max(1).div_ceil(most))
+    crate::linear::even_chunk_rows(n, budget.bytes / per_row)
 }
 
 /// One fused-linear call's device state: the inputs' pointers, the chunk buffers, the O(N) inputs.
@@ -152,12 +151,7 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
     /// The chunk's partial statistics (after [`logits`](Self::logits)), checked for NaN / Inf.
     fn statistics(&mut self, chunk: &Range<usize>) -> Result<Vec<PartialRowStats>, LossError> {
         let block = self.block(chunk);
-        self.device.row_stats("f32", block, &mut self.stats)?;
-        let mut raw = self.device.download(&self.stats)?;
-        raw.truncate(5 * chunk.len());
-        let stats = statistics_from(&raw, self.prepared.spec().rows.targets.is_some());
-        check_finite(&self.prepared.spec().rows, self.prepared.active_rows(), chunk.start, &stats)?;
-        Ok(stats)
+        self.device.row_stats("f32", block, &mut self.stats, self.prepared, chunk.start)
     }
 
     /// `dz` of the chunk from its rows' gradient scalars, then `dh`, `dW` and `db`.
@@ -171,7 +165,6 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         let (h, v, n) = (self.hidden_size(), self.vocab(), chunk.len());
         let stream = self.device.stream().clone();
         let block = self.block(chunk);
-        let scalars = self.device.upload(&scalars_of(row_grads))?;
         let (dz, dz_type, _d, kernel) = match &self.dz {
             Some(dz) => {
                 let (p, guard) = dz.device_ptr(&stream);
@@ -179,7 +172,7 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
             }
             None => (block.logits, <f32 as CudaElement>::BLAS_TYPE, None, "row_gradient_f32".to_string()),
         };
-        self.device.row_gradient(&kernel, block, dz, &scalars)?;
+        self.device.row_gradient(&kernel, block, dz, row_grads)?;
         let blas = self.device.blas()?;
         let size = std::mem::size_of::<T>() as u64;
         let (hidden, _h) = self.inputs.hidden.device_ptr(&stream);

@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::device::{optional_ptr, CudaDevice, CudaElement};
-use super::passes::{active_mask, check_finite, scalars_of, statistics_from, RowBlock};
+use super::passes::{active_mask, RowBlock};
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 use crate::objective::{LossOutput, RowGradient};
@@ -54,9 +54,7 @@ impl CudaDevice {
             targets: targets_ptr,
             active: active_ptr,
         };
-        self.row_stats(T::SUFFIX, block, &mut out)?;
-        let stats = statistics_from(&self.download(&out)?, rows.targets.is_some());
-        check_finite(rows, prepared.active_rows(), 0, &stats)?;
+        let stats = self.row_stats(T::SUFFIX, block, &mut out, prepared, 0)?;
         let (output, grads) = prepared.objective(&stats)?;
         then(block, Evaluated { output, grads })
     }
@@ -81,12 +79,8 @@ impl CudaDevice {
         }
         let (grad_ptr, _g) = optional_ptr(grad.as_deref(), self.stream());
         self.with_statistics(&prepared, logits, |block, Evaluated { output, grads }| {
-            if grads.is_empty() {
-                return Ok(output);
-            }
-            let scalars = self.upload(&scalars_of(&grads))?;
             let target = if grad_ptr != 0 { grad_ptr } else { block.logits };
-            self.row_gradient(&format!("row_gradient_{}", T::SUFFIX), block, target, &scalars)?;
+            self.row_gradient(&format!("row_gradient_{}", T::SUFFIX), block, target, &grads)?;
             self.synchronize()?;
             Ok(output)
         })

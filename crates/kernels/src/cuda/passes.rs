@@ -6,6 +6,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::device::{cuda_error, CudaDevice};
 use crate::cpu::non_finite;
+use crate::engine::PreparedLoss;
 use crate::error::LossError;
 use crate::inputs::Rows;
 use crate::objective::RowGradient;
@@ -30,13 +31,22 @@ pub(crate) fn vocab_i32(vocab: usize) -> Result<i32, LossError> {
 }
 
 impl CudaDevice {
-    /// Statistics pass: `row_stats_{suffix}` over the block, five floats per row into `out`.
-    pub(crate) fn row_stats(&self, suffix: &str, block: RowBlock, out: &mut CudaSlice<f32>) -> Result<(), LossError> {
+    /// Statistics pass: `row_stats_{suffix}` over the block of rows `first_row..` of `prepared`'s
+    /// batch (five floats per row through `out`, at least `5 * block.rows` long), copied back and
+    /// checked for NaN / Inf.
+    pub(crate) fn row_stats(
+        &self,
+        suffix: &str,
+        block: RowBlock,
+        out: &mut CudaSlice<f32>,
+        prepared: &PreparedLoss<'_>,
+        first_row: usize,
+    ) -> Result<Vec<PartialRowStats>, LossError> {
         if out.len() < 5 * block.rows {
             return Err(LossError::Cuda(format!("{} statistics for {} rows", out.len() / 5, block.rows)));
         }
         if block.rows == 0 {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let vocab = vocab_i32(block.vocab)?;
         let function = self.function(&format!("row_stats_{suffix}"))?;
@@ -47,29 +57,38 @@ impl CudaDevice {
             .arg(&block.inv_temperature)
             .arg(&block.targets)
             .arg(&block.active)
-            .arg(out);
+            .arg(&mut *out);
         // SAFETY: the arguments match `row_stats_*`'s signature in rows.cu; the block's pointers hold
         // rows*vocab logits, `rows` targets and mask values (or are null), `out` 5*rows floats.
         unsafe { launch.launch(Self::per_row(block.rows)?) }.map_err(cuda_error("launching row_stats"))?;
-        Ok(())
+        let mut raw = self.download(out)?;
+        raw.truncate(5 * block.rows);
+        let rows = &prepared.spec().rows;
+        let stats = statistics_from(&raw, rows.targets.is_some());
+        check_finite(rows, prepared.active_rows(), first_row, &stats)?;
+        Ok(stats)
     }
 
     /// Gradient pass: `kernel` (`row_gradient_*`) writes the block's gradient to `grad` (which may
-    /// be `block.logits`) from five scalars per row.
+    /// be `block.logits`) from the rows' gradient scalars.
     pub(crate) fn row_gradient(
         &self,
         kernel: &str,
         block: RowBlock,
         grad: u64,
-        scalars: &CudaSlice<f32>,
+        row_grads: &[RowGradient],
     ) -> Result<(), LossError> {
         if block.rows == 0 {
             return Ok(());
         }
+        if row_grads.len() != block.rows {
+            return Err(LossError::Cuda(format!("{} row gradients for {} rows", row_grads.len(), block.rows)));
+        }
+        let scalars = self.upload(&scalars_of(row_grads))?;
         let vocab = vocab_i32(block.vocab)?;
         let function = self.function(kernel)?;
         let mut launch = self.stream().launch_builder(&function);
-        launch.arg(&block.logits).arg(&grad).arg(&vocab).arg(&block.inv_temperature).arg(&block.targets).arg(scalars);
+        launch.arg(&block.logits).arg(&grad).arg(&vocab).arg(&block.inv_temperature).arg(&block.targets).arg(&scalars);
         // SAFETY: the arguments match `row_gradient_*`'s signature; `grad` holds as many elements
         // as the block's logits (or is the logits: each element is read before the same thread
         // writes it), `scalars` five floats per row.
@@ -81,7 +100,7 @@ impl CudaDevice {
 /// The kernels' five floats per row as statistics. With targets, `target_u` is kept as written
 /// (active rows' targets are in range, so a NaN there is a NaN logit, which the finiteness check
 /// must see); without targets (entropy), there is none.
-pub(crate) fn statistics_from(raw: &[f32], with_targets: bool) -> Vec<PartialRowStats> {
+fn statistics_from(raw: &[f32], with_targets: bool) -> Vec<PartialRowStats> {
     raw.chunks_exact(5)
         .map(|s| PartialRowStats {
             max: s[0],
@@ -94,18 +113,13 @@ pub(crate) fn statistics_from(raw: &[f32], with_targets: bool) -> Vec<PartialRow
 }
 
 /// Five floats per row for the gradient kernels: `lse, a, b, c, d`.
-pub(crate) fn scalars_of(grads: &[RowGradient]) -> Vec<f32> {
+fn scalars_of(grads: &[RowGradient]) -> Vec<f32> {
     grads.iter().flat_map(|g| [g.lse, g.a, g.b, g.c, g.d]).collect()
 }
 
 /// The NaN / Inf check of the statistics of rows `first..first + stats.len()`: the lowest active
 /// row with non-finite logits, named.
-pub(crate) fn check_finite(
-    rows: &Rows,
-    active: &[bool],
-    first: usize,
-    stats: &[PartialRowStats],
-) -> Result<(), LossError> {
+fn check_finite(rows: &Rows, active: &[bool], first: usize, stats: &[PartialRowStats]) -> Result<(), LossError> {
     match stats.iter().enumerate().position(|(k, s)| active[first + k] && !s.is_finite()) {
         Some(k) => Err(non_finite(rows, first + k)),
         None => Ok(()),

@@ -92,12 +92,17 @@ impl Plan {
         let tile = if converts { (budget.bytes / 4 / (4 * h.max(1))).clamp(16, columns.max(16)) } else { columns };
         let tile_bytes = if converts { tile * h * 4 } else { 0 };
         let per_row = 4 * (columns + if converts { h } else { 0 });
-        let most = (budget.bytes.saturating_sub(tile_bytes) / per_row.max(1)).clamp(1, n.max(1));
-        // As few chunks as the budget allows, of equal size: a small last chunk would make thin,
-        // slow products (and the weight gradient is read and written once per chunk).
-        let rows = n.max(1).div_ceil(n.max(1).div_ceil(most));
+        let rows = even_chunk_rows(n, budget.bytes.saturating_sub(tile_bytes) / per_row.max(1));
         Self { rows, tile: tile.min(columns).max(1) }
     }
+}
+
+/// Rows per chunk for `n` rows and at most `most` per chunk: as few chunks as that allows, of equal
+/// size (a small last chunk would make thin, slow products, and the weight gradient is read and
+/// written once per chunk).
+pub(crate) fn even_chunk_rows(n: usize, most: usize) -> usize {
+    let n = n.max(1);
+    n.div_ceil(n.div_ceil(most.clamp(1, n)))
 }
 
 /// The values as f32: the slice itself, or a widened copy in `buf`.

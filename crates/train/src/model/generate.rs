@@ -37,7 +37,7 @@ pub struct Generated {
 
 /// Draws one token from `logits` (f32, `[V]`).
 pub fn sample(logits: &[f32], s: &Sampling, rng: &mut Rng) -> u32 {
-    sample_with(logits, s, uniform_for(s, rng))
+    sample_with(logits, s, uniform_for(s, rng), &mut Vec::new())
 }
 
 /// The one uniform number a draw takes from the stream (none when greedy), so that rows can be
@@ -50,8 +50,9 @@ fn uniform_for(s: &Sampling, rng: &mut Rng) -> f64 {
     }
 }
 
-/// [`sample`] with its uniform number `u` in `[0, 1)` given.
-fn sample_with(logits: &[f32], s: &Sampling, u: f64) -> u32 {
+/// [`sample`] with its uniform number `u` in `[0, 1)` given; `weights` is scratch space, reused
+/// across rows so that the unfiltered draw allocates nothing per token.
+fn sample_with(logits: &[f32], s: &Sampling, u: f64, weights: &mut Vec<f64>) -> u32 {
     let argmax =
         || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0;
     if s.temperature <= 0.0 {
@@ -60,8 +61,9 @@ fn sample_with(logits: &[f32], s: &Sampling, u: f64) -> u32 {
     if s.top_k == 0 && s.top_p >= 1.0 {
         // No filter: draw from the whole softmax in one pass, without sorting the vocabulary.
         let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
-        let weights: Vec<f64> = logits.iter().map(|&x| ((x as f64 - max) / s.temperature).exp()).collect();
-        return draw(&weights, u) as u32;
+        weights.clear();
+        weights.extend(logits.iter().map(|&x| ((x as f64 - max) / s.temperature).exp()));
+        return draw(weights, u) as u32;
     }
     let (order, weights) = most_likely(logits, s);
     order[draw(&weights, u)] as u32
@@ -76,7 +78,8 @@ fn most_likely(logits: &[f32], s: &Sampling) -> (Vec<usize>, Vec<f64>) {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
     let weight = |i: usize| ((logits[i] as f64 - max) / s.temperature).exp();
     let mut order: Vec<usize> = (0..logits.len()).collect();
-    let top = |order: &mut Vec<usize>, k: usize| -> Vec<usize> {
+    // The `k` most likely, sorted.
+    let mut top = |k: usize| -> Vec<usize> {
         let k = k.clamp(1, order.len());
         if k < order.len() {
             order.select_nth_unstable_by(k - 1, by_likelihood);
@@ -85,35 +88,40 @@ fn most_likely(logits: &[f32], s: &Sampling) -> (Vec<usize>, Vec<f64>) {
         prefix.sort_by(by_likelihood);
         prefix
     };
-    let (candidates, total) = if s.top_k > 0 {
-        let kept = top(&mut order, s.top_k);
-        let total: f64 = kept.iter().map(|&i| weight(i)).sum();
-        (Some(kept), total)
-    } else {
-        (None, (0..logits.len()).map(weight).sum())
+    // The prefix of `kept` whose share of `total` first reaches top_p (all of it when none does).
+    let nucleus = |kept: Vec<usize>, total: f64| -> (Vec<usize>, Vec<f64>, bool) {
+        let mut weights: Vec<f64> = kept.iter().map(|&i| weight(i)).collect();
+        let mut cumulative = 0.0;
+        let reached = (s.top_p < 1.0)
+            .then(|| {
+                weights.iter().position(|w| {
+                    cumulative += w / total;
+                    cumulative >= s.top_p
+                })
+            })
+            .flatten();
+        match reached {
+            Some(n) => {
+                weights.truncate(n + 1);
+                (kept[..=n].to_vec(), weights, true)
+            }
+            None => (kept, weights, s.top_p >= 1.0),
+        }
     };
+    if s.top_k > 0 {
+        let kept = top(s.top_k);
+        let total = kept.iter().map(|&i| weight(i)).sum();
+        let (order, weights, _) = nucleus(kept, total);
+        return (order, weights);
+    }
+    let total = (0..logits.len()).map(weight).sum();
     let mut k = 64;
     loop {
-        let prefix = match &candidates {
-            Some(kept) => kept.clone(),
-            None => top(&mut order, k),
-        };
-        let weights: Vec<f64> = prefix.iter().map(|&i| weight(i)).collect();
-        let mut keep = weights.len();
-        let mut reached = s.top_p >= 1.0;
-        if !reached {
-            let mut cumulative = 0.0;
-            for (n, w) in weights.iter().enumerate() {
-                cumulative += w / total;
-                if cumulative >= s.top_p {
-                    keep = n + 1;
-                    reached = true;
-                    break;
-                }
-            }
-        }
-        if reached || candidates.is_some() || prefix.len() == logits.len() {
-            return (prefix[..keep].to_vec(), weights[..keep].to_vec());
+        let kept = top(k);
+        let whole = kept.len() == logits.len();
+        let (order, weights, reached) = nucleus(kept, total);
+        if reached || whole {
+            return (order, weights);
         }
         k *= 4;
     }
@@ -173,8 +181,11 @@ pub fn generate(
         // The rows' uniform numbers in row order, then the rows in parallel (a softmax over the
         // vocabulary each): the same tokens as one row after the other.
         let uniforms: Vec<Option<f64>> = finished.iter().map(|&f| (!f).then(|| uniform_for(s, rng))).collect();
-        let tokens: Vec<Option<u32>> =
-            logits.par_iter().zip(&uniforms).map(|(row, u)| u.map(|u| sample_with(row, s, u))).collect();
+        let tokens: Vec<Option<u32>> = logits
+            .par_iter()
+            .zip(&uniforms)
+            .map_init(Vec::new, |w, (row, u)| u.map(|u| sample_with(row, s, u, w)))
+            .collect();
         let mut step = Vec::with_capacity(b);
         let mut step_mask = Vec::with_capacity(b);
         for r in 0..b {
