@@ -85,7 +85,8 @@ impl LossInputs {
         }
     }
 
-    pub(crate) fn spec(&self, vocab: usize) -> LossSpec<'_> {
+    /// The kernels' description of this loss over a vocabulary of `vocab` columns.
+    pub fn spec(&self, vocab: usize) -> LossSpec<'_> {
         let loss = match &self.kind {
             LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio } => Loss::Grpo(PolicyInputs {
                 advantages,
@@ -349,6 +350,7 @@ impl LinearLoss {
             hidden: &mut gh,
             weight: self.want[1].then_some(&mut gw[..]),
             bias: self.want[2].then_some(&mut gb[..]),
+            accumulate: false,
         };
         let output = linear_forward_backward(spec, inputs, grads, budget).map_err(kernel_err)?;
         let loss = output.loss;

@@ -253,6 +253,7 @@ impl FloatVisitor for LinearTimer<'_> {
                         hidden: &mut g.0,
                         weight: Some(&mut g.1),
                         bias: has_bias.then_some(&mut g.2[..]),
+                        accumulate: false,
                     };
                     Ok(linear_forward_backward(spec, inputs, grads, budget)?.loss)
                 };

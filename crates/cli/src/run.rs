@@ -98,8 +98,12 @@ impl FloatVisitor for FusedLinear<'_> {
         let mut gh = vec![0.0f32; hidden.len()];
         let mut gw = vec![0.0f32; v * h];
         let mut gb = vec![0.0f32; if lin.bias.is_some() { v } else { 0 }];
-        let grads =
-            LinearGradients { hidden: &mut gh, weight: Some(&mut gw), bias: lin.bias.is_some().then_some(&mut gb[..]) };
+        let grads = LinearGradients {
+            hidden: &mut gh,
+            weight: Some(&mut gw),
+            bias: lin.bias.is_some().then_some(&mut gb[..]),
+            accumulate: false,
+        };
         let out = linear_forward_backward(self.spec, inputs, grads, self.budget)?;
         let mut named = vec![
             Grad { name: "grad_hidden", shape: vec![b, t, h], data: T::wrap_f32(&gh) },

@@ -42,6 +42,7 @@ mod engine;
 pub mod error;
 pub mod inputs;
 pub mod linear;
+pub mod matmul;
 pub mod objective;
 pub mod options;
 pub mod reference;

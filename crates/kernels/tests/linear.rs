@@ -30,8 +30,12 @@ fn run<T: Element>(data: &Data, lin: &Linear, budget: ChunkBudget) -> Got {
     let mut gw = vec![f32::NAN; weight.len()];
     let mut gb = vec![f32::NAN; bias.as_ref().map_or(0, Vec::len)];
     let out = if spec.loss.has_gradient() {
-        let grads =
-            LinearGradients { hidden: &mut gh, weight: Some(&mut gw), bias: bias.is_some().then_some(&mut gb[..]) };
+        let grads = LinearGradients {
+            hidden: &mut gh,
+            weight: Some(&mut gw),
+            bias: bias.is_some().then_some(&mut gb[..]),
+            accumulate: false,
+        };
         linear_forward_backward(spec, inputs, grads, budget).unwrap()
     } else {
         linear_forward(spec, inputs, budget).unwrap()
@@ -206,6 +210,7 @@ fn vocabulary_shards_equal_unsharded() {
                 hidden: &mut part,
                 weight: Some(&mut gw[c.start * h..c.end * h]),
                 bias: Some(&mut gb[c.clone()]),
+                accumulate: false,
             };
             prepared.gradient(shard(c), c.clone(), &row_grads, grads).unwrap();
             gh.iter_mut().zip(&part).for_each(|(a, b)| *a += b); // the all-reduce
@@ -233,7 +238,7 @@ fn bad_shapes_are_named() {
     assert!(linear_forward(data.spec(), inputs, ChunkBudget::default()).unwrap_err().to_string().contains("`bias`"));
     let inputs = LinearInputs { hidden: &lin.hidden, weight: &lin.weight, bias: None, hidden_size: 4 };
     let mut gh = vec![0.0; 3];
-    let grads = LinearGradients { hidden: &mut gh, weight: None, bias: None };
+    let grads = LinearGradients { hidden: &mut gh, weight: None, bias: None, accumulate: false };
     let e = linear_forward_backward(data.spec(), inputs, grads, ChunkBudget::default()).unwrap_err().to_string();
     assert!(e.contains("grad_hidden"), "{e}");
 }

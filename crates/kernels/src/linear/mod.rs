@@ -17,7 +17,6 @@
 //! overwritten; products run through `gemm` ([`matmul`]), whose reductions have a fixed order, so
 //! the results are the same bits for any thread count.
 
-mod matmul;
 pub mod reference;
 pub(crate) mod shapes;
 
@@ -29,9 +28,9 @@ use crate::cpu::{self, Block, GradientTarget};
 use crate::element::Element;
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
+use crate::matmul::{self, Mat, MatMut};
 use crate::objective::{LossOutput, Objective, RowGradient, RowOutcome};
 use crate::stats::{PartialRowStats, RowStats};
-use matmul::{Mat, MatMut};
 
 /// The inputs of a fused-linear loss.
 #[derive(Debug, Clone, Copy)]
@@ -45,8 +44,10 @@ pub struct LinearInputs<'a, T> {
     pub hidden_size: usize,
 }
 
-/// Where the gradients go: f32, overwritten. `weight` and `bias` may be left out (a frozen
-/// lm_head), which skips their product.
+/// Where the gradients go: f32. `hidden` is overwritten; `weight` and `bias` are overwritten, or
+/// added to with `accumulate` (a trainer summing micro-batches, or a tied embedding that also
+/// receives the lookup's gradient, needs no scratch `[V, H]` buffer). `weight` and `bias` may be
+/// left out (a frozen lm_head), which skips their product.
 #[derive(Debug)]
 pub struct LinearGradients<'a> {
     /// `[N, H]`.
@@ -55,6 +56,8 @@ pub struct LinearGradients<'a> {
     pub weight: Option<&'a mut [f32]>,
     /// `[V]`.
     pub bias: Option<&'a mut [f32]>,
+    /// Add the weight and bias gradients to the buffers' contents instead of overwriting them.
+    pub accumulate: bool,
 }
 
 /// The memory the streaming may use beyond the inputs and the gradients.
@@ -181,7 +184,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         for t in tiles {
             let wt = as_f32(&self.inputs.weight[t.start * h..t.end * h], &mut self.weight_buf);
             let mut out = MatMut { data: &mut z[t.start..], rows: n, cols: t.len(), stride: v };
-            matmul::logits(
+            matmul::matmul_nt(
                 &mut out,
                 self.inputs.bias.is_some(),
                 Mat { data: &hc, rows: n, cols: h, stride: h },
@@ -192,8 +195,9 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
     }
 
     /// Turns `dz` (in `self.z`) into the gradients of `chunk`: `dh` (overwritten), `dW` and `db`
-    /// (overwritten on the first chunk, accumulated after).
+    /// (overwritten on the first chunk unless `grads.accumulate`, accumulated after).
     fn backward(&mut self, chunk: &Range<usize>, hc: &[f32], grads: &mut LinearGradients<'_>, first_chunk: bool) {
+        let first_chunk = first_chunk && !grads.accumulate;
         let (h, v, n) = (self.inputs.hidden_size, self.width(), chunk.len());
         let dz = &self.z[..n * v];
         let dz_tile = |t: &Range<usize>| Mat { data: &dz[t.start..], rows: n, cols: t.len(), stride: v };
@@ -202,12 +206,12 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         for (i, t) in tiles.iter().enumerate() {
             let wt = as_f32(&self.inputs.weight[t.start * h..t.end * h], &mut self.weight_buf);
             let wt = Mat { data: wt, rows: t.len(), cols: h, stride: h };
-            matmul::hidden_grad(&mut MatMut { data: dh, rows: n, cols: h, stride: h }, i > 0, dz_tile(t), wt);
+            matmul::matmul_nn(&mut MatMut { data: dh, rows: n, cols: h, stride: h }, i > 0, dz_tile(t), wt);
         }
         if let Some(dw) = grads.weight.as_deref_mut() {
             for t in &tiles {
                 let mut out = MatMut { data: &mut dw[t.start * h..t.end * h], rows: t.len(), cols: h, stride: h };
-                matmul::weight_grad(&mut out, !first_chunk, dz_tile(t), Mat { data: hc, rows: n, cols: h, stride: h });
+                matmul::matmul_tn(&mut out, !first_chunk, dz_tile(t), Mat { data: hc, rows: n, cols: h, stride: h });
             }
         }
         if let Some(db) = grads.bias.as_deref_mut() {
@@ -403,7 +407,7 @@ pub fn matmul_gflops(rows: usize, hidden_size: usize, vocab: usize) -> f64 {
     let mut best = f64::INFINITY;
     for _ in 0..3 {
         let start = std::time::Instant::now();
-        matmul::logits(
+        matmul::matmul_nt(
             &mut MatMut { data: &mut z, rows: n, cols: v, stride: v },
             false,
             Mat { data: &hc, rows: n, cols: h, stride: h },

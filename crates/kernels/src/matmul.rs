@@ -1,19 +1,19 @@
-//! The three matrix products of a fused-linear loss, in f32, through the `gemm` crate (the one
-//! candle uses: runtime-dispatched AVX-512 / AVX2 / NEON micro-kernels, ~200 GFLOP/s on this
-//! project's 2-core machine). Each output element's reduction runs in one fixed order whatever
-//! the thread count (`gemm` splits the output, not the reduction), which keeps the losses
-//! deterministic.
+//! Row-major f32 matrix products through the `gemm` crate (the one candle uses: runtime-dispatched
+//! AVX-512 / AVX2 / NEON micro-kernels, ~200 GFLOP/s on this project's 2-core machine). Each output
+//! element's reduction runs in one fixed order whatever the thread count (`gemm` splits the
+//! output, not the reduction), which keeps the losses deterministic.
 //!
-//! Shapes, for a chunk of `n` rows and a vocabulary tile of `v` columns, hidden size `h`:
-//! - logits tile `z[n, v] = hc[n, h] @ wt[v, h]^T` (into a buffer with row stride `ld`);
-//! - hidden gradient `dh[n, h] (+)= dz[n, v] @ wt[v, h]`;
-//! - weight gradient `dw[v, h] (+)= dz[n, v]^T @ hc[n, h]`.
+//! The three products of a layer `y = x @ w^T`, and of a fused-linear loss (for a chunk of `n`
+//! rows, a vocabulary tile of `v` columns, hidden size `h`):
+//! - [`matmul_nt`], forward: `z[n, v] = hc[n, h] @ wt[v, h]^T` (into a buffer with any row stride);
+//! - [`matmul_nn`], input gradient: `dh[n, h] (+)= dz[n, v] @ wt[v, h]`;
+//! - [`matmul_tn`], weight gradient: `dw[v, h] (+)= dz[n, v]^T @ hc[n, h]`.
 
 use gemm::{gemm, Parallelism};
 
 /// A row-major matrix view: `rows x cols` with `stride` elements between rows.
 #[derive(Clone, Copy)]
-pub(crate) struct Mat<'a> {
+pub struct Mat<'a> {
     pub data: &'a [f32],
     pub rows: usize,
     pub cols: usize,
@@ -21,20 +21,30 @@ pub(crate) struct Mat<'a> {
 }
 
 /// A mutable row-major matrix view.
-pub(crate) struct MatMut<'a> {
+pub struct MatMut<'a> {
     pub data: &'a mut [f32],
     pub rows: usize,
     pub cols: usize,
     pub stride: usize,
 }
 
-impl Mat<'_> {
+impl<'a> Mat<'a> {
+    /// A contiguous `rows x cols` matrix.
+    pub fn new(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self { data, rows, cols, stride: cols }
+    }
+
     fn check(&self) {
         assert!(self.rows == 0 || self.cols == 0 || self.data.len() >= (self.rows - 1) * self.stride + self.cols);
     }
 }
 
-impl MatMut<'_> {
+impl<'a> MatMut<'a> {
+    /// A contiguous `rows x cols` matrix.
+    pub fn new(data: &'a mut [f32], rows: usize, cols: usize) -> Self {
+        Self { data, rows, cols, stride: cols }
+    }
+
     fn check(&self) {
         assert!(self.rows == 0 || self.cols == 0 || self.data.len() >= (self.rows - 1) * self.stride + self.cols);
     }
@@ -103,8 +113,8 @@ fn product(
     }
 }
 
-/// `z (+)= hc @ wt^T`: logits of `hc.rows` rows over `wt.rows` vocabulary entries.
-pub(crate) fn logits(z: &mut MatMut<'_>, accumulate: bool, hc: Mat<'_>, wt: Mat<'_>) {
+/// `z (+)= hc @ wt^T`: e.g. logits of `hc.rows` rows over `wt.rows` vocabulary entries.
+pub fn matmul_nt(z: &mut MatMut<'_>, accumulate: bool, hc: Mat<'_>, wt: Mat<'_>) {
     hc.check();
     wt.check();
     assert!(z.rows == hc.rows && z.cols == wt.rows && hc.cols == wt.cols);
@@ -112,7 +122,7 @@ pub(crate) fn logits(z: &mut MatMut<'_>, accumulate: bool, hc: Mat<'_>, wt: Mat<
 }
 
 /// `dh (+)= dz @ wt`.
-pub(crate) fn hidden_grad(dh: &mut MatMut<'_>, accumulate: bool, dz: Mat<'_>, wt: Mat<'_>) {
+pub fn matmul_nn(dh: &mut MatMut<'_>, accumulate: bool, dz: Mat<'_>, wt: Mat<'_>) {
     dz.check();
     wt.check();
     assert!(dh.rows == dz.rows && dz.cols == wt.rows && dh.cols == wt.cols);
@@ -120,7 +130,7 @@ pub(crate) fn hidden_grad(dh: &mut MatMut<'_>, accumulate: bool, dz: Mat<'_>, wt
 }
 
 /// `dw (+)= dz^T @ hc`.
-pub(crate) fn weight_grad(dw: &mut MatMut<'_>, accumulate: bool, dz: Mat<'_>, hc: Mat<'_>) {
+pub fn matmul_tn(dw: &mut MatMut<'_>, accumulate: bool, dz: Mat<'_>, hc: Mat<'_>) {
     dz.check();
     hc.check();
     assert!(dw.rows == dz.cols && dz.rows == hc.rows && dw.cols == hc.cols);
@@ -152,7 +162,7 @@ mod tests {
         let close = |got: &[f32], want: &[f64]| got.iter().zip(want).all(|(g, w)| (*g as f64 - w).abs() < 1e-4);
 
         let mut z = vec![0.0; n * v];
-        logits(
+        matmul_nt(
             &mut MatMut { data: &mut z, rows: n, cols: v, stride: v },
             false,
             Mat { data: &hc, rows: n, cols: h, stride: h },
@@ -161,7 +171,7 @@ mod tests {
         assert!(close(&z, &naive(&hc, &wt, n, h, v, |a, i, p| a[i * h + p], |b, p, j| b[j * h + p])));
 
         let mut dh = vec![1.0; n * h];
-        hidden_grad(
+        matmul_nn(
             &mut MatMut { data: &mut dh, rows: n, cols: h, stride: h },
             true,
             Mat { data: &dz, rows: n, cols: v, stride: v },
@@ -174,7 +184,7 @@ mod tests {
         assert!(close(&dh, &want));
 
         let mut dw = vec![0.0; v * h];
-        weight_grad(
+        matmul_tn(
             &mut MatMut { data: &mut dw, rows: v, cols: h, stride: h },
             false,
             Mat { data: &dz, rows: n, cols: v, stride: v },
