@@ -6,6 +6,7 @@
 //! (rollouts, rewards, group advantages, checkpoints) with its built-in arithmetic task.
 
 pub mod data;
+pub mod engine;
 pub mod error;
 pub mod grpo;
 pub mod grpo_job;
@@ -16,6 +17,7 @@ pub mod optim;
 pub mod plot;
 pub mod prompt;
 pub mod rewards;
+pub mod rollout;
 pub mod setup;
 pub mod sft;
 pub mod sft_job;

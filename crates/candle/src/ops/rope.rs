@@ -42,6 +42,13 @@ impl RopeTable {
     pub fn max_positions(&self) -> usize {
         self.max_positions
     }
+
+    /// The f32 `cos` and `sin` of `position`'s angles, `head_dim / 2` each (for code that rotates
+    /// by itself, as the trainer's engine does).
+    pub fn cos_sin(&self, position: usize) -> (&[f32], &[f32]) {
+        let range = position * self.half..(position + 1) * self.half;
+        (&self.cos32[range.clone()], &self.sin32[range])
+    }
 }
 
 /// Applies the embedding to `x [B, heads, T, head_dim]`; `positions` is `[B * T]` (each batch

@@ -1,17 +1,18 @@
-//! A micro-batch of the update, laid out as TRL lays it out: prompts left-padded to a common
-//! length `P`, completions right-padded to `C`, positions counted from each row's first real
-//! token (as in generation, so the update scores exactly the tokens the rollout sampled). The
-//! loss sees only the `C` completion positions: hidden states `[S, C, H]`, targets the completion
-//! tokens (end of sequence included), the mask 0 on padding.
-
-use std::sync::Arc;
+//! A micro-batch of the update. The loss sees `S` sequences of `C` completion positions (the longest
+//! completion): hidden states `[S, C, H]`, targets the completion tokens (end of sequence
+//! included), the mask 0 on padding, as TRL lays them out. The engine computes those hidden
+//! states from a [`Packing`] (each distinct prompt once, positions counted from each sequence's
+//! first token, as in generation, so the update scores exactly the tokens the rollout sampled).
+//! The candle reference layout (prompts left-padded to `P`, completions right-padded) is kept
+//! for the tests that check the engine against candle.
 
 use candle_core::{Device, Tensor};
-use flashgrpo_candle::{loss_from_hidden, LossInputs, LossKind};
+use flashgrpo_candle::{LossInputs, LossKind};
 use flashgrpo_kernels::{BatchShard, LossOptions};
 
-use crate::error::Result;
-use crate::head_loss::LossConfig;
+use crate::engine::{forward, Head, Packing, Pass, Weights, Workspace};
+use crate::error::{Result, TrainError};
+use crate::head_loss::{LossConfig, LossImpl};
 use crate::model::Qwen2;
 
 /// Sequences ready for the model and the loss.
@@ -26,6 +27,8 @@ pub struct MicroBatch {
     pub targets: Vec<i64>,
     /// `[S * C]`, 1 on completion tokens.
     pub mask: Vec<f32>,
+    /// The sequences as the engine runs them.
+    pub packing: Packing,
 }
 
 impl MicroBatch {
@@ -60,6 +63,7 @@ impl MicroBatch {
             completion_len: c,
             targets,
             mask,
+            packing: Packing::new(prompts, completions)?,
         })
     }
 
@@ -72,7 +76,8 @@ impl MicroBatch {
         self.mask.iter().filter(|&&m| m != 0.0).count()
     }
 
-    /// The hidden states at the completion positions, `[S, C, H]`.
+    /// The hidden states at the completion positions, `[S, C, H]`, by candle's forward (the
+    /// reference of the engine's).
     pub fn completion_hidden(&self, model: &Qwen2, track: bool) -> Result<Tensor> {
         let hidden = model.forward(&self.ids, Some(self.attention.clone()), self.positions.clone(), None, track)?;
         Ok(hidden.narrow(1, self.prompt_len - 1, self.completion_len)?.contiguous()?)
@@ -98,14 +103,23 @@ impl MicroBatch {
         }
     }
 
-    /// Per-token log-probabilities `[S * C]` of the completion under `model` (no gradient,
-    /// the fused-linear logprob op: no logits are materialised). 0 on padding.
-    pub fn logprobs(&self, model: &Qwen2, options: &LossOptions, loss: &LossConfig) -> Result<Vec<f32>> {
-        let hidden = self.completion_hidden(model, false)?;
-        let inputs = Arc::new(self.inputs(LossKind::Logprob, options, loss, None));
-        let out = loss_from_hidden(&hidden, &model.lm_head().as_tensor().detach(), None, &inputs)?;
-        let logp = out.logp.expect("the logprob op returns log-probabilities");
-        Ok(logp.flatten_all()?.to_vec1::<f32>()?)
+    /// Per-token log-probabilities `[S * C]` of the completion under the model `w` (no gradient:
+    /// the engine's forward, then the fused-linear logprob op, no logits materialised). 0 on
+    /// padding.
+    pub fn logprobs(
+        &self,
+        w: &Weights<'_>,
+        lm_head: &candle_core::Var,
+        ws: &mut Workspace,
+        options: &LossOptions,
+        loss: &LossConfig,
+    ) -> Result<Vec<f32>> {
+        forward(w, self.packing.input(), ws, Pass::Score);
+        let rows = self.packing.gather(&ws.hidden, w.dims.hidden);
+        let inputs = self.inputs(LossKind::Logprob, options, loss, None);
+        let head = Head { weights: w, lm_head, implementation: LossImpl::FusedLinear };
+        let (_, out) = head.loss(&rows, &inputs, None)?;
+        out.and_then(|o| o.logp).ok_or_else(|| TrainError::Other("the logprob op returns log-probabilities".into()))
     }
 }
 

@@ -6,24 +6,25 @@
 //! checkpoints.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
 use flashgrpo_candle::LossKind;
 use flashgrpo_kernels::synthetic::Rng;
-use flashgrpo_kernels::{BatchShard, LossOptions};
+use flashgrpo_kernels::{BatchShard, LossOptions, LossOutput};
 use serde_json::json;
 use tokenizers::Tokenizer;
 
 use super::batch::MicroBatch;
 use super::checkpoint::{checkpoint_dir, save_checkpoint, Resume, TrainerState};
 use super::config::GrpoConfig;
+use crate::engine::{backward, forward, BackwardBuffers, Head, HeadGradients, Pass, Weights, Workspace};
 use crate::error::{Result, TrainError};
-use crate::head_loss::{head_loss, LossConfig};
+use crate::head_loss::LossConfig;
 use crate::metrics::{self, progress_bar, record, MetricsLog};
-use crate::model::{generate, Qwen2, Sampling};
-use crate::optim::Updater;
+use crate::model::{Qwen2, Sampling};
+use crate::optim::{StepReport, Updater};
 use crate::rewards::{advantages, correctness, score, REWARD_NAMES};
+use crate::rollout::Rollout;
 use crate::tokenizer::decode;
 
 /// A tokenised prompt and its gold answer.
@@ -113,9 +114,10 @@ impl Evaluation<'_> {
         let k = if self.sampling.temperature == 0.0 { 1 } else { self.samples.max(1) };
         let repeated: Vec<&Prompt> = prompts.iter().flat_map(|p| std::iter::repeat_n(p, k)).collect();
         let mut correct = 0.0;
+        let mut rollout = Rollout::default();
         for chunk in repeated.chunks(self.batch_size.max(1)) {
             let ids: Vec<Vec<u32>> = chunk.iter().map(|p| p.ids.clone()).collect();
-            let generated = generate(model, &ids, &self.sampling, self.eos, self.pad, &mut rng)?;
+            let generated = rollout.generate(model, &ids, &self.sampling, self.eos, &mut rng)?;
             for (p, completion) in chunk.iter().zip(&generated.completions) {
                 correct += correctness(&decode(self.tokenizer, completion)?, &p.answer) / k as f64;
             }
@@ -140,7 +142,7 @@ fn std(v: &[f64]) -> f64 {
     (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64).sqrt()
 }
 
-/// Per-token outputs summed over the completion tokens of a micro-batch.
+/// Per-token outputs summed over the completion tokens of a step's first epoch.
 #[derive(Default)]
 struct TokenSums {
     entropy: f64,
@@ -152,9 +154,100 @@ struct TokenSums {
     have_clip: bool,
 }
 
-fn masked_sum(t: &candle_core::Tensor, mask: &[f32]) -> Result<f64> {
-    let v = t.flatten_all()?.to_vec1::<f32>()?;
-    Ok(v.iter().zip(mask).map(|(x, m)| *x as f64 * *m as f64).sum())
+impl TokenSums {
+    fn add(&mut self, out: Option<&LossOutput>, mb: &MicroBatch) {
+        let masked_sum = |v: &[f32]| -> f64 { v.iter().zip(&mb.mask).map(|(x, m)| *x as f64 * *m as f64).sum() };
+        if let Some(o) = out {
+            self.entropy += masked_sum(&o.entropy);
+            self.have_entropy = true;
+            if let Some(kl) = &o.kl {
+                self.kl += masked_sum(kl);
+                self.have_kl = true;
+            }
+            if let Some(c) = &o.is_clipped {
+                self.clipped += masked_sum(c);
+                self.have_clip = true;
+            }
+        }
+        self.tokens += mb.valid() as f64;
+    }
+}
+
+/// The engine's buffers, kept from step to step.
+#[derive(Default)]
+struct EngineBuffers {
+    rollout: Rollout,
+    workspace: Workspace,
+    backward: BackwardBuffers,
+}
+
+/// The log-probabilities `[S * C]` of each micro-batch's completions under `model`.
+fn logprobs(
+    model: &Qwen2,
+    batches: &[MicroBatch],
+    workspace: &mut Workspace,
+    options: &LossOptions,
+    loss: &LossConfig,
+) -> Result<Vec<Vec<f32>>> {
+    let w = Weights::of(model)?;
+    batches.iter().map(|b| b.logprobs(&w, model.lm_head(), workspace, options, loss)).collect()
+}
+
+/// What one step's policy update needs besides the model and the optimiser.
+struct UpdateInputs<'a> {
+    batches: &'a [MicroBatch],
+    /// Per micro-batch, its sequences' advantages.
+    advantages: Vec<Vec<f32>>,
+    old_logp: Option<Vec<Vec<f32>>>,
+    ref_logp: Option<Vec<Vec<f32>>>,
+    shard: BatchShard,
+    options: &'a LossOptions,
+    loss: &'a LossConfig,
+    epochs: usize,
+}
+
+/// The policy update: per epoch, every micro-batch's forward, head loss and backward into the
+/// optimiser's buffers (their losses sum to the batch's), then one optimiser step. Returns each
+/// epoch's loss, the first epoch's per-token sums, and the last step's report.
+fn update(
+    model: &Qwen2,
+    u: &UpdateInputs<'_>,
+    updater: &mut Updater,
+    engine: &mut EngineBuffers,
+) -> Result<(Vec<f64>, TokenSums, StepReport)> {
+    let h = model.config.hidden_size;
+    let (mut losses, mut sums, mut report) = (Vec::new(), TokenSums::default(), None);
+    for epoch in 0..u.epochs {
+        let w = Weights::of(model)?;
+        let mut epoch_loss = 0.0;
+        for (k, mb) in u.batches.iter().enumerate() {
+            let kind = LossKind::Grpo {
+                advantages: u.advantages[k].clone(),
+                old_logp: u.old_logp.as_ref().map(|o| o[k].clone()),
+                ref_logp: u.ref_logp.as_ref().map(|r| r[k].clone()),
+                is_ratio: None,
+            };
+            let inputs = mb.inputs(kind, u.options, u.loss, Some(u.shard));
+            forward(&w, mb.packing.input(), &mut engine.workspace, Pass::Train);
+            let rows = mb.packing.gather(&engine.workspace.hidden, h);
+            let mut d_rows = vec![0.0f32; rows.len()];
+            let head = Head { weights: &w, lm_head: model.lm_head(), implementation: u.loss.implementation };
+            let gradients = HeadGradients { rows: &mut d_rows, grads: updater.grads_mut() };
+            let (value, out) = head.loss(&rows, &inputs, Some(gradients))?;
+            updater.record_loss(value);
+            epoch_loss += value;
+            if epoch == 0 {
+                sums.add(out.as_ref(), mb);
+            }
+            let d_slots = mb.packing.scatter(&d_rows, h);
+            backward(&w, &mb.packing, &mut engine.workspace, &mut engine.backward, &d_slots, updater.grads_mut());
+        }
+        // The parameters' read locks go before the optimiser writes them.
+        drop(w);
+        losses.push(epoch_loss);
+        report = Some(updater.step(&model.params)?);
+    }
+    Ok((losses, sums, report.expect("ppo_epochs >= 1")))
 }
 
 /// Trains `model` in place.
@@ -258,6 +351,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
     let mut eval_after = state.eval_before;
     let mut eval_greedy_after = state.eval_greedy_before;
     let ckpt = checkpoint_dir(out);
+    let mut engine = EngineBuffers::default();
     while state.step < config.steps {
         let step = state.step + 1;
         let started = Instant::now();
@@ -265,7 +359,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         // Rollout.
         let chosen: Vec<&Prompt> = (0..config.prompts_per_step).map(|_| &train[rng.below(train.len())]).collect();
         let prompts: Vec<Vec<u32>> = chosen.iter().flat_map(|p| std::iter::repeat_n(p.ids.clone(), g)).collect();
-        let generated = generate(model, &prompts, &sampling, eos, pad, &mut rng)?;
+        let generated = engine.rollout.generate(model, &prompts, &sampling, eos, &mut rng)?;
         let completions: Vec<Vec<u32>> =
             generated.completions.into_iter().map(|c| if c.is_empty() { vec![pad] } else { c }).collect();
         let rollout_s = started.elapsed().as_secs_f64();
@@ -297,13 +391,11 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             .collect::<Result<Vec<_>>>()?;
         let valid_tokens: usize = batches.iter().map(MicroBatch::valid).sum();
         let shard = BatchShard { global_batch: n, global_valid_rows: valid_tokens as f64 };
-        let old_logp = if config.ppo_epochs > 1 {
-            Some(batches.iter().map(|b| b.logprobs(model, &options, loss)).collect::<Result<Vec<_>>>()?)
-        } else {
-            None
-        };
+        let old_logp = (config.ppo_epochs > 1)
+            .then(|| logprobs(model, &batches, &mut engine.workspace, &options, loss))
+            .transpose()?;
         let ref_logp = match (beta != 0.0, reference) {
-            (true, Some(r)) => Some(batches.iter().map(|b| b.logprobs(r, &options, loss)).collect::<Result<Vec<_>>>()?),
+            (true, Some(r)) => Some(logprobs(r, &batches, &mut engine.workspace, &options, loss)?),
             _ => None,
         };
         let logprob_s = logprob_started.elapsed().as_secs_f64();
@@ -314,42 +406,17 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             (p.reset_peak)();
             (p.live)()
         });
-        let (mut losses, mut sums) = (Vec::new(), TokenSums::default());
-        let mut report = None;
-        for epoch in 0..config.ppo_epochs {
-            let mut epoch_loss = 0.0;
-            for (k, (mb, range)) in batches.iter().zip(&ranges).enumerate() {
-                let kind = LossKind::Grpo {
-                    advantages: adv[range.clone()].iter().map(|&a| a as f32).collect(),
-                    old_logp: old_logp.as_ref().map(|o| o[k].clone()),
-                    ref_logp: ref_logp.as_ref().map(|r| r[k].clone()),
-                    is_ratio: None,
-                };
-                let inputs = Arc::new(mb.inputs(kind, &options, loss, Some(shard)));
-                let hidden = mb.completion_hidden(model, true)?;
-                let out = head_loss(model, &hidden, &inputs, loss.implementation, true)?;
-                epoch_loss += out.loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-                if epoch == 0 {
-                    if let Some(o) = &out.outputs {
-                        sums.entropy += masked_sum(&o.entropy, &mb.mask)?;
-                        sums.have_entropy = true;
-                        if let Some(kl) = &o.kl {
-                            sums.kl += masked_sum(kl, &mb.mask)?;
-                            sums.have_kl = true;
-                        }
-                        if let Some(c) = &o.is_clipped {
-                            sums.clipped += masked_sum(c, &mb.mask)?;
-                            sums.have_clip = true;
-                        }
-                    }
-                    sums.tokens += mb.valid() as f64;
-                }
-                updater.accumulate(params, &out.loss)?;
-            }
-            losses.push(epoch_loss);
-            report = Some(updater.step(params)?);
-        }
-        let report = report.expect("ppo_epochs >= 1");
+        let inputs = UpdateInputs {
+            batches: &batches,
+            advantages: ranges.iter().map(|r| adv[r.clone()].iter().map(|&a| a as f32).collect()).collect(),
+            old_logp,
+            ref_logp,
+            shard,
+            options: &options,
+            loss,
+            epochs: config.ppo_epochs,
+        };
+        let (losses, sums, report) = update(model, &inputs, &mut updater, &mut engine)?;
         let update_s = update_started.elapsed().as_secs_f64();
         let step_peak = probe.map(|p| (p.peak)());
         let update_heap = step_peak.zip(live_before).map(|(p, l)| p.saturating_sub(l));

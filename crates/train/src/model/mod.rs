@@ -6,8 +6,9 @@ pub mod loader;
 pub mod params;
 pub mod qwen2;
 
+pub use crate::rollout::sampler::Sampling;
 pub use config::Qwen2Config;
-pub use generate::{generate, Generated, Sampling};
+pub use generate::{generate, Generated};
 pub use loader::{load_config, load_model, load_tokenizer, save_model};
 pub use params::Params;
 pub use qwen2::{parameter_shapes, KvCache, Qwen2};

@@ -26,6 +26,15 @@ impl Params {
         }
     }
 
+    /// The index of `name` in the parameters' order (where its gradient buffer and optimiser
+    /// state are).
+    pub fn position(&self, name: &str) -> Result<usize> {
+        match self.index.get(name) {
+            Some(&i) => Ok(i),
+            None => bail!("no parameter `{name}`"),
+        }
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Var)> {
         self.entries.iter().map(|(n, v)| (n.as_str(), v))
     }

@@ -276,6 +276,11 @@ impl Qwen2 {
         linear(hidden, &self.lm_head().as_tensor().detach(), None)?.to_dtype(DType::F32)
     }
 
+    /// The rotary table (cos / sin per position).
+    pub fn rope_table(&self) -> &RopeTable {
+        &self.rope
+    }
+
     /// The rotary table's reach.
     pub fn max_positions(&self) -> usize {
         self.rope.max_positions()

@@ -66,6 +66,12 @@ impl GradBuffers {
     pub fn get(&self, index: usize) -> &[f32] {
         &self.buffers[index]
     }
+
+    /// Parameter `index`'s buffer, for code that computes gradients itself (the engine) and adds
+    /// them in place.
+    pub fn get_mut(&mut self, index: usize) -> &mut [f32] {
+        &mut self.buffers[index]
+    }
 }
 
 /// Runs `f` on a tensor's values as f32: a contiguous f32 CPU tensor is read where it lies (an

@@ -134,6 +134,20 @@ impl Updater {
         Ok(())
     }
 
+    /// The window's gradient buffers, for code that computes gradients itself (the engine);
+    /// report each micro-batch's loss with [`Updater::record_loss`].
+    pub fn grads_mut(&mut self) -> &mut GradBuffers {
+        &mut self.grads
+    }
+
+    /// Notes a micro-batch's loss value whose gradient was added through [`Updater::grads_mut`]:
+    /// a non-finite one skips the window.
+    pub fn record_loss(&mut self, value: f64) {
+        if !value.is_finite() {
+            self.finite = false;
+        }
+    }
+
     /// Ends the window: clip, update (unless something was not finite), zero.
     pub fn step(&mut self, params: &Params) -> Result<StepReport> {
         let lr = self.schedule.lr(self.steps);

@@ -1,0 +1,170 @@
+//! The model's parameters as f32 slices for the engine: f32 parameters are read where candle keeps
+//! them (a read lock on each `Var`'s storage, held while the engine runs, so nothing is copied);
+//! bf16 / f16 parameters are widened once per use. Every parameter also carries its index in
+//! [`Params`](crate::model::Params), where its gradient buffer is.
+
+use std::ops::{Deref, Range};
+
+use candle_core::{CpuStorage, DType, Storage, StorageRef, Var};
+
+use crate::error::{Result, TrainError};
+use crate::model::{Qwen2, Qwen2Config};
+
+/// The sizes the engine computes with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    pub layers: usize,
+    pub eps: f32,
+}
+
+impl Dims {
+    pub fn of(c: &Qwen2Config) -> Self {
+        Self {
+            hidden: c.hidden_size,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim(),
+            intermediate: c.intermediate_size,
+            vocab: c.vocab_size,
+            layers: c.num_hidden_layers,
+            eps: c.rms_norm_eps as f32,
+        }
+    }
+
+    /// Width of the queries (and of the attention output), `heads * head_dim`.
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Width of the keys and of the values, `kv_heads * head_dim`.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Query heads per key/value head.
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+}
+
+/// One parameter's values as f32, and its index in the model's parameters.
+pub struct Param<'m> {
+    values: Values<'m>,
+    pub index: usize,
+}
+
+enum Values<'m> {
+    /// An f32 parameter, read in place under its storage's read lock.
+    Borrowed(StorageRef<'m>, Range<usize>),
+    /// A widened copy of a bf16 / f16 parameter.
+    Owned(Vec<f32>),
+}
+
+impl Deref for Param<'_> {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match &self.values {
+            Values::Borrowed(guard, range) => match &**guard {
+                Storage::Cpu(CpuStorage::F32(v)) => &v[range.clone()],
+                _ => unreachable!("only contiguous f32 CPU storage is borrowed"),
+            },
+            Values::Owned(v) => v,
+        }
+    }
+}
+
+impl<'m> Param<'m> {
+    fn of(name: &str, var: &'m Var, index: usize) -> Result<Self> {
+        let tensor = var.as_tensor();
+        {
+            let (guard, layout) = tensor.storage_and_layout();
+            if let (Storage::Cpu(CpuStorage::F32(_)), Some((start, end))) = (&*guard, layout.contiguous_offsets()) {
+                return Ok(Self { values: Values::Borrowed(guard, start..end), index });
+            }
+        }
+        let widen =
+            || -> candle_core::Result<Vec<f32>> { tensor.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>() };
+        let values = widen().map_err(|e| TrainError::Other(format!("parameter {name}: {e}")))?;
+        Ok(Self { values: Values::Owned(values), index })
+    }
+}
+
+/// One decoder layer's parameters.
+pub struct LayerWeights<'m> {
+    pub input_norm: Param<'m>,
+    pub q: Param<'m>,
+    pub q_bias: Param<'m>,
+    pub k: Param<'m>,
+    pub k_bias: Param<'m>,
+    pub v: Param<'m>,
+    pub v_bias: Param<'m>,
+    pub o: Param<'m>,
+    pub post_norm: Param<'m>,
+    pub gate: Param<'m>,
+    pub up: Param<'m>,
+    pub down: Param<'m>,
+}
+
+/// Every parameter of a Qwen2 model, as the engine reads them.
+pub struct Weights<'m> {
+    pub dims: Dims,
+    pub embed: Param<'m>,
+    pub layers: Vec<LayerWeights<'m>>,
+    pub norm: Param<'m>,
+    /// `None` when the lm_head is tied to the embeddings.
+    lm_head: Option<Param<'m>>,
+    /// The rotary table, `[max_positions, head_dim / 2]` each.
+    pub rope: &'m flashgrpo_candle::ops::RopeTable,
+}
+
+impl<'m> Weights<'m> {
+    /// Reads `model`'s parameters. Drop the result before the optimiser writes them: the f32
+    /// parameters stay read-locked while it lives.
+    pub fn of(model: &'m Qwen2) -> Result<Self> {
+        let get = |name: &str| -> Result<Param<'m>> {
+            let index = model.params.position(name).map_err(|e| TrainError::Other(e.to_string()))?;
+            let var = model.params.var(name).map_err(|e| TrainError::Other(e.to_string()))?;
+            Param::of(name, var, index)
+        };
+        let c = &model.config;
+        let layers = (0..c.num_hidden_layers)
+            .map(|l| {
+                let p = |s: &str| get(&format!("model.layers.{l}.{s}"));
+                Ok(LayerWeights {
+                    input_norm: p("input_layernorm.weight")?,
+                    q: p("self_attn.q_proj.weight")?,
+                    q_bias: p("self_attn.q_proj.bias")?,
+                    k: p("self_attn.k_proj.weight")?,
+                    k_bias: p("self_attn.k_proj.bias")?,
+                    v: p("self_attn.v_proj.weight")?,
+                    v_bias: p("self_attn.v_proj.bias")?,
+                    o: p("self_attn.o_proj.weight")?,
+                    post_norm: p("post_attention_layernorm.weight")?,
+                    gate: p("mlp.gate_proj.weight")?,
+                    up: p("mlp.up_proj.weight")?,
+                    down: p("mlp.down_proj.weight")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            dims: Dims::of(c),
+            embed: get("model.embed_tokens.weight")?,
+            layers,
+            norm: get("model.norm.weight")?,
+            lm_head: if c.tie_word_embeddings { None } else { Some(get("lm_head.weight")?) },
+            rope: model.rope_table(),
+        })
+    }
+
+    /// The lm_head `[V, H]` (the embeddings when tied).
+    pub fn lm_head(&self) -> &Param<'m> {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+}

@@ -1,0 +1,143 @@
+//! The rollout engine: batched generation on the engine's forward.
+//!
+//! - Each distinct prompt is prefilled once, however many completions continue it (GRPO's `G`
+//!   per prompt); its keys and values are shared by those rows.
+//! - The KV cache ([`KvCache`]) is allocated once per rollout for every slot the rollout can
+//!   fill (the prompts', and `max_new_tokens` per row) and written in place: no cache is copied
+//!   or concatenated per token, and grouped-query heads read their key/value head directly.
+//! - Every row still generating is decoded in one batch; rows that drew end-of-sequence leave
+//!   the batch (they cost nothing afterwards).
+//! - Sampling draws one uniform number per row from the run's stream in row order, then draws
+//!   the rows in parallel with per-thread scratch ([`sampler::Sampler`]): the same tokens for any
+//!   thread count, no allocation per token.
+//!
+//! [`crate::model::generate`] (candle's forward) is the reference it is tested against.
+
+pub mod sampler;
+
+use flashgrpo_kernels::matmul::{matmul_nt, Mat, MatMut};
+use flashgrpo_kernels::synthetic::Rng;
+
+use crate::engine::{forward, Input, KvCache, Packing, Pass, Query, Weights, Workspace};
+use crate::error::{Result, TrainError};
+use crate::model::{Generated, Qwen2};
+use sampler::{uniform_for, Sampler, Sampling};
+
+/// Generation's buffers, kept from one rollout to the next (a trainer allocates them once).
+#[derive(Debug, Default)]
+pub struct Rollout {
+    workspace: Workspace,
+    cache: KvCache,
+    sampler: Sampler,
+    logits: Vec<f32>,
+    /// The decode step's rows: tokens, positions, cache slots, keys.
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    slots: Vec<usize>,
+    queries: Vec<Query>,
+}
+
+/// `logits[n, V] = hidden[n, H] @ lm_head^T`.
+fn logits(w: &Weights<'_>, hidden: &[f32], out: &mut Vec<f32>) {
+    let (h, v) = (w.dims.hidden, w.dims.vocab);
+    let n = hidden.len() / h;
+    out.resize(n * v, 0.0);
+    matmul_nt(&mut MatMut::new(out, n, v), false, Mat::new(hidden, n, h), Mat::new(w.lm_head(), v, h));
+}
+
+impl Rollout {
+    /// A completion for each prompt (token ids; equal prompts share their prefill), drawn as `s`
+    /// says, ending at a token of `eos` or after `s.max_new_tokens`.
+    pub fn generate(
+        &mut self,
+        model: &Qwen2,
+        prompts: &[Vec<u32>],
+        s: &Sampling,
+        eos: &[u32],
+        rng: &mut Rng,
+    ) -> Result<Generated> {
+        let rows = prompts.len();
+        let mut completions = vec![Vec::new(); rows];
+        let mut finished = vec![false; rows];
+        if rows == 0 || s.max_new_tokens == 0 {
+            return Ok(Generated { completions, finished });
+        }
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        if longest + s.max_new_tokens > model.max_positions() {
+            return Err(TrainError::Other(format!(
+                "prompt ({longest}) + max_new_tokens ({}) exceed max_position_embeddings ({})",
+                s.max_new_tokens,
+                model.max_positions()
+            )));
+        }
+        if let Some((r, &t)) = prompts
+            .iter()
+            .enumerate()
+            .find_map(|(r, p)| p.iter().find(|&&t| t as usize >= model.config.vocab_size).map(|t| (r, t)))
+        {
+            return Err(TrainError::Other(format!(
+                "prompt {r} holds token {t}, beyond the model's vocabulary of {}",
+                model.config.vocab_size
+            )));
+        }
+        let w = Weights::of(model)?;
+        let (d, vocab) = (w.dims, w.dims.vocab);
+        let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+        let packing = Packing::new(&refs, &[])?;
+        let prompt_slots = packing.slots();
+        let row_base = |r: usize| prompt_slots + r * s.max_new_tokens;
+        self.cache.reserve(&d, prompt_slots + rows * s.max_new_tokens);
+
+        // Prefill every distinct prompt once; each row starts from its prompt's last hidden state.
+        let prefill: Vec<usize> = (0..prompt_slots).collect();
+        let input = Input { tokens: &packing.tokens, positions: &packing.positions, queries: &packing.queries };
+        forward(&w, input, &mut self.workspace, Pass::Cached { cache: &mut self.cache, slots: &prefill });
+        // Without completions, each block is one distinct prompt.
+        let last_hidden: Vec<f32> = packing
+            .blocks
+            .iter()
+            .flat_map(|b| self.workspace.hidden[(b.end - 1) * d.hidden..b.end * d.hidden].iter().copied())
+            .collect();
+        logits(&w, &last_hidden, &mut self.logits);
+        let mut logit_rows: Vec<usize> =
+            packing.prompt_slots.iter().map(|p| packing.blocks.iter().position(|b| b == p).unwrap_or(0)).collect();
+        let mut active: Vec<usize> = (0..rows).collect();
+        let (mut uniforms, mut drawn) = (Vec::with_capacity(rows), vec![0u32; rows]);
+        for step in 0..s.max_new_tokens {
+            uniforms.clear();
+            uniforms.extend(active.iter().map(|_| uniform_for(s, rng)));
+            self.sampler.draw(s, &self.logits, vocab, &logit_rows, &uniforms, &mut drawn[..active.len()]);
+            for (&r, &token) in active.iter().zip(&drawn) {
+                completions[r].push(token);
+                finished[r] = eos.contains(&token);
+            }
+            active.retain(|&r| !finished[r]);
+            if active.is_empty() || step + 1 == s.max_new_tokens {
+                break;
+            }
+            // Decode the rows still generating: their last token at the next position.
+            self.tokens.clear();
+            self.positions.clear();
+            self.slots.clear();
+            self.queries.clear();
+            for &r in &active {
+                let slot = row_base(r) + step;
+                self.tokens.push(*completions[r].last().expect("a token was drawn"));
+                self.positions.push((prompts[r].len() + step) as u32);
+                self.slots.push(slot);
+                self.queries.push(Query { parent: packing.prompt_slots[r].clone(), own: row_base(r)..slot + 1 });
+            }
+            let input = Input { tokens: &self.tokens, positions: &self.positions, queries: &self.queries };
+            forward(&w, input, &mut self.workspace, Pass::Cached { cache: &mut self.cache, slots: &self.slots });
+            logits(&w, &self.workspace.hidden, &mut self.logits);
+            logit_rows.clear();
+            logit_rows.extend(0..active.len());
+        }
+        Ok(Generated { completions, finished })
+    }
+}
+
+/// [`Rollout::generate`] with buffers of its own.
+pub fn generate(model: &Qwen2, prompts: &[Vec<u32>], s: &Sampling, eos: &[u32], rng: &mut Rng) -> Result<Generated> {
+    Rollout::default().generate(model, prompts, s, eos, rng)
+}

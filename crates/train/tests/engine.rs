@@ -1,0 +1,244 @@
+//! The engine against its reference, the candle model (itself checked against Hugging Face
+//! transformers and candle-transformers): the completion positions' hidden states, the GRPO loss
+//! and every parameter's gradient of an update (three head implementations, shared and distinct
+//! prompts, ragged completions, tied and untied heads, bf16 parameters), and generation: greedy
+//! tokens equal to candle's generation, sampled tokens equal where the numerics allow and the
+//! same for any thread count.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use flashgrpo_candle::LossKind;
+use flashgrpo_kernels::synthetic::{normal_matrix, Rng};
+use flashgrpo_kernels::{BatchShard, LossOptions};
+use flashgrpo_train::engine::{
+    backward, forward, BackwardBuffers, Head, HeadGradients, Input, Packing, Pass, Weights, Workspace,
+};
+use flashgrpo_train::grpo::batch::MicroBatch;
+use flashgrpo_train::model::{generate, Qwen2, Qwen2Config, Sampling};
+use flashgrpo_train::optim::GradBuffers;
+use flashgrpo_train::rollout::Rollout;
+use flashgrpo_train::{head_loss, LossConfig, LossImpl};
+
+fn config(tied: bool) -> Qwen2Config {
+    let mut c = Qwen2Config::tiny(97, 32, 2, 4, 2);
+    c.tie_word_embeddings = tied;
+    c.intermediate_size = 48;
+    c.max_position_embeddings = 64;
+    c
+}
+
+/// A random model whose parameters are all non-trivial (norm weights and biases too).
+fn model(tied: bool, dtype: DType, seed: u64) -> Qwen2 {
+    let m = Qwen2::random(config(tied), dtype, seed).unwrap();
+    for (i, (name, var)) in m.params.iter().enumerate() {
+        let n = var.elem_count();
+        let v: Vec<f32> = if name.ends_with("norm.weight") || name.ends_with(".bias") {
+            let base = if name.ends_with("norm.weight") { 1.0 } else { 0.0 };
+            normal_matrix(1, n, 0.1, 1000 + i as u64).into_iter().map(|x| x + base).collect()
+        } else {
+            // Larger than the default initialisation, so that attention is not uniform.
+            normal_matrix(1, n, 0.15, 2000 + i as u64)
+        };
+        var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()).unwrap();
+    }
+    m
+}
+
+/// Prompts (two shared by several sequences, as in a GRPO group) and ragged completions.
+fn batch(seed: u64) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let mut rng = Rng::new(seed);
+    let mut token = || rng.below(97) as u32;
+    let a: Vec<u32> = (0..7).map(|_| token()).collect();
+    let b: Vec<u32> = (0..3).map(|_| token()).collect();
+    let c: Vec<u32> = (0..5).map(|_| token()).collect();
+    let prompts = vec![a.clone(), a.clone(), b.clone(), a, c, b];
+    let lengths = [4, 1, 6, 2, 5, 3];
+    let completions = lengths.iter().map(|&n| (0..n).map(|_| token()).collect()).collect();
+    (prompts, completions)
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn refs(v: &[Vec<u32>]) -> Vec<&[u32]> {
+    v.iter().map(Vec::as_slice).collect()
+}
+
+/// The engine's final hidden states at the loss rows equal candle's at the completion positions.
+#[test]
+fn hidden_states_match_the_candle_model() {
+    for tied in [true, false] {
+        let m = model(tied, DType::F32, 3);
+        let (prompts, completions) = batch(5);
+        let mb = MicroBatch::new(&refs(&prompts), &refs(&completions), 0).unwrap();
+        let want: Vec<f32> = mb.completion_hidden(&m, false).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let packing = Packing::new(&refs(&prompts), &refs(&completions)).unwrap();
+        let w = Weights::of(&m).unwrap();
+        let mut ws = Workspace::default();
+        for pass in [Pass::Train, Pass::Score] {
+            let input = Input { tokens: &packing.tokens, positions: &packing.positions, queries: &packing.queries };
+            forward(&w, input, &mut ws, pass);
+            let got = packing.gather(&ws.hidden, 32);
+            let h = 32;
+            for (row, slot) in packing.loss_slots.iter().enumerate() {
+                let (g, e) = (&got[row * h..(row + 1) * h], &want[row * h..(row + 1) * h]);
+                if slot.is_some() {
+                    assert!(rel_err(g, e) < 2e-6, "tied={tied} row {row}: {}", rel_err(g, e));
+                } else {
+                    assert!(g.iter().all(|&x| x == 0.0));
+                }
+            }
+        }
+    }
+}
+
+struct Update {
+    loss: f64,
+    grads: GradBuffers,
+}
+
+fn grpo_inputs(mb: &MicroBatch, options: &LossOptions, loss: &LossConfig, s: usize) -> flashgrpo_candle::LossInputs {
+    let mut rng = Rng::new(9);
+    let n = mb.targets.len();
+    let advantages: Vec<f32> = (0..s).map(|_| rng.normal() as f32).collect();
+    // Old and reference log-probabilities near the model's (about -4.6 for 97 tokens).
+    let near = |rng: &mut Rng| -> Vec<f32> { (0..n).map(|_| (-4.6 + 0.3 * rng.normal()) as f32).collect() };
+    let kind =
+        LossKind::Grpo { advantages, old_logp: Some(near(&mut rng)), ref_logp: Some(near(&mut rng)), is_ratio: None };
+    let shard = BatchShard { global_batch: s + 3, global_valid_rows: mb.valid() as f64 + 11.0 };
+    mb.inputs(kind, options, loss, Some(shard))
+}
+
+/// candle's update: the model's graph, the head's loss, candle's backward.
+fn candle_update(
+    m: &Qwen2,
+    prompts: &[Vec<u32>],
+    completions: &[Vec<u32>],
+    implementation: LossImpl,
+    options: &LossOptions,
+) -> Update {
+    let loss = LossConfig { implementation, ..LossConfig::default() };
+    let mb = MicroBatch::new(&refs(prompts), &refs(completions), 0).unwrap();
+    let inputs = Arc::new(grpo_inputs(&mb, options, &loss, prompts.len()));
+    let hidden = mb.completion_hidden(m, true).unwrap();
+    let out = head_loss(m, &hidden, &inputs, implementation, true).unwrap();
+    let mut grads = GradBuffers::new(&m.params);
+    grads.add(&m.params, &out.loss.backward().unwrap()).unwrap();
+    Update { loss: out.loss.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), grads }
+}
+
+/// The engine's update: packed forward, the head, backward.
+fn engine_update(
+    m: &Qwen2,
+    prompts: &[Vec<u32>],
+    completions: &[Vec<u32>],
+    implementation: LossImpl,
+    options: &LossOptions,
+) -> Update {
+    let loss = LossConfig { implementation, ..LossConfig::default() };
+    let mb = MicroBatch::new(&refs(prompts), &refs(completions), 0).unwrap();
+    let inputs = grpo_inputs(&mb, options, &loss, prompts.len());
+    let packing = Packing::new(&refs(prompts), &refs(completions)).unwrap();
+    let w = Weights::of(m).unwrap();
+    let (mut ws, mut bufs) = (Workspace::default(), BackwardBuffers::default());
+    let mut grads = GradBuffers::new(&m.params);
+    let input = Input { tokens: &packing.tokens, positions: &packing.positions, queries: &packing.queries };
+    forward(&w, input, &mut ws, Pass::Train);
+    let h = w.dims.hidden;
+    let rows = packing.gather(&ws.hidden, h);
+    let mut d_rows = vec![0.0f32; rows.len()];
+    let head = Head { weights: &w, lm_head: m.lm_head(), implementation };
+    let (value, _) = head.loss(&rows, &inputs, Some(HeadGradients { rows: &mut d_rows, grads: &mut grads })).unwrap();
+    let d_slots = packing.scatter(&d_rows, h);
+    backward(&w, &packing, &mut ws, &mut bufs, &d_slots, &mut grads);
+    Update { loss: value, grads }
+}
+
+fn compare(m: &Qwen2, want: &Update, got: &Update, tolerance: f64, what: &str) {
+    assert!(
+        (want.loss - got.loss).abs() <= tolerance * want.loss.abs().max(1e-3),
+        "{what}: loss {} vs {}",
+        got.loss,
+        want.loss
+    );
+    for (i, (name, _)) in m.params.iter().enumerate() {
+        let (g, e) = (got.grads.get(i), want.grads.get(i));
+        assert!(e.iter().any(|&x| x != 0.0), "{what}: {name} has no gradient in the reference");
+        let err = rel_err(g, e);
+        assert!(err < tolerance, "{what}: {name}: relative error {err:.2e}");
+    }
+}
+
+/// Every parameter's gradient of a GRPO update equals candle autograd's, for the three head
+/// implementations (each against the reference with the same head), tied and untied.
+#[test]
+fn update_gradients_match_candle_autograd() {
+    let (prompts, completions) = batch(7);
+    let options = LossOptions { beta: 0.04, epsilon_high: Some(0.28), ..LossOptions::default() };
+    for tied in [true, false] {
+        let m = model(tied, DType::F32, 4);
+        for implementation in [LossImpl::FusedLinear, LossImpl::Fused, LossImpl::Baseline] {
+            let want = candle_update(&m, &prompts, &completions, implementation, &options);
+            let got = engine_update(&m, &prompts, &completions, implementation, &options);
+            compare(&m, &want, &got, 2e-5, &format!("tied={tied} {}", implementation.name()));
+        }
+    }
+    // Sequence-level importance sampling (a two-pass objective) and the entropy bonus.
+    let options = LossOptions {
+        importance_sampling_level: flashgrpo_kernels::ImportanceSamplingLevel::Sequence,
+        loss_type: flashgrpo_kernels::LossType::Grpo,
+        entropy_coef: 0.01,
+        ..LossOptions::default()
+    };
+    let m = model(true, DType::F32, 6);
+    let want = candle_update(&m, &prompts, &completions, LossImpl::FusedLinear, &options);
+    let got = engine_update(&m, &prompts, &completions, LossImpl::FusedLinear, &options);
+    compare(&m, &want, &got, 2e-5, "gspo + entropy bonus");
+}
+
+/// bf16 parameters: the engine computes in f32 from the widened weights, candle in bf16; they
+/// agree to bf16's precision.
+#[test]
+fn bf16_parameters_train_to_bf16_precision() {
+    let (prompts, completions) = batch(8);
+    let options = LossOptions::default();
+    let m = model(true, DType::BF16, 5);
+    let want = candle_update(&m, &prompts, &completions, LossImpl::FusedLinear, &options);
+    let got = engine_update(&m, &prompts, &completions, LossImpl::FusedLinear, &options);
+    compare(&m, &want, &got, 5e-2, "bf16");
+}
+
+/// Greedy generation gives candle's tokens (ragged prompts, prompts shared by several rows, rows
+/// stopping at end-of-sequence at different steps).
+#[test]
+fn greedy_generation_matches_the_candle_model() {
+    let m = model(true, DType::F32, 3);
+    let (prompts, _) = batch(9);
+    let greedy = Sampling { temperature: 0.0, max_new_tokens: 12, ..Default::default() };
+    for eos in [vec![96u32], vec![5, 17, 40]] {
+        let want = generate(&m, &prompts, &greedy, &eos, 0, &mut Rng::new(1)).unwrap();
+        let got = Rollout::default().generate(&m, &prompts, &greedy, &eos, &mut Rng::new(1)).unwrap();
+        assert_eq!(got, want, "eos {eos:?}");
+    }
+}
+
+/// Sampled generation: the same tokens as candle's where the last-bit differences of the logits
+/// do not move a draw (all but rare rows), and the same tokens for one thread as for two.
+#[test]
+fn sampled_generation_matches_and_does_not_depend_on_threads() {
+    let m = model(false, DType::F32, 4);
+    let (prompts, _) = batch(10);
+    let prompts: Vec<Vec<u32>> = prompts.iter().cycle().take(48).cloned().collect();
+    let s = Sampling { temperature: 1.0, max_new_tokens: 10, ..Default::default() };
+    let want = generate(&m, &prompts, &s, &[3], 0, &mut Rng::new(2)).unwrap();
+    let got = Rollout::default().generate(&m, &prompts, &s, &[3], &mut Rng::new(2)).unwrap();
+    let same = want.completions.iter().zip(&got.completions).filter(|(a, b)| a == b).count();
+    assert!(same >= 46, "{same} of 48 completions equal");
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let single = one.install(|| Rollout::default().generate(&m, &prompts, &s, &[3], &mut Rng::new(2)).unwrap());
+    assert_eq!(single, got);
+}
