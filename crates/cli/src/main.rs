@@ -4,6 +4,8 @@ mod ab_cmd;
 mod baseline;
 mod batch;
 mod bench;
+mod bench_rollout_cmd;
+mod bench_trainer_cmd;
 mod config;
 #[cfg(feature = "cuda")]
 mod cuda_bench;
@@ -16,6 +18,7 @@ mod gradcheck;
 mod input_spec;
 mod loss_cmd;
 mod memory;
+mod peers;
 mod run;
 mod tensor_io;
 mod train_cmd;
@@ -57,6 +60,10 @@ enum Command {
     Train(train_cmd::TrainArgs),
     /// The same GRPO run with loss.impl = baseline and fused_linear, side by side.
     Ab(ab_cmd::AbArgs),
+    /// The rollout engine's generation beside transformers' generate: tokens/s on one model.
+    BenchRollout(bench_rollout_cmd::BenchRolloutArgs),
+    /// flashgrpo's GRPO trainer beside TRL's GRPOTrainer: same warm start, task and settings.
+    BenchTrainer(bench_trainer_cmd::BenchTrainerArgs),
     /// What the CUDA backend finds here (GPU, NVRTC, headers, cuBLAS); compiles the kernels.
     #[cfg(feature = "cuda")]
     CudaCheck(cuda_check_cmd::CudaCheckArgs),
@@ -84,6 +91,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Forward(args) => forward_cmd::main(args),
         Command::Train(args) => train_cmd::main(args),
         Command::Ab(args) => ab_cmd::main(args),
+        Command::BenchRollout(args) => bench_rollout_cmd::main(args),
+        Command::BenchTrainer(args) => bench_trainer_cmd::main(args),
         #[cfg(feature = "cuda")]
         Command::CudaCheck(args) => cuda_check_cmd::main(args),
     }

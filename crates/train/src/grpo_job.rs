@@ -1,8 +1,9 @@
 //! `flashgrpo train` (GRPO): the task's problems, the model and tokenizer (a Hugging Face
 //! directory, or new: a Qwen2 from the config and a BPE trained on the task's text), an optional
-//! SFT warm start on the worked solutions (fused-linear cross-entropy), GRPO, and what a user
-//! reads afterwards: `metrics.jsonl`, `sft_metrics.jsonl`, `config.json`, `summary.json`, the
-//! trained `model/`, PNG plots, and `checkpoint/` to resume from.
+//! SFT warm start on the worked solutions (fused-linear cross-entropy, saved as `warm_start/`, a
+//! Hugging Face directory any tool can start from), GRPO, and what a user reads afterwards:
+//! `metrics.jsonl`, `sft_metrics.jsonl`, `config.json`, `summary.json`, the trained `model/`, PNG
+//! plots, and `checkpoint/` to resume from.
 
 use std::path::{Path, PathBuf};
 
@@ -117,18 +118,7 @@ pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJo
             (Setup { model, tokenizer, eos, pad, trained_tokenizer: trained }, reference, None, Some(resume))
         }
         None => {
-            let corpus_format = prompt_format(config, true)?;
-            let corpus: Vec<String> = train_problems
-                .iter()
-                .map(|p| Ok(format!("{}{}", corpus_format.render(&p.question)?, formatted(&p.reasoning, &p.answer))))
-                .collect::<Result<_>>()?;
-            let setup = setup(config, corpus.iter())?;
-            let format = prompt_format(config, setup.trained_tokenizer)?;
-            let warm_start = if config.sft.steps > 0 {
-                Some(warm_start(config, &setup, &format, &train_problems, &eval_problems, &out)?)
-            } else {
-                None
-            };
+            let (setup, warm_start) = fresh_start(config, &train_problems, &eval_problems, &out)?;
             let reference = (config.loss.options.beta != 0.0).then(|| setup.model.frozen_copy()).transpose()?;
             (setup, reference, warm_start, None)
         }
@@ -190,6 +180,83 @@ pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJo
     )?;
     plot_metrics(log.path(), &out.join("plots"))?;
     Ok(GrpoJobSummary { warm_start, grpo, out })
+}
+
+/// The tokenizer and model of a run that does not resume, after its SFT warm start (saved in
+/// `warm_start/` when there is one).
+fn fresh_start(
+    config: &TrainConfig,
+    train_problems: &[Gsm8kProblem],
+    eval_problems: &[Gsm8kProblem],
+    out: &Path,
+) -> Result<(Setup, Option<SftSummary>)> {
+    let corpus_format = prompt_format(config, true)?;
+    let corpus: Vec<String> = train_problems
+        .iter()
+        .map(|p| Ok(format!("{}{}", corpus_format.render(&p.question)?, formatted(&p.reasoning, &p.answer))))
+        .collect::<Result<_>>()?;
+    let setup = setup(config, corpus.iter())?;
+    if config.sft.steps == 0 {
+        return Ok((setup, None));
+    }
+    let format = prompt_format(config, setup.trained_tokenizer)?;
+    let summary = warm_start(config, &setup, &format, train_problems, eval_problems, out)?;
+    save_model(&setup.model, &warm_start_dir(out), None)?;
+    save_tokenizer(&setup.tokenizer, &warm_start_dir(out))?;
+    Ok((setup, Some(summary)))
+}
+
+/// Only the SFT warm start of `config`, into `config.out/warm_start` (no GRPO): what a peer
+/// trainer starts from.
+pub fn make_warm_start(config: &TrainConfig) -> Result<PathBuf> {
+    config.validate()?;
+    if config.sft.steps == 0 {
+        return Err(TrainError::Config { origin: "sft.steps".into(), why: "a warm start needs sft.steps > 0".into() });
+    }
+    std::fs::create_dir_all(&config.out).map_err(io(&config.out))?;
+    let (train_problems, eval_problems) = config.task.load(&config.data, config.seed)?;
+    fresh_start(config, &train_problems, &eval_problems, &config.out)?;
+    Ok(warm_start_dir(&config.out))
+}
+
+/// Where a run keeps its SFT warm start (a Hugging Face directory: `model.path` of a run that
+/// starts GRPO from it, or of a peer such as TRL).
+pub fn warm_start_dir(out: &Path) -> PathBuf {
+    out.join("warm_start")
+}
+
+/// The config of a run that starts GRPO from the warm start in `dir` (no SFT of its own).
+pub fn from_warm_start(config: &TrainConfig, dir: &Path) -> TrainConfig {
+    let mut c = config.clone();
+    c.model.path = Some(dir.to_path_buf());
+    c.tokenizer.path = None;
+    c.sft.steps = 0;
+    c
+}
+
+/// A training prompt as a peer trainer takes it: the text after the chat template, its token ids
+/// (the peer checks that its tokenizer gives the same), and the gold answer.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RenderedPrompt {
+    pub prompt: String,
+    pub prompt_ids: Vec<u32>,
+    pub answer: String,
+}
+
+/// The training prompts of `config` (a run from a warm start: `model.path` set), rendered.
+pub fn rendered_prompts(config: &TrainConfig) -> Result<Vec<RenderedPrompt>> {
+    let (problems, _) = config.task.load(&config.data, config.seed)?;
+    let dir =
+        config.model.path.as_deref().ok_or_else(|| TrainError::Other("rendered_prompts needs model.path".into()))?;
+    let tokenizer = load_tokenizer(dir)?;
+    let format = prompt_format(config, false)?;
+    problems
+        .iter()
+        .map(|p| {
+            let prompt = format.render(&p.question)?;
+            Ok(RenderedPrompt { prompt_ids: encode(&tokenizer, &prompt)?, prompt, answer: p.answer.clone() })
+        })
+        .collect()
 }
 
 fn eos_of(model: &Qwen2, tokenizer: &Tokenizer) -> Result<u32> {

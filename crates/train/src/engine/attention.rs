@@ -12,6 +12,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use super::math::{avx2_or_baseline, axpy, dot, fast_exp, sum};
 use super::weights::Dims;
 
 /// The keys of one query: every slot of `parent`, then `own` (ending at the query's own slot).
@@ -31,56 +32,74 @@ impl Query {
     }
 }
 
-/// `a . b` with eight partial sums in a fixed order (vectorisable, deterministic).
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = a8.remainder().iter().zip(b8.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in a8.zip(b8) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
-/// `y += a x`.
-#[inline]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    y.iter_mut().zip(x).for_each(|(y, &x)| *y += a * x);
-}
+/// The most query heads per key/value head (Qwen2.5-0.5B has 7, the larger Qwen2.5 models 7 or 8).
+pub const MAX_GROUP: usize = 16;
 
 /// Attention of the queries `q [n, heads * head_dim]` over the slots of `k`, `v`
 /// `[slots, kv_heads * head_dim]`: `out [n, heads * head_dim]` and `lse [n, heads]`.
 pub fn forward(out: &mut [f32], lse: &mut [f32], q: &[f32], k: &[f32], v: &[f32], queries: &[Query], d: &Dims) {
-    let (hd, qd, kvd, group) = (d.head_dim, d.q_dim(), d.kv_dim(), d.group());
+    let qd = d.q_dim();
+    out.par_chunks_mut(qd)
+        .zip(lse.par_chunks_mut(d.heads))
+        .zip(q.par_chunks(qd))
+        .zip(queries)
+        .for_each_init(Vec::new, |scores, (((out, lse), q), query)| attend(out, lse, q, k, v, query, scores, d));
+}
+
+avx2_or_baseline!(
+    /// One query's attention, every head.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(out: &mut [f32], lse: &mut [f32], q: &[f32], k: &[f32], v: &[f32], query: &Query, scores: &mut Vec<f32>, d: &Dims)
+        => attend_body
+);
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_body(
+    out: &mut [f32],
+    lse: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    query: &Query,
+    scores: &mut Vec<f32>,
+    d: &Dims,
+) {
+    let (hd, kvd, group) = (d.head_dim, d.kv_dim(), d.group());
     let scale = 1.0 / (hd as f32).sqrt();
-    out.par_chunks_mut(qd).zip(lse.par_chunks_mut(d.heads)).zip(q.par_chunks(qd)).zip(queries).for_each_init(
-        Vec::new,
-        |scores, (((out, lse), q), query)| {
-            scores.resize(query.len(), 0.0);
-            for h in 0..d.heads {
-                let g = (h / group) * hd;
-                let qh = &q[h * hd..(h + 1) * hd];
-                let mut max = f32::NEG_INFINITY;
-                for (s, j) in scores.iter_mut().zip(query.keys()) {
-                    *s = scale * dot(qh, &k[j * kvd + g..j * kvd + g + hd]);
-                    max = max.max(*s);
-                }
-                let oh = &mut out[h * hd..(h + 1) * hd];
-                oh.fill(0.0);
-                let mut sum = 0.0f32;
-                for (s, j) in scores.iter().zip(query.keys()) {
-                    let p = (s - max).exp();
-                    sum += p;
-                    axpy(oh, p, &v[j * kvd + g..j * kvd + g + hd]);
-                }
-                oh.iter_mut().for_each(|o| *o /= sum);
-                lse[h] = max + sum.ln();
+    let keys = query.len();
+    scores.resize(group * keys, 0.0);
+    for kv_head in 0..d.kv_heads {
+        // The group's heads read each key and value once.
+        let g = kv_head * hd;
+        let heads = kv_head * group..(kv_head + 1) * group;
+        for (jj, j) in query.keys().enumerate() {
+            let kj = &k[j * kvd + g..j * kvd + g + hd];
+            for (hg, h) in heads.clone().enumerate() {
+                scores[hg * keys + jj] = scale * dot(&q[h * hd..(h + 1) * hd], kj);
             }
-        },
-    );
+        }
+        let mut sums = [0.0f32; MAX_GROUP];
+        for (hg, h) in heads.clone().enumerate() {
+            let row = &mut scores[hg * keys..(hg + 1) * keys];
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            row.iter_mut().for_each(|s| *s = fast_exp(*s - max));
+            sums[hg] = sum(row);
+            lse[h] = max + sums[hg].ln();
+        }
+        let outs = &mut out[heads.start * hd..heads.end * hd];
+        outs.fill(0.0);
+        for (jj, j) in query.keys().enumerate() {
+            let vj = &v[j * kvd + g..j * kvd + g + hd];
+            for (hg, oh) in outs.chunks_exact_mut(hd).enumerate() {
+                axpy(oh, scores[hg * keys + jj], vj);
+            }
+        }
+        for (oh, s) in outs.chunks_exact_mut(hd).zip(sums) {
+            let inv = 1.0 / s;
+            oh.iter_mut().for_each(|o| *o *= inv);
+        }
+    }
 }
 
 /// One (block, key/value head)'s gradients, local to the block's slots.
@@ -92,6 +111,49 @@ struct UnitGrads {
     /// `[len, head_dim]` each.
     dk: Vec<f32>,
     dv: Vec<f32>,
+}
+
+/// What the backward reads: the forward's inputs and outputs, and `delta = dO . O`.
+struct Saved<'a> {
+    d_out: &'a [f32],
+    lse: &'a [f32],
+    delta: &'a [f32],
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    queries: &'a [Query],
+}
+
+avx2_or_baseline!(
+    /// One (block, key/value head)'s gradients, its queries in order.
+    fn unit_backward(u: &mut UnitGrads, block: &Range<usize>, s: &Saved<'_>, d: &Dims) => unit_backward_body
+);
+
+#[inline(always)]
+fn unit_backward_body(u: &mut UnitGrads, block: &Range<usize>, s: &Saved<'_>, d: &Dims) {
+    let (hd, qd, kvd, group) = (d.head_dim, d.q_dim(), d.kv_dim(), d.group());
+    let scale = 1.0 / (hd as f32).sqrt();
+    let g = u.kv_head * hd;
+    for i in block.clone() {
+        let query = &s.queries[i];
+        debug_assert!(query.keys().all(|j| block.contains(&j)), "query {i} reads outside its block");
+        for hg in 0..group {
+            let h = u.kv_head * group + hg;
+            let qh = &s.q[i * qd + h * hd..i * qd + (h + 1) * hd];
+            let go = &s.d_out[i * qd + h * hd..i * qd + (h + 1) * hd];
+            let (l, dl) = (s.lse[i * d.heads + h], s.delta[i * d.heads + h]);
+            let local_dq = (i - block.start) * group * hd + hg * hd;
+            for j in query.keys() {
+                let kj = &s.k[j * kvd + g..j * kvd + g + hd];
+                let p = fast_exp(scale * dot(qh, kj) - l);
+                let ds = p * (dot(go, &s.v[j * kvd + g..j * kvd + g + hd]) - dl);
+                axpy(&mut u.dq[local_dq..local_dq + hd], scale * ds, kj);
+                let jl = (j - block.start) * hd;
+                axpy(&mut u.dk[jl..jl + hd], scale * ds, qh);
+                axpy(&mut u.dv[jl..jl + hd], p, go);
+            }
+        }
+    }
 }
 
 /// The gradients of [`forward`] from `d_out`, for training, where query `i` sits at slot `i`:
@@ -115,7 +177,6 @@ pub fn backward(
     d: &Dims,
 ) {
     let (hd, qd, kvd, group) = (d.head_dim, d.q_dim(), d.kv_dim(), d.group());
-    let scale = 1.0 / (hd as f32).sqrt();
     // D = dO . O per (query, head).
     let mut delta = vec![0.0f32; queries.len() * d.heads];
     delta.par_chunks_mut(d.heads).zip(d_out.par_chunks(qd)).zip(out.par_chunks(qd)).for_each(|((dl, go), o)| {
@@ -124,11 +185,11 @@ pub fn backward(
         }
     });
     let units: Vec<(usize, usize)> = (0..blocks.len()).flat_map(|b| (0..d.kv_heads).map(move |g| (b, g))).collect();
+    let saved = Saved { d_out, lse, delta: &delta, q, k, v, queries };
     let grads: Vec<UnitGrads> = units
         .par_iter()
         .map(|&(b, kv_head)| {
-            let block = &blocks[b];
-            let len = block.len();
+            let len = blocks[b].len();
             let mut u = UnitGrads {
                 block: b,
                 kv_head,
@@ -136,27 +197,7 @@ pub fn backward(
                 dk: vec![0.0; len * hd],
                 dv: vec![0.0; len * hd],
             };
-            let g = kv_head * hd;
-            for i in block.clone() {
-                let query = &queries[i];
-                debug_assert!(query.keys().all(|j| block.contains(&j)), "query {i} reads outside its block");
-                for hg in 0..group {
-                    let h = kv_head * group + hg;
-                    let (qh, go) =
-                        (&q[i * qd + h * hd..i * qd + (h + 1) * hd], &d_out[i * qd + h * hd..i * qd + (h + 1) * hd]);
-                    let (l, dl) = (lse[i * d.heads + h], delta[i * d.heads + h]);
-                    let local_dq = (i - block.start) * group * hd + hg * hd;
-                    for j in query.keys() {
-                        let kj = &k[j * kvd + g..j * kvd + g + hd];
-                        let p = (scale * dot(qh, kj) - l).exp();
-                        let ds = p * (dot(go, &v[j * kvd + g..j * kvd + g + hd]) - dl);
-                        axpy(&mut u.dq[local_dq..local_dq + hd], scale * ds, kj);
-                        let jl = (j - block.start) * hd;
-                        axpy(&mut u.dk[jl..jl + hd], scale * ds, qh);
-                        axpy(&mut u.dv[jl..jl + hd], p, go);
-                    }
-                }
-            }
+            unit_backward(&mut u, &blocks[b], &saved, d);
             u
         })
         .collect();

@@ -18,9 +18,19 @@ pub mod attention;
 pub mod backward;
 pub mod forward;
 pub mod head;
+pub(crate) mod math;
 mod ops;
 pub mod packing;
 pub mod weights;
+
+/// Runs `f` on one of rayon's worker threads. The engine's work is many short parallel loops (a
+/// decode step is a few dozen); called from outside the pool, each one hands its work to the
+/// pool and puts the caller to sleep until it is done, which measured up to a sixth of a rollout
+/// in scheduler time. From a worker, a loop too small to split runs inline and the others are
+/// shared with the other workers directly.
+pub fn on_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
+}
 
 pub use attention::Query;
 pub use backward::{backward, BackwardBuffers};

@@ -11,8 +11,19 @@ use flashgrpo_candle::ops::RopeTable;
 use flashgrpo_kernels::matmul::{matmul_nn, matmul_nt, matmul_tn, Mat, MatMut};
 use rayon::prelude::*;
 
-/// Rows per parallel task of the row-wise operations, and per partial sum of the column sums.
+use super::math::{avx2_or_baseline, fast_exp};
+
+/// Rows per partial sum of the column sums (a fixed partition: the same sums for any thread count).
 const ROWS_PER_TASK: usize = 32;
+
+/// Elements per parallel task of the elementwise operations: a decode step's small batch runs as
+/// one task instead of paying for many tiny ones.
+const ELEMENTS_PER_TASK: usize = 1 << 14;
+
+/// Rows of `width` per parallel task.
+fn rows_per_task(width: usize) -> usize {
+    ELEMENTS_PER_TASK.div_ceil(width.max(1))
+}
 
 /// `y[n, out] = x[n, in] @ w[out, in]^T (+ bias)`: an `nn.Linear`.
 pub fn linear(y: &mut [f32], x: &[f32], w: &[f32], bias: Option<&[f32]>, inputs: usize) {
@@ -69,10 +80,13 @@ fn inv_rms(x: &[f32], eps: f32) -> f32 {
 /// `y = w * x / sqrt(mean(x^2) + eps)` per row of `x [n, H]`; keeps each row's `1 / rms` in `rstd`.
 pub fn rms_norm(y: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
     let h = w.len();
-    y.par_chunks_mut(h).zip(rstd.par_iter_mut()).zip(x.par_chunks(h)).for_each(|((y, r), x)| {
-        *r = inv_rms(x, eps);
-        for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
-            *y = w * (x * *r);
+    let rows = rows_per_task(h);
+    y.par_chunks_mut(h * rows).zip(rstd.par_chunks_mut(rows)).zip(x.par_chunks(h * rows)).for_each(|((y, r), x)| {
+        for ((y, r), x) in y.chunks_exact_mut(h).zip(r).zip(x.chunks_exact(h)) {
+            *r = inv_rms(x, eps);
+            for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                *y = w * (x * *r);
+            }
         }
     });
 }
@@ -81,15 +95,20 @@ pub fn rms_norm(y: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], eps: f32)
 /// `dw += sum_rows dy x r`.
 pub fn rms_norm_backward(dx: &mut [f32], dw: &mut [f32], dy: &[f32], x: &[f32], rstd: &[f32], w: &[f32]) {
     let h = w.len();
-    dx.par_chunks_mut(h).zip(dy.par_chunks(h)).zip(x.par_chunks(h)).zip(rstd.par_iter()).for_each(
-        |(((dx, dy), x), &r)| {
-            let dot: f64 = dy.iter().zip(x).zip(w).map(|((&g, &x), &w)| (g * w * x) as f64).sum();
-            let k = r * r * r * (dot / h as f64) as f32;
-            for (((dx, &g), &x), &w) in dx.iter_mut().zip(dy).zip(x).zip(w) {
-                *dx += r * g * w - x * k;
+    let rows = rows_per_task(h);
+    dx.par_chunks_mut(h * rows)
+        .zip(dy.par_chunks(h * rows))
+        .zip(x.par_chunks(h * rows))
+        .zip(rstd.par_chunks(rows))
+        .for_each(|(((dx, dy), x), rstd)| {
+            for (((dx, dy), x), &r) in dx.chunks_exact_mut(h).zip(dy.chunks_exact(h)).zip(x.chunks_exact(h)).zip(rstd) {
+                let dot: f64 = dy.iter().zip(x).zip(w).map(|((&g, &x), &w)| (g * w * x) as f64).sum();
+                let k = r * r * r * (dot / h as f64) as f32;
+                for (((dx, &g), &x), &w) in dx.iter_mut().zip(dy).zip(x).zip(w) {
+                    *dx += r * g * w - x * k;
+                }
             }
-        },
-    );
+        });
     let partials: Vec<Vec<f32>> = dy
         .par_chunks(h * ROWS_PER_TASK)
         .zip(x.par_chunks(h * ROWS_PER_TASK))
@@ -112,58 +131,77 @@ pub fn rms_norm_backward(dx: &mut [f32], dw: &mut [f32], dy: &[f32], x: &[f32], 
 /// backward).
 pub fn rope(x: &mut [f32], positions: &[u32], head_dim: usize, table: &RopeTable, inverse: bool) {
     let width = x.len() / positions.len().max(1);
-    let half = head_dim / 2;
-    x.par_chunks_mut(width).zip(positions.par_iter()).for_each(|(row, &p)| {
-        let (cos, sin) = table.cos_sin(p as usize);
-        for head in row.chunks_exact_mut(head_dim) {
-            let (a, b) = head.split_at_mut(half);
-            for (((a, b), &c), &s) in a.iter_mut().zip(b.iter_mut()).zip(cos).zip(sin) {
-                let s = if inverse { -s } else { s };
-                let (x0, x1) = (*a, *b);
-                *a = x0 * c - x1 * s;
-                *b = x1 * c + x0 * s;
+    let (half, rows) = (head_dim / 2, rows_per_task(width));
+    x.par_chunks_mut(width * rows).zip(positions.par_chunks(rows)).for_each(|(x, positions)| {
+        for (row, &p) in x.chunks_exact_mut(width).zip(positions) {
+            let (cos, sin) = table.cos_sin(p as usize);
+            for head in row.chunks_exact_mut(head_dim) {
+                let (a, b) = head.split_at_mut(half);
+                for (((a, b), &c), &s) in a.iter_mut().zip(b.iter_mut()).zip(cos).zip(sin) {
+                    let s = if inverse { -s } else { s };
+                    let (x0, x1) = (*a, *b);
+                    *a = x0 * c - x1 * s;
+                    *b = x1 * c + x0 * s;
+                }
             }
         }
     });
 }
 
+#[inline(always)]
 fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + fast_exp(-x))
 }
 
 /// `act = silu(gate) * up`, `silu(g) = g sigmoid(g)`.
 pub fn silu_gate(act: &mut [f32], gate: &[f32], up: &[f32]) {
-    act.par_chunks_mut(4096).zip(gate.par_chunks(4096)).zip(up.par_chunks(4096)).for_each(|((a, g), u)| {
-        for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
-            *a = g * sigmoid(g) * u;
-        }
-    });
+    const CHUNK: usize = ELEMENTS_PER_TASK;
+    act.par_chunks_mut(CHUNK)
+        .zip(gate.par_chunks(CHUNK))
+        .zip(up.par_chunks(CHUNK))
+        .for_each(|((a, g), u)| silu_chunk(a, g, u));
+}
+
+avx2_or_baseline!(fn silu_chunk(act: &mut [f32], gate: &[f32], up: &[f32]) => silu_body);
+
+#[inline(always)]
+fn silu_body(act: &mut [f32], gate: &[f32], up: &[f32]) {
+    for ((a, &g), &u) in act.iter_mut().zip(gate).zip(up) {
+        *a = g * sigmoid(g) * u;
+    }
 }
 
 /// The gradients of [`silu_gate`]: `d_up = d_act silu(g)`,
 /// `d_gate = d_act u sigmoid(g) (1 + g (1 - sigmoid(g)))`.
 pub fn silu_gate_backward(d_gate: &mut [f32], d_up: &mut [f32], d_act: &[f32], gate: &[f32], up: &[f32]) {
-    const CHUNK: usize = 4096;
+    const CHUNK: usize = ELEMENTS_PER_TASK;
     d_gate
         .par_chunks_mut(CHUNK)
         .zip(d_up.par_chunks_mut(CHUNK))
         .zip(d_act.par_chunks(CHUNK))
         .zip(gate.par_chunks(CHUNK))
         .zip(up.par_chunks(CHUNK))
-        .for_each(|((((dg, du), da), g), u)| {
-            for ((((dg, du), &da), &g), &u) in dg.iter_mut().zip(du.iter_mut()).zip(da).zip(g).zip(u) {
-                let s = sigmoid(g);
-                *du = da * g * s;
-                *dg = da * u * s * (1.0 + g * (1.0 - s));
-            }
-        });
+        .for_each(|((((dg, du), da), g), u)| silu_backward_chunk(dg, du, da, g, u));
+}
+
+avx2_or_baseline!(
+    fn silu_backward_chunk(d_gate: &mut [f32], d_up: &mut [f32], d_act: &[f32], gate: &[f32], up: &[f32]) => silu_backward_body
+);
+
+#[inline(always)]
+fn silu_backward_body(d_gate: &mut [f32], d_up: &mut [f32], d_act: &[f32], gate: &[f32], up: &[f32]) {
+    for ((((dg, du), &da), &g), &u) in d_gate.iter_mut().zip(d_up.iter_mut()).zip(d_act).zip(gate).zip(up) {
+        let s = sigmoid(g);
+        *du = da * g * s;
+        *dg = da * u * s * (1.0 + g * (1.0 - s));
+    }
 }
 
 /// `x[i] = table[tokens[i]]`, rows of `h`.
 pub fn embed(x: &mut [f32], tokens: &[u32], table: &[f32], h: usize) {
-    x.par_chunks_mut(h).zip(tokens.par_iter()).for_each(|(row, &t)| {
+    for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
         row.copy_from_slice(&table[t as usize * h..(t as usize + 1) * h]);
-    });
+    }
 }
 
 /// `d_table[tokens[i]] += dx[i]`, tokens in order (a token seen twice adds in the same order every

@@ -134,6 +134,16 @@ impl<'m> Weights<'m> {
             Param::of(name, var, index)
         };
         let c = &model.config;
+        let dims = Dims::of(c);
+        if dims.kv_heads == 0 || !dims.heads.is_multiple_of(dims.kv_heads) || dims.group() > super::attention::MAX_GROUP
+        {
+            return Err(TrainError::Other(format!(
+                "the engine needs num_attention_heads ({}) to be a multiple of num_key_value_heads ({}), at most {} per key/value head",
+                dims.heads,
+                dims.kv_heads,
+                super::attention::MAX_GROUP
+            )));
+        }
         let layers = (0..c.num_hidden_layers)
             .map(|l| {
                 let p = |s: &str| get(&format!("model.layers.{l}.{s}"));
@@ -154,7 +164,7 @@ impl<'m> Weights<'m> {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            dims: Dims::of(c),
+            dims,
             embed: get("model.embed_tokens.weight")?,
             layers,
             norm: get("model.norm.weight")?,

@@ -18,7 +18,7 @@ pub mod sampler;
 use flashgrpo_kernels::matmul::{matmul_nt, Mat, MatMut};
 use flashgrpo_kernels::synthetic::Rng;
 
-use crate::engine::{forward, Input, KvCache, Packing, Pass, Query, Weights, Workspace};
+use crate::engine::{forward, on_workers, Input, KvCache, Packing, Pass, Query, Weights, Workspace};
 use crate::error::{Result, TrainError};
 use crate::model::{Generated, Qwen2};
 use sampler::{uniform_for, Sampler, Sampling};
@@ -49,6 +49,17 @@ impl Rollout {
     /// A completion for each prompt (token ids; equal prompts share their prefill), drawn as `s`
     /// says, ending at a token of `eos` or after `s.max_new_tokens`.
     pub fn generate(
+        &mut self,
+        model: &Qwen2,
+        prompts: &[Vec<u32>],
+        s: &Sampling,
+        eos: &[u32],
+        rng: &mut Rng,
+    ) -> Result<Generated> {
+        on_workers(|| self.generate_here(model, prompts, s, eos, rng))
+    }
+
+    fn generate_here(
         &mut self,
         model: &Qwen2,
         prompts: &[Vec<u32>],

@@ -3,12 +3,14 @@
 //! in parallel, so the tokens do not depend on the thread count. Scratch space is owned by the
 //! [`Sampler`] and reused: drawing allocates nothing per token.
 //!
-//! The unfiltered draw (the default) evaluates `exp` once per logit in f32 with a vectorisable
-//! polynomial (about one ulp) and finds the drawn token by block sums, without sorting the
+//! The unfiltered draw (the default) evaluates `exp` once per logit in f32 with a vectorised
+//! polynomial (within two ulps) and finds the drawn token by block sums, without sorting the
 //! vocabulary; top-k / top-p select the likely tokens instead of sorting all of them.
 
 use flashgrpo_kernels::synthetic::Rng;
 use rayon::prelude::*;
+
+use crate::engine::math::{avx2_or_baseline, fast_exp, sum};
 
 /// How tokens are drawn.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -51,6 +53,7 @@ pub fn uniform_for(s: &Sampling, rng: &mut Rng) -> f64 {
 #[derive(Debug, Default)]
 pub struct Scratch {
     weights: Vec<f32>,
+    blocks: Vec<f32>,
     order: Vec<usize>,
     kept: Vec<usize>,
     kept_weights: Vec<f64>,
@@ -67,7 +70,7 @@ pub fn sample_row(logits: &[f32], s: &Sampling, u: f64, scratch: &mut Scratch) -
         return argmax(logits) as u32;
     }
     if !s.filtered() {
-        return draw_softmax(logits, (1.0 / s.temperature) as f32, u, &mut scratch.weights) as u32;
+        return draw_softmax(logits, (1.0 / s.temperature) as f32, u, &mut scratch.weights, &mut scratch.blocks) as u32;
     }
     most_likely(logits, s, scratch);
     scratch.kept[draw(&scratch.kept_weights, u)] as u32
@@ -78,49 +81,40 @@ fn argmax(x: &[f32]) -> usize {
     x.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0
 }
 
-/// `exp(x)` for `x <= 0` in f32 (inputs below -87 give about 1e-38): `2^n * p(f)` with
-/// `x = n ln 2 + f`, `|f| <= ln 2 / 2`, and `p` the degree-7 Taylor polynomial (within two ulps). Branch-free, so that loops over it vectorise.
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting it rounds to an integer
-    let x = x.max(-87.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
-    let f = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.0
-        + f * (1.0
-            + f * (0.5 + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0 + f / 5040.0))))));
-    p * f32::from_bits(((n as i32 + 127) << 23) as u32)
-}
-
 /// Elements per block of the draw's search.
 const BLOCK: usize = 256;
 
-/// The index `u` picks from `softmax(logits * inv_temperature)`: weights `exp((x - max) / T)` in
-/// `weights`, block sums, then the block and the element where the cumulative sum passes
-/// `u * total` (sums of blocks in f64).
-fn draw_softmax(logits: &[f32], inv_temperature: f32, u: f64, weights: &mut Vec<f32>) -> usize {
+avx2_or_baseline!(
+    /// The index `u` picks from `softmax(logits * inv_temperature)`: weights `exp((x - max) / T)`
+    /// in `weights` and their sums per block in `blocks` (one pass), then the block and the
+    /// element where the cumulative sum passes `u * total` (block sums added in f64).
+    fn draw_softmax(logits: &[f32], inv_temperature: f32, u: f64, weights: &mut Vec<f32>, blocks: &mut Vec<f32>) -> usize
+        => draw_softmax_body
+);
+
+#[inline(always)]
+fn draw_softmax_body(
+    logits: &[f32],
+    inv_temperature: f32,
+    u: f64,
+    weights: &mut Vec<f32>,
+    blocks: &mut Vec<f32>,
+) -> usize {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    weights.clear();
-    weights.extend(logits.iter().map(|&x| exp_nonpositive((x - max) * inv_temperature)));
-    let block_sum = |b: &[f32]| -> f64 {
-        let mut acc = [0.0f32; 8];
-        let chunks = b.chunks_exact(8);
-        let tail: f32 = chunks.remainder().iter().sum();
-        for c in chunks {
-            for l in 0..8 {
-                acc[l] += c[l];
-            }
+    weights.resize(logits.len(), 0.0);
+    blocks.clear();
+    for (w, x) in weights.chunks_mut(BLOCK).zip(logits.chunks(BLOCK)) {
+        for (w, &x) in w.iter_mut().zip(x) {
+            *w = fast_exp((x - max) * inv_temperature);
         }
-        (acc.iter().sum::<f32>() + tail) as f64
-    };
-    let total: f64 = weights.chunks(BLOCK).map(block_sum).sum();
+        blocks.push(sum(w));
+    }
+    let total: f64 = blocks.iter().map(|&b| b as f64).sum();
     let mut left = u * total;
-    for (b, block) in weights.chunks(BLOCK).enumerate() {
-        let s = block_sum(block);
+    for (b, &s) in blocks.iter().enumerate() {
+        let s = s as f64;
         if left < s {
+            let block = &weights[b * BLOCK..((b + 1) * BLOCK).min(weights.len())];
             for (i, &w) in block.iter().enumerate() {
                 left -= w as f64;
                 if left < 0.0 {
@@ -290,16 +284,6 @@ mod tests {
         // Nucleus: tokens 1 and 3 hold ~0.85 of the mass; p = 0.8 keeps exactly them.
         let nucleus = Sampling { top_p: 0.8, ..Default::default() };
         assert!((0..200).all(|_| [1, 3].contains(&sample(&logits, &nucleus, &mut rng))));
-    }
-
-    #[test]
-    fn the_polynomial_exp_is_within_two_ulps() {
-        for i in 0..200_000 {
-            let x = -(i as f32) * 87.0 / 200_000.0;
-            let (got, want) = (exp_nonpositive(x), x.exp());
-            assert!(((got - want) / want).abs() < 2.5e-7, "exp({x}) = {got}, want {want}");
-        }
-        assert!(exp_nonpositive(-1000.0) < 1e-37 && exp_nonpositive(f32::NEG_INFINITY) >= 0.0);
     }
 
     /// Token frequencies of many draws agree with the full softmax on fixed logits (a chi-square
