@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--loss-type", default="dapo")
     ap.add_argument("--beta", type=float, default=0.0)
+    ap.add_argument("--use-bias-correction-kl", default="false", choices=["true", "false"])
     ap.add_argument("--epsilon", type=float, default=0.2)
     ap.add_argument("--epsilon-high", type=float, default=0.2)
     ap.add_argument("--scale-rewards", default="group")
@@ -100,6 +101,7 @@ def main():
         top_p=args.top_p,
         loss_type=args.loss_type,
         beta=args.beta,
+        use_bias_correction_kl=args.use_bias_correction_kl == "true",
         epsilon=args.epsilon,
         epsilon_high=args.epsilon_high,
         scale_rewards=args.scale_rewards,

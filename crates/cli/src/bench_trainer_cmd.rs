@@ -154,6 +154,7 @@ fn trl_args(c: &TrainConfig, warm: &Path, prompts: &Path, steps: usize, out: &Pa
         ("--top-p", g.top_p.to_string()),
         ("--loss-type", loss_type.unwrap_or_else(|| "dapo".into())),
         ("--beta", o.beta.to_string()),
+        ("--use-bias-correction-kl", o.use_bias_correction_kl.to_string()),
         ("--epsilon", o.epsilon_low.to_string()),
         ("--epsilon-high", o.epsilon_high().to_string()),
         ("--scale-rewards", scale.unwrap_or_else(|| "group".into())),

@@ -22,6 +22,7 @@ mod peers;
 mod run;
 mod tensor_io;
 mod train_cmd;
+mod update_grads_cmd;
 
 use std::process::ExitCode;
 
@@ -64,6 +65,8 @@ enum Command {
     BenchRollout(bench_rollout_cmd::BenchRolloutArgs),
     /// flashgrpo's GRPO trainer beside TRL's GRPOTrainer: same warm start, task and settings.
     BenchTrainer(bench_trainer_cmd::BenchTrainerArgs),
+    /// The loss and every parameter's gradient of one GRPO update on a given rollout batch.
+    UpdateGrads(update_grads_cmd::UpdateGradsArgs),
     /// What the CUDA backend finds here (GPU, NVRTC, headers, cuBLAS); compiles the kernels.
     #[cfg(feature = "cuda")]
     CudaCheck(cuda_check_cmd::CudaCheckArgs),
@@ -93,6 +96,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Ab(args) => ab_cmd::main(args),
         Command::BenchRollout(args) => bench_rollout_cmd::main(args),
         Command::BenchTrainer(args) => bench_trainer_cmd::main(args),
+        Command::UpdateGrads(args) => update_grads_cmd::main(args),
         #[cfg(feature = "cuda")]
         Command::CudaCheck(args) => cuda_check_cmd::main(args),
     }

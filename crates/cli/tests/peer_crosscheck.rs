@@ -3,6 +3,8 @@
 //! - `tests/peers/crosscheck.py`: `flashgrpo loss` against `F.cross_entropy`, Liger-Kernel's
 //!   `LigerFusedLinearGRPOLoss` and TRL-style float64 autograd;
 //! - `tests/peers/hf_forward.py`: `flashgrpo forward` against Hugging Face transformers' Qwen2;
+//! - `tests/peers/trl_oracle.py`: the GRPO trainer's update (`flashgrpo update-grads`) against
+//!   TRL's `GRPOTrainer.compute_loss`, loss and every parameter's gradient;
 //! - `tests/cuda/nvrtc_compile.py`: every CUDA source compiles to PTX for sm_80 and sm_90 with the
 //!   venv's NVRTC (no GPU or CUDA toolkit needed).
 
@@ -60,6 +62,11 @@ fn flashgrpo_loss_matches_pytorch_and_liger_kernel() {
 #[test]
 fn flashgrpo_forward_matches_hugging_face_transformers() {
     run_script("tests/peers/hf_forward.py", &["--bin", env!("CARGO_BIN_EXE_flashgrpo")]);
+}
+
+#[test]
+fn grpo_update_matches_trl_grpo_trainer() {
+    run_script("tests/peers/trl_oracle.py", &["--bin", env!("CARGO_BIN_EXE_flashgrpo")]);
 }
 
 #[test]

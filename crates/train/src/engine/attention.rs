@@ -126,31 +126,43 @@ struct Saved<'a> {
 
 avx2_or_baseline!(
     /// One (block, key/value head)'s gradients, its queries in order.
-    fn unit_backward(u: &mut UnitGrads, block: &Range<usize>, s: &Saved<'_>, d: &Dims) => unit_backward_body
+    fn unit_backward(u: &mut UnitGrads, block: &Range<usize>, s: &Saved<'_>, d: &Dims, p: &mut Vec<f32>) => unit_backward_body
 );
 
 #[inline(always)]
-fn unit_backward_body(u: &mut UnitGrads, block: &Range<usize>, s: &Saved<'_>, d: &Dims) {
+fn unit_backward_body(u: &mut UnitGrads, block: &Range<usize>, s: &Saved<'_>, d: &Dims, p: &mut Vec<f32>) {
     let (hd, qd, kvd, group) = (d.head_dim, d.q_dim(), d.kv_dim(), d.group());
     let scale = 1.0 / (hd as f32).sqrt();
     let g = u.kv_head * hd;
+    let heads = u.kv_head * group..(u.kv_head + 1) * group;
     for i in block.clone() {
         let query = &s.queries[i];
         debug_assert!(query.keys().all(|j| block.contains(&j)), "query {i} reads outside its block");
-        for hg in 0..group {
-            let h = u.kv_head * group + hg;
-            let qh = &s.q[i * qd + h * hd..i * qd + (h + 1) * hd];
-            let go = &s.d_out[i * qd + h * hd..i * qd + (h + 1) * hd];
-            let (l, dl) = (s.lse[i * d.heads + h], s.delta[i * d.heads + h]);
-            let local_dq = (i - block.start) * group * hd + hg * hd;
-            for j in query.keys() {
-                let kj = &s.k[j * kvd + g..j * kvd + g + hd];
-                let p = fast_exp(scale * dot(qh, kj) - l);
-                let ds = p * (dot(go, &s.v[j * kvd + g..j * kvd + g + hd]) - dl);
-                axpy(&mut u.dq[local_dq..local_dq + hd], scale * ds, kj);
-                let jl = (j - block.start) * hd;
+        let keys = query.len();
+        p.resize(group * keys, 0.0);
+        // The probabilities, recomputed from the scores and the forward's log-sum-exp.
+        for (jj, j) in query.keys().enumerate() {
+            let kj = &s.k[j * kvd + g..j * kvd + g + hd];
+            for (hg, h) in heads.clone().enumerate() {
+                p[hg * keys + jj] = scale * dot(&s.q[i * qd + h * hd..i * qd + (h + 1) * hd], kj);
+            }
+        }
+        for (hg, h) in heads.clone().enumerate() {
+            let l = s.lse[i * d.heads + h];
+            p[hg * keys..(hg + 1) * keys].iter_mut().for_each(|x| *x = fast_exp(*x - l));
+        }
+        let local_dq = (i - block.start) * group * hd;
+        for (jj, j) in query.keys().enumerate() {
+            let (kj, vj) = (&s.k[j * kvd + g..j * kvd + g + hd], &s.v[j * kvd + g..j * kvd + g + hd]);
+            let jl = (j - block.start) * hd;
+            for (hg, h) in heads.clone().enumerate() {
+                let qh = &s.q[i * qd + h * hd..i * qd + (h + 1) * hd];
+                let go = &s.d_out[i * qd + h * hd..i * qd + (h + 1) * hd];
+                let pj = p[hg * keys + jj];
+                let ds = pj * (dot(go, vj) - s.delta[i * d.heads + h]);
+                axpy(&mut u.dq[local_dq + hg * hd..local_dq + (hg + 1) * hd], scale * ds, kj);
                 axpy(&mut u.dk[jl..jl + hd], scale * ds, qh);
-                axpy(&mut u.dv[jl..jl + hd], p, go);
+                axpy(&mut u.dv[jl..jl + hd], pj, go);
             }
         }
     }
@@ -197,7 +209,7 @@ pub fn backward(
                 dk: vec![0.0; len * hd],
                 dv: vec![0.0; len * hd],
             };
-            unit_backward(&mut u, &blocks[b], &saved, d);
+            unit_backward(&mut u, &blocks[b], &saved, d, &mut Vec::new());
             u
         })
         .collect();

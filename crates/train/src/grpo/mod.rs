@@ -4,6 +4,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod config;
 pub mod trainer;
+pub mod update;
 
 pub use checkpoint::{checkpoint_dir, Checkpoint, Resume, TrainerState};
 pub use config::GrpoConfig;

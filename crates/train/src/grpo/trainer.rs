@@ -8,21 +8,19 @@
 use std::path::Path;
 use std::time::Instant;
 
-use flashgrpo_candle::LossKind;
 use flashgrpo_kernels::synthetic::Rng;
-use flashgrpo_kernels::{BatchShard, LossOptions, LossOutput};
+use flashgrpo_kernels::LossOptions;
 use serde_json::json;
 use tokenizers::Tokenizer;
 
-use super::batch::MicroBatch;
 use super::checkpoint::{checkpoint_dir, save_checkpoint, Resume, TrainerState};
 use super::config::GrpoConfig;
-use crate::engine::{backward, forward, BackwardBuffers, Head, HeadGradients, Pass, Weights, Workspace};
+use super::update::{update, EngineBuffers, UpdateBatch, UpdateInputs};
 use crate::error::{Result, TrainError};
 use crate::head_loss::LossConfig;
 use crate::metrics::{self, progress_bar, record, MetricsLog};
 use crate::model::{Qwen2, Sampling};
-use crate::optim::{StepReport, Updater};
+use crate::optim::Updater;
 use crate::rewards::{advantages, correctness, score, REWARD_NAMES};
 use crate::rollout::Rollout;
 use crate::tokenizer::decode;
@@ -140,114 +138,6 @@ fn std(v: &[f64]) -> f64 {
     }
     let m = mean(v);
     (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64).sqrt()
-}
-
-/// Per-token outputs summed over the completion tokens of a step's first epoch.
-#[derive(Default)]
-struct TokenSums {
-    entropy: f64,
-    kl: f64,
-    clipped: f64,
-    tokens: f64,
-    have_entropy: bool,
-    have_kl: bool,
-    have_clip: bool,
-}
-
-impl TokenSums {
-    fn add(&mut self, out: Option<&LossOutput>, mb: &MicroBatch) {
-        let masked_sum = |v: &[f32]| -> f64 { v.iter().zip(&mb.mask).map(|(x, m)| *x as f64 * *m as f64).sum() };
-        if let Some(o) = out {
-            self.entropy += masked_sum(&o.entropy);
-            self.have_entropy = true;
-            if let Some(kl) = &o.kl {
-                self.kl += masked_sum(kl);
-                self.have_kl = true;
-            }
-            if let Some(c) = &o.is_clipped {
-                self.clipped += masked_sum(c);
-                self.have_clip = true;
-            }
-        }
-        self.tokens += mb.valid() as f64;
-    }
-}
-
-/// The engine's buffers, kept from step to step.
-#[derive(Default)]
-struct EngineBuffers {
-    rollout: Rollout,
-    workspace: Workspace,
-    backward: BackwardBuffers,
-}
-
-/// The log-probabilities `[S * C]` of each micro-batch's completions under `model`.
-fn logprobs(
-    model: &Qwen2,
-    batches: &[MicroBatch],
-    workspace: &mut Workspace,
-    options: &LossOptions,
-    loss: &LossConfig,
-) -> Result<Vec<Vec<f32>>> {
-    let w = Weights::of(model)?;
-    batches.iter().map(|b| b.logprobs(&w, model.lm_head(), workspace, options, loss)).collect()
-}
-
-/// What one step's policy update needs besides the model and the optimiser.
-struct UpdateInputs<'a> {
-    batches: &'a [MicroBatch],
-    /// Per micro-batch, its sequences' advantages.
-    advantages: Vec<Vec<f32>>,
-    old_logp: Option<Vec<Vec<f32>>>,
-    ref_logp: Option<Vec<Vec<f32>>>,
-    shard: BatchShard,
-    options: &'a LossOptions,
-    loss: &'a LossConfig,
-    epochs: usize,
-}
-
-/// The policy update: per epoch, every micro-batch's forward, head loss and backward into the
-/// optimiser's buffers (their losses sum to the batch's), then one optimiser step. Returns each
-/// epoch's loss, the first epoch's per-token sums, and the last step's report.
-fn update(
-    model: &Qwen2,
-    u: &UpdateInputs<'_>,
-    updater: &mut Updater,
-    engine: &mut EngineBuffers,
-) -> Result<(Vec<f64>, TokenSums, StepReport)> {
-    let h = model.config.hidden_size;
-    let (mut losses, mut sums, mut report) = (Vec::new(), TokenSums::default(), None);
-    for epoch in 0..u.epochs {
-        let w = Weights::of(model)?;
-        let mut epoch_loss = 0.0;
-        for (k, mb) in u.batches.iter().enumerate() {
-            let kind = LossKind::Grpo {
-                advantages: u.advantages[k].clone(),
-                old_logp: u.old_logp.as_ref().map(|o| o[k].clone()),
-                ref_logp: u.ref_logp.as_ref().map(|r| r[k].clone()),
-                is_ratio: None,
-            };
-            let inputs = mb.inputs(kind, u.options, u.loss, Some(u.shard));
-            forward(&w, mb.packing.input(), &mut engine.workspace, Pass::Train);
-            let rows = mb.packing.gather(&engine.workspace.hidden, h);
-            let mut d_rows = vec![0.0f32; rows.len()];
-            let head = Head { weights: &w, lm_head: model.lm_head(), implementation: u.loss.implementation };
-            let gradients = HeadGradients { rows: &mut d_rows, grads: updater.grads_mut() };
-            let (value, out) = head.loss(&rows, &inputs, Some(gradients))?;
-            updater.record_loss(value);
-            epoch_loss += value;
-            if epoch == 0 {
-                sums.add(out.as_ref(), mb);
-            }
-            let d_slots = mb.packing.scatter(&d_rows, h);
-            backward(&w, &mb.packing, &mut engine.workspace, &mut engine.backward, &d_slots, updater.grads_mut());
-        }
-        // The parameters' read locks go before the optimiser writes them.
-        drop(w);
-        losses.push(epoch_loss);
-        report = Some(updater.step(&model.params)?);
-    }
-    Ok((losses, sums, report.expect("ppo_epochs >= 1")))
 }
 
 /// Trains `model` in place.
@@ -378,24 +268,13 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
 
         // Micro-batches, and the log-probabilities the loss compares against.
         let logprob_started = Instant::now();
-        let n = completions.len();
-        let ranges: Vec<std::ops::Range<usize>> =
-            (0..n).step_by(config.micro_batch_size).map(|s| s..(s + config.micro_batch_size).min(n)).collect();
-        let batches = ranges
-            .iter()
-            .map(|r| {
-                let p: Vec<&[u32]> = prompts[r.clone()].iter().map(Vec::as_slice).collect();
-                let c: Vec<&[u32]> = completions[r.clone()].iter().map(Vec::as_slice).collect();
-                MicroBatch::new(&p, &c, pad)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let valid_tokens: usize = batches.iter().map(MicroBatch::valid).sum();
-        let shard = BatchShard { global_batch: n, global_valid_rows: valid_tokens as f64 };
+        let batch = UpdateBatch::new(&prompts, &completions, config.micro_batch_size, pad)?;
+        let valid_tokens = batch.valid_tokens();
         let old_logp = (config.ppo_epochs > 1)
-            .then(|| logprobs(model, &batches, &mut engine.workspace, &options, loss))
+            .then(|| batch.logprobs(model, &mut engine.workspace, &options, loss))
             .transpose()?;
         let ref_logp = match (beta != 0.0, reference) {
-            (true, Some(r)) => Some(logprobs(r, &batches, &mut engine.workspace, &options, loss)?),
+            (true, Some(r)) => Some(batch.logprobs(r, &mut engine.workspace, &options, loss)?),
             _ => None,
         };
         let logprob_s = logprob_started.elapsed().as_secs_f64();
@@ -406,17 +285,8 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             (p.reset_peak)();
             (p.live)()
         });
-        let inputs = UpdateInputs {
-            batches: &batches,
-            advantages: ranges.iter().map(|r| adv[r.clone()].iter().map(|&a| a as f32).collect()).collect(),
-            old_logp,
-            ref_logp,
-            shard,
-            options: &options,
-            loss,
-            epochs: config.ppo_epochs,
-        };
-        let (losses, sums, report) = update(model, &inputs, &mut updater, &mut engine)?;
+        let inputs = UpdateInputs { batch: &batch, advantages: &adv, old_logp, ref_logp, options: &options, loss };
+        let (losses, sums, report) = update(model, &inputs, config.ppo_epochs, &mut updater, &mut engine)?;
         let update_s = update_started.elapsed().as_secs_f64();
         let step_peak = probe.map(|p| (p.peak)());
         let update_heap = step_peak.zip(live_before).map(|(p, l)| p.saturating_sub(l));

@@ -134,18 +134,11 @@ impl Updater {
         Ok(())
     }
 
-    /// The window's gradient buffers, for code that computes gradients itself (the engine);
-    /// report each micro-batch's loss with [`Updater::record_loss`].
-    pub fn grads_mut(&mut self) -> &mut GradBuffers {
-        &mut self.grads
-    }
-
-    /// Notes a micro-batch's loss value whose gradient was added through [`Updater::grads_mut`]:
-    /// a non-finite one skips the window.
-    pub fn record_loss(&mut self, value: f64) {
-        if !value.is_finite() {
-            self.finite = false;
-        }
+    /// The window's gradient buffers, for code that computes gradients itself (the engine), and
+    /// the function to report each micro-batch's loss with: a non-finite one skips the window.
+    pub fn grads_and_recorder(&mut self) -> (&mut GradBuffers, impl FnMut(f64) + Send + '_) {
+        let finite = &mut self.finite;
+        (&mut self.grads, move |value: f64| *finite &= value.is_finite())
     }
 
     /// Ends the window: clip, update (unless something was not finite), zero.

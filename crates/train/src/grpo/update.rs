@@ -1,0 +1,201 @@
+//! The policy update of a GRPO step, on the engine: the rollout batch cut into micro-batches whose
+//! losses sum to the whole batch's (the kernels' [`BatchShard`] normalisers), each micro-batch's
+//! forward, head loss and backward into the optimiser's gradient buffers, then the optimiser step,
+//! `ppo_epochs` times. [`batch_gradients`] is the same without the optimiser: the loss and every
+//! parameter's gradient of one batch, which the trainer-level oracle compares with TRL's
+//! (`flashgrpo update-grads`, tests/peers/trl_oracle.py).
+
+use std::ops::Range;
+
+use flashgrpo_candle::LossKind;
+use flashgrpo_kernels::{BatchShard, LossOptions, LossOutput};
+
+use super::batch::MicroBatch;
+use crate::engine::{backward, forward, BackwardBuffers, Head, HeadGradients, Pass, Weights, Workspace};
+use crate::error::Result;
+use crate::head_loss::LossConfig;
+use crate::model::Qwen2;
+use crate::optim::{GradBuffers, StepReport, Updater};
+use crate::rollout::Rollout;
+
+/// The engine's buffers, kept from step to step.
+#[derive(Default)]
+pub struct EngineBuffers {
+    pub rollout: Rollout,
+    pub workspace: Workspace,
+    pub backward: BackwardBuffers,
+}
+
+/// A rollout batch laid out for the update: micro-batches of consecutive sequences and the whole
+/// batch's normalisers.
+pub struct UpdateBatch {
+    pub batches: Vec<MicroBatch>,
+    /// Each micro-batch's sequences.
+    pub ranges: Vec<Range<usize>>,
+    pub shard: BatchShard,
+}
+
+impl UpdateBatch {
+    /// `prompts[s] + completions[s]` (every completion at least one token) in micro-batches of
+    /// `micro_batch_size` sequences.
+    pub fn new(prompts: &[Vec<u32>], completions: &[Vec<u32>], micro_batch_size: usize, pad: u32) -> Result<Self> {
+        let n = completions.len();
+        let ranges: Vec<Range<usize>> =
+            (0..n).step_by(micro_batch_size.max(1)).map(|s| s..(s + micro_batch_size).min(n)).collect();
+        let batches = ranges
+            .iter()
+            .map(|r| {
+                let p: Vec<&[u32]> = prompts[r.clone()].iter().map(Vec::as_slice).collect();
+                let c: Vec<&[u32]> = completions[r.clone()].iter().map(Vec::as_slice).collect();
+                MicroBatch::new(&p, &c, pad)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let valid: usize = batches.iter().map(MicroBatch::valid).sum();
+        Ok(Self { batches, ranges, shard: BatchShard { global_batch: n, global_valid_rows: valid as f64 } })
+    }
+
+    /// Completion tokens in the batch.
+    pub fn valid_tokens(&self) -> usize {
+        self.shard.global_valid_rows as usize
+    }
+
+    /// Per-sequence values (`values[s][j]` at completion position `j`) in each micro-batch's
+    /// `[S * C]` layout (0 past a completion's end).
+    pub fn per_micro_batch(&self, values: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        self.batches
+            .iter()
+            .zip(&self.ranges)
+            .map(|(mb, range)| {
+                let c = mb.completion_len;
+                let mut out = vec![0.0f32; range.len() * c];
+                for (row, s) in range.clone().enumerate() {
+                    for (j, &v) in values[s].iter().take(c).enumerate() {
+                        out[row * c + j] = v * mb.mask[row * c + j];
+                    }
+                }
+                out
+            })
+            .collect()
+    }
+
+    /// The log-probabilities `[S * C]` of each micro-batch's completions under `model`.
+    pub fn logprobs(
+        &self,
+        model: &Qwen2,
+        workspace: &mut Workspace,
+        options: &LossOptions,
+        loss: &LossConfig,
+    ) -> Result<Vec<Vec<f32>>> {
+        let w = Weights::of(model)?;
+        self.batches.iter().map(|b| b.logprobs(&w, model.lm_head(), workspace, options, loss)).collect()
+    }
+}
+
+/// Per-token outputs summed over the completion tokens of an epoch.
+#[derive(Default)]
+pub struct TokenSums {
+    pub entropy: f64,
+    pub kl: f64,
+    pub clipped: f64,
+    pub tokens: f64,
+    pub have_entropy: bool,
+    pub have_kl: bool,
+    pub have_clip: bool,
+}
+
+impl TokenSums {
+    fn add(&mut self, out: Option<&LossOutput>, mb: &MicroBatch) {
+        let masked_sum = |v: &[f32]| -> f64 { v.iter().zip(&mb.mask).map(|(x, m)| *x as f64 * *m as f64).sum() };
+        if let Some(o) = out {
+            self.entropy += masked_sum(&o.entropy);
+            self.have_entropy = true;
+            if let Some(kl) = &o.kl {
+                self.kl += masked_sum(kl);
+                self.have_kl = true;
+            }
+            if let Some(c) = &o.is_clipped {
+                self.clipped += masked_sum(c);
+                self.have_clip = true;
+            }
+        }
+        self.tokens += mb.valid() as f64;
+    }
+}
+
+/// What a policy update needs besides the model and the optimiser.
+pub struct UpdateInputs<'a> {
+    pub batch: &'a UpdateBatch,
+    /// Per sequence.
+    pub advantages: &'a [f64],
+    /// Per micro-batch, `[S * C]`: the rollout policy's log-probabilities (`ppo_epochs > 1`).
+    pub old_logp: Option<Vec<Vec<f32>>>,
+    /// Per micro-batch, `[S * C]`: the reference model's (`beta != 0`).
+    pub ref_logp: Option<Vec<Vec<f32>>>,
+    pub options: &'a LossOptions,
+    pub loss: &'a LossConfig,
+}
+
+/// One pass over the micro-batches: each one's forward, head loss and backward, its gradients
+/// added to `grads` (`record` sees each micro-batch's loss). Returns the batch's loss (the sum of
+/// the micro-batches') and the per-token sums.
+fn accumulate(
+    model: &Qwen2,
+    u: &UpdateInputs<'_>,
+    grads: &mut GradBuffers,
+    engine: &mut EngineBuffers,
+    mut record: impl FnMut(f64),
+) -> Result<(f64, TokenSums)> {
+    let h = model.config.hidden_size;
+    let w = Weights::of(model)?;
+    let (mut total, mut sums) = (0.0, TokenSums::default());
+    for (k, (mb, range)) in u.batch.batches.iter().zip(&u.batch.ranges).enumerate() {
+        let kind = LossKind::Grpo {
+            advantages: u.advantages[range.clone()].iter().map(|&a| a as f32).collect(),
+            old_logp: u.old_logp.as_ref().map(|o| o[k].clone()),
+            ref_logp: u.ref_logp.as_ref().map(|r| r[k].clone()),
+            is_ratio: None,
+        };
+        let inputs = mb.inputs(kind, u.options, u.loss, Some(u.batch.shard));
+        forward(&w, mb.packing.input(), &mut engine.workspace, Pass::Train);
+        let rows = mb.packing.gather(&engine.workspace.hidden, h);
+        let mut d_rows = vec![0.0f32; rows.len()];
+        let head = Head { weights: &w, lm_head: model.lm_head(), implementation: u.loss.implementation };
+        let (value, out) = head.loss(&rows, &inputs, Some(HeadGradients { rows: &mut d_rows, grads }))?;
+        record(value);
+        total += value;
+        sums.add(out.as_ref(), mb);
+        let d_slots = mb.packing.scatter(&d_rows, h);
+        backward(&w, &mb.packing, &mut engine.workspace, &mut engine.backward, &d_slots, grads);
+    }
+    Ok((total, sums))
+}
+
+/// The loss of one batch and every parameter's gradient (in the parameters' order), no optimiser
+/// step.
+pub fn batch_gradients(model: &Qwen2, u: &UpdateInputs<'_>) -> Result<(f64, GradBuffers)> {
+    let mut grads = GradBuffers::new(&model.params);
+    let (loss, _) =
+        crate::engine::on_workers(|| accumulate(model, u, &mut grads, &mut EngineBuffers::default(), |_| {}))?;
+    Ok((loss, grads))
+}
+
+/// The policy update: `epochs` times, every micro-batch into the optimiser's buffers, then one
+/// optimiser step. Returns each epoch's loss, the first epoch's per-token sums, and the last
+/// step's report.
+pub fn update(
+    model: &Qwen2,
+    u: &UpdateInputs<'_>,
+    epochs: usize,
+    updater: &mut Updater,
+    engine: &mut EngineBuffers,
+) -> Result<(Vec<f64>, TokenSums, StepReport)> {
+    let (mut losses, mut first, mut report) = (Vec::new(), None, None);
+    for _ in 0..epochs {
+        let (grads, record) = updater.grads_and_recorder();
+        let (loss, sums) = crate::engine::on_workers(|| accumulate(model, u, grads, engine, record))?;
+        losses.push(loss);
+        first.get_or_insert(sums);
+        report = Some(updater.step(&model.params)?);
+    }
+    Ok((losses, first.unwrap_or_default(), report.expect("ppo_epochs >= 1")))
+}
