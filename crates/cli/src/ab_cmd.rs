@@ -15,7 +15,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use anyhow::{Context, Result};
 use flashgrpo_train::grpo::StepHook;
 use flashgrpo_train::grpo_job::{run_grpo_job, GrpoJobSummary, JobOptions};
-use flashgrpo_train::plot::{line_plot, metric_series, Series};
+use flashgrpo_train::plot::{line_plot, metric_series, moving_average, Series, Style};
 use flashgrpo_train::{LossImpl, TrainConfig};
 use serde_json::Value;
 
@@ -214,16 +214,17 @@ pub fn main(args: AbArgs) -> Result<()> {
         results
             .iter()
             .map(|(c, s)| {
-                Ok(Series {
-                    name: c.loss.implementation.name().into(),
-                    points: metric_series(&s.out.join("metrics.jsonl"), key)?,
-                })
+                let points = metric_series(&s.out.join("metrics.jsonl"), key)?;
+                Ok(Series::new(c.loss.implementation.name(), moving_average(&points, 10), Style::Line))
             })
             .collect()
     };
-    line_plot(&args.out.join("reward.png"), "reward: baseline vs fused_linear", &series("train/reward_mean")?)?;
-    line_plot(&args.out.join("loss.png"), "loss: baseline vs fused_linear", &series("train/loss")?)?;
-    line_plot(&args.out.join("update_time.png"), "update time (s)", &series("time/update_s")?)?;
+    let plot = |file: &str, title: &str, y: &str, key: &str| -> Result<()> {
+        Ok(line_plot(&args.out.join(file), &format!("{title} (mean of 10 steps)"), y, &series(key)?)?)
+    };
+    plot("reward.png", "reward: baseline vs fused_linear", "mean reward", "train/reward_mean")?;
+    plot("loss.png", "loss: baseline vs fused_linear", "loss", "train/loss")?;
+    plot("update_time.png", "update time: baseline vs fused_linear", "seconds", "time/update_s")?;
     println!("table in {}; each arm's metrics and plots under {}", path.display(), args.out.display());
     Ok(())
 }

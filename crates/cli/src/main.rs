@@ -19,6 +19,7 @@ mod input_spec;
 mod loss_cmd;
 mod memory;
 mod peers;
+mod plot_cmd;
 mod run;
 mod tensor_io;
 mod train_cmd;
@@ -59,6 +60,8 @@ enum Command {
     Forward(forward_cmd::ForwardArgs),
     /// Train a Qwen2 model with GRPO (default: the built-in arithmetic task, end to end) or SFT.
     Train(train_cmd::TrainArgs),
+    /// Draw the plots of a run directory from its metrics.jsonl.
+    Plot(plot_cmd::PlotArgs),
     /// The same GRPO run with loss.impl = baseline and fused_linear, side by side.
     Ab(ab_cmd::AbArgs),
     /// The rollout engine's generation beside transformers' generate: tokens/s on one model.
@@ -93,6 +96,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => bench::main(args),
         Command::Forward(args) => forward_cmd::main(args),
         Command::Train(args) => train_cmd::main(args),
+        Command::Plot(args) => plot_cmd::main(args),
         Command::Ab(args) => ab_cmd::main(args),
         Command::BenchRollout(args) => bench_rollout_cmd::main(args),
         Command::BenchTrainer(args) => bench_trainer_cmd::main(args),

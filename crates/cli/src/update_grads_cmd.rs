@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use flashgrpo_train::grpo::update::{batch_gradients, UpdateBatch, UpdateInputs};
+use flashgrpo_train::grpo::update::{batch_gradients, Objective, UpdateBatch, UpdateInputs};
 use flashgrpo_train::model::load_model;
 use flashgrpo_train::LossConfig;
 use serde_json::Value;
@@ -101,14 +101,12 @@ pub fn main(args: UpdateGradsArgs) -> Result<()> {
     }
     let batch = UpdateBatch::new(&prompts, &completions, args.micro_batch_size.unwrap_or(b), 0)?;
     let advantages: Vec<f64> = advantages.iter().map(|&a| a as f64).collect();
-    let inputs = UpdateInputs {
-        batch: &batch,
+    let objective = Objective::Grpo {
         advantages: &advantages,
         old_logp: old.map(|o| batch.per_micro_batch(&o)),
         ref_logp: reference.map(|r| batch.per_micro_batch(&r)),
-        options: &options,
-        loss: &loss,
     };
+    let inputs = UpdateInputs { batch: &batch, objective, options: &options, loss: &loss };
     let (value, grads) = batch_gradients(&model, &inputs)?;
     let mut outputs = vec![Output::f32("loss", vec![1], &[value as f32])];
     for (i, (name, var)) in model.params.iter().enumerate() {

@@ -5,6 +5,8 @@
 //! - `tests/peers/hf_forward.py`: `flashgrpo forward` against Hugging Face transformers' Qwen2;
 //! - `tests/peers/trl_oracle.py`: the GRPO trainer's update (`flashgrpo update-grads`) against
 //!   TRL's `GRPOTrainer.compute_loss`, loss and every parameter's gradient;
+//! - `tests/peers/tensorboard_read.py`: the training metrics' TensorBoard event files, read back by
+//!   the `tensorboard` package;
 //! - `tests/cuda/nvrtc_compile.py`: every CUDA source compiles to PTX for sm_80 and sm_90 with the
 //!   venv's NVRTC (no GPU or CUDA toolkit needed).
 
@@ -67,6 +69,42 @@ fn flashgrpo_forward_matches_hugging_face_transformers() {
 #[test]
 fn grpo_update_matches_trl_grpo_trainer() {
     run_script("tests/peers/trl_oracle.py", &["--bin", env!("CARGO_BIN_EXE_flashgrpo")]);
+}
+
+/// A tiny `flashgrpo train` run (SFT warm start, then GRPO), its TensorBoard files read back.
+#[test]
+fn tensorboard_reads_the_training_metrics() {
+    let out = std::env::temp_dir().join(format!("flashgrpo-tensorboard-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let sets = [
+        "model.hidden_size=32",
+        "model.num_layers=1",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        "model.vocab_size=null",
+        "tokenizer.vocab_size=300",
+        "data.limit=300",
+        "data.eval_limit=8",
+        "sft.steps=5",
+        "sft.batch_size=8",
+        "grpo.steps=3",
+        "grpo.prompts_per_step=4",
+        "grpo.num_generations=4",
+        "grpo.micro_batch_size=16",
+        "grpo.max_new_tokens=12",
+        "grpo.eval_batch_size=8",
+        "grpo.eval_every_steps=2",
+        "progress=false",
+    ];
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_flashgrpo"));
+    cmd.current_dir(root()).arg("train").arg("--out").arg(&out);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    run_script("tests/peers/tensorboard_read.py", &["--run", out.to_str().unwrap()]);
+    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 use tokenizers::Tokenizer;
 
+use crate::data::sloppy_teacher::sloppy_answers;
 use crate::data::Gsm8kProblem;
 use crate::error::{io, Result, TrainError};
 use crate::grpo::{train_grpo, Checkpoint, GrpoRun, GrpoSummary, Prompt, StepHook};
@@ -137,7 +138,8 @@ pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJo
     let mut log = match &resume {
         Some(r) => MetricsLog::resume(&out, r.state.step)?,
         None => MetricsLog::open(&out, false)?,
-    };
+    }
+    .with_tensorboard(&out.join("tensorboard/grpo"))?;
     let eos = [setup.eos];
     let grpo = train_grpo(
         &setup.model,
@@ -269,8 +271,9 @@ fn eos_of(model: &Qwen2, tokenizer: &Tokenizer) -> Result<u32> {
         .ok_or_else(|| TrainError::Tokenizer("no end-of-sequence token".into()))
 }
 
-/// The SFT warm start on the task's worked solutions, with the fused-linear cross-entropy (the
-/// same for every `loss.impl`, so an A/B's two arms start GRPO from the same weights).
+/// The SFT warm start on the task's worked solutions as the (sloppy, `task.sloppy_teacher`)
+/// teacher writes them, with the fused-linear cross-entropy (the same for every `loss.impl`, so an
+/// A/B's two arms start GRPO from the same weights). The held-out SFT loss is on clean solutions.
 fn warm_start(
     config: &TrainConfig,
     s: &Setup,
@@ -284,9 +287,11 @@ fn warm_start(
         chunk_memory_mb: config.loss.chunk_memory_mb,
         ..LossConfig::default()
     };
-    let (train, _) = encode_examples(&s.tokenizer, &warm_start_examples(format, train)?, s.eos, config.sft.max_len)?;
+    let taught = sloppy_answers(train, config.task.sloppy_teacher_share(), config.seed);
+    let (train, _) = encode_examples(&s.tokenizer, &warm_start_examples(format, &taught)?, s.eos, config.sft.max_len)?;
     let (eval, _) = encode_examples(&s.tokenizer, &warm_start_examples(format, eval)?, s.eos, config.sft.max_len)?;
-    let mut log = MetricsLog::open_file(&out.join("sft_metrics.jsonl"), false)?;
+    let mut log =
+        MetricsLog::open_file(&out.join("sft_metrics.jsonl"), false)?.with_tensorboard(&out.join("tensorboard/sft"))?;
     train_sft(
         &s.model,
         SftRun {

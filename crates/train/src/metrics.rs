@@ -1,5 +1,7 @@
 //! Metrics: one JSON object per step appended to `metrics.jsonl` (flushed every line, so a killed
-//! run keeps what it logged), and the process's memory as Linux reports it.
+//! run keeps what it logged), the same scalars as TensorBoard event files (`tensorboard --logdir
+//! OUT/tensorboard`, or `wandb sync --sync-tensorboard`), and the process's memory as Linux
+//! reports it.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -13,10 +15,11 @@ use crate::error::{io, Result};
 /// One record: metric names (`train/loss`, `time/step_s`, ...) to values, in insertion order.
 pub type Record = Map<String, Value>;
 
-/// Appends records to a JSONL file.
+/// Appends records to a JSONL file and, when asked, to a TensorBoard event file.
 pub struct MetricsLog {
     path: PathBuf,
     file: BufWriter<File>,
+    events: Option<(PathBuf, syntaxdot_summary::SummaryWriter<BufWriter<File>>)>,
 }
 
 impl MetricsLog {
@@ -35,7 +38,17 @@ impl MetricsLog {
             .truncate(!append)
             .open(path)
             .map_err(io(path))?;
-        Ok(Self { path: path.into(), file: BufWriter::new(file) })
+        Ok(Self { path: path.into(), file: BufWriter::new(file), events: None })
+    }
+
+    /// Also writes every record's numbers as TensorBoard scalars (tag: the metric's name, step:
+    /// the record's `step`) into a new event file in `dir`. A resumed run starts a new file; the
+    /// records it redoes then appear twice in TensorBoard, once per file.
+    pub fn with_tensorboard(mut self, dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let writer = syntaxdot_summary::SummaryWriter::from_prefix(dir.join("events")).map_err(io(dir))?;
+        self.events = Some((dir.to_path_buf(), writer));
+        Ok(self)
     }
 
     /// Continues `dir/metrics.jsonl` after step `step`: the records of later steps (logged by a
@@ -59,7 +72,16 @@ impl MetricsLog {
 
     pub fn write(&mut self, record: &Record) -> Result<()> {
         let line = serde_json::to_string(record).expect("a JSON map serialises");
-        writeln!(self.file, "{line}").and_then(|_| self.file.flush()).map_err(io(&self.path))
+        writeln!(self.file, "{line}").and_then(|_| self.file.flush()).map_err(io(&self.path))?;
+        if let Some((dir, events)) = &mut self.events {
+            let step = record.get("step").and_then(Value::as_i64).unwrap_or(0);
+            for (key, value) in record.iter().filter(|(k, _)| k.as_str() != "step") {
+                if let Some(v) = value.as_f64() {
+                    events.write_scalar(key.as_str(), step, v as f32).map_err(io(dir.as_path()))?;
+                }
+            }
+        }
+        Ok(())
     }
 
     pub fn path(&self) -> &Path {

@@ -1,208 +1,152 @@
-//! PNG line plots of a run's metrics (reward, accuracy, loss, step time), drawn without a
-//! plotting stack: a small RGB raster, lines, and a built-in 5x7 pixel font for titles and tick
-//! labels, encoded by the `png` crate. Enough to see a curve at a glance in the output directory.
+//! PNG plots of a run's metrics, drawn with `plotters` (its bitmap backend, text through
+//! `ab_glyph` with DejaVu Sans embedded in the binary: no system font or fontconfig needed):
+//! reward and accuracy per step with a moving average and the held-out evaluations, the loss, and
+//! the step time split into rollout and update.
 
 use std::path::Path;
+use std::sync::OnceLock;
 
+use plotters::prelude::*;
+use plotters::style::{register_font, FontStyle, RGBColor};
 use serde_json::Value;
 
 use crate::error::{io, Result, TrainError};
 
-const W: usize = 720;
-const H: usize = 420;
-const LEFT: usize = 90;
-const RIGHT: usize = 20;
-const TOP: usize = 50;
-const BOTTOM: usize = 50;
-const COLORS: [[u8; 3]; 4] = [[31, 119, 180], [214, 39, 40], [44, 160, 44], [148, 103, 189]];
+const SIZE: (u32, u32) = (900, 500);
+/// DejaVu Sans, printable ASCII only (crates/train/assets/README.md).
+const FONT: &[u8] = include_bytes!("../assets/DejaVuSans-ASCII.ttf");
+const PALETTE: [RGBColor; 5] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
+    RGBColor(255, 127, 14),
+];
 
-/// 5x7 glyphs, one string of 7 rows of 5 pixels each ('#' on).
-fn glyph(c: char) -> [&'static str; 7] {
-    match c.to_ascii_uppercase() {
-        '0' => [" ### ", "#   #", "#  ##", "# # #", "##  #", "#   #", " ### "],
-        '1' => ["  #  ", " ##  ", "  #  ", "  #  ", "  #  ", "  #  ", " ### "],
-        '2' => [" ### ", "#   #", "    #", "   # ", "  #  ", " #   ", "#####"],
-        '3' => ["#####", "   # ", "  #  ", "   # ", "    #", "#   #", " ### "],
-        '4' => ["   # ", "  ## ", " # # ", "#  # ", "#####", "   # ", "   # "],
-        '5' => ["#####", "#    ", "#### ", "    #", "    #", "#   #", " ### "],
-        '6' => ["  ## ", " #   ", "#    ", "#### ", "#   #", "#   #", " ### "],
-        '7' => ["#####", "    #", "   # ", "  #  ", " #   ", " #   ", " #   "],
-        '8' => [" ### ", "#   #", "#   #", " ### ", "#   #", "#   #", " ### "],
-        '9' => [" ### ", "#   #", "#   #", " ####", "    #", "   # ", " ##  "],
-        'A' => [" ### ", "#   #", "#   #", "#####", "#   #", "#   #", "#   #"],
-        'B' => ["#### ", "#   #", "#   #", "#### ", "#   #", "#   #", "#### "],
-        'C' => [" ### ", "#   #", "#    ", "#    ", "#    ", "#   #", " ### "],
-        'D' => ["#### ", "#   #", "#   #", "#   #", "#   #", "#   #", "#### "],
-        'E' => ["#####", "#    ", "#    ", "#### ", "#    ", "#    ", "#####"],
-        'F' => ["#####", "#    ", "#    ", "#### ", "#    ", "#    ", "#    "],
-        'G' => [" ### ", "#   #", "#    ", "# ###", "#   #", "#   #", " ####"],
-        'H' => ["#   #", "#   #", "#   #", "#####", "#   #", "#   #", "#   #"],
-        'I' => [" ### ", "  #  ", "  #  ", "  #  ", "  #  ", "  #  ", " ### "],
-        'J' => ["  ###", "   # ", "   # ", "   # ", "   # ", "#  # ", " ##  "],
-        'K' => ["#   #", "#  # ", "# #  ", "##   ", "# #  ", "#  # ", "#   #"],
-        'L' => ["#    ", "#    ", "#    ", "#    ", "#    ", "#    ", "#####"],
-        'M' => ["#   #", "## ##", "# # #", "# # #", "#   #", "#   #", "#   #"],
-        'N' => ["#   #", "#   #", "##  #", "# # #", "#  ##", "#   #", "#   #"],
-        'O' => [" ### ", "#   #", "#   #", "#   #", "#   #", "#   #", " ### "],
-        'P' => ["#### ", "#   #", "#   #", "#### ", "#    ", "#    ", "#    "],
-        'Q' => [" ### ", "#   #", "#   #", "#   #", "# # #", "#  # ", " ## #"],
-        'R' => ["#### ", "#   #", "#   #", "#### ", "# #  ", "#  # ", "#   #"],
-        'S' => [" ####", "#    ", "#    ", " ### ", "    #", "    #", "#### "],
-        'T' => ["#####", "  #  ", "  #  ", "  #  ", "  #  ", "  #  ", "  #  "],
-        'U' => ["#   #", "#   #", "#   #", "#   #", "#   #", "#   #", " ### "],
-        'V' => ["#   #", "#   #", "#   #", "#   #", "#   #", " # # ", "  #  "],
-        'W' => ["#   #", "#   #", "#   #", "# # #", "# # #", "# # #", " # # "],
-        'X' => ["#   #", "#   #", " # # ", "  #  ", " # # ", "#   #", "#   #"],
-        'Y' => ["#   #", "#   #", " # # ", "  #  ", "  #  ", "  #  ", "  #  "],
-        'Z' => ["#####", "    #", "   # ", "  #  ", " #   ", "#    ", "#####"],
-        '.' => ["     ", "     ", "     ", "     ", "     ", " ##  ", " ##  "],
-        '-' => ["     ", "     ", "     ", "#####", "     ", "     ", "     "],
-        '/' => ["    #", "    #", "   # ", "  #  ", " #   ", "#    ", "#    "],
-        '_' => ["     ", "     ", "     ", "     ", "     ", "     ", "#####"],
-        '(' => ["   # ", "  #  ", " #   ", " #   ", " #   ", "  #  ", "   # "],
-        ')' => [" #   ", "  #  ", "   # ", "   # ", "   # ", "  #  ", " #   "],
-        ':' => ["     ", " ##  ", " ##  ", "     ", " ##  ", " ##  ", "     "],
-        '+' => ["     ", "  #  ", "  #  ", "#####", "  #  ", "  #  ", "     "],
-        _ => ["     "; 7],
-    }
-}
-
-struct Canvas {
-    pixels: Vec<u8>,
-}
-
-impl Canvas {
-    fn new() -> Self {
-        Self { pixels: vec![255; W * H * 3] }
-    }
-
-    fn set(&mut self, x: i64, y: i64, color: [u8; 3]) {
-        if (0..W as i64).contains(&x) && (0..H as i64).contains(&y) {
-            let i = (y as usize * W + x as usize) * 3;
-            self.pixels[i..i + 3].copy_from_slice(&color);
-        }
-    }
-
-    fn line(&mut self, (x0, y0): (f64, f64), (x1, y1): (f64, f64), color: [u8; 3], thick: i64) {
-        let steps = ((x1 - x0).abs().max((y1 - y0).abs()).ceil() as usize).max(1);
-        for s in 0..=steps {
-            let t = s as f64 / steps as f64;
-            let (x, y) = ((x0 + (x1 - x0) * t).round() as i64, (y0 + (y1 - y0) * t).round() as i64);
-            for dx in 0..thick {
-                for dy in 0..thick {
-                    self.set(x + dx - thick / 2, y + dy - thick / 2, color);
-                }
-            }
-        }
-    }
-
-    /// Text at `scale` x the 5x7 font, its top-left corner at (x, y).
-    fn text(&mut self, x: i64, y: i64, text: &str, scale: i64, color: [u8; 3]) {
-        for (k, c) in text.chars().enumerate() {
-            let g = glyph(c);
-            for (row, bits) in g.iter().enumerate() {
-                for (col, b) in bits.bytes().enumerate() {
-                    if b == b'#' {
-                        for sx in 0..scale {
-                            for sy in 0..scale {
-                                self.set(
-                                    x + (k as i64 * 6 + col as i64) * scale + sx,
-                                    y + row as i64 * scale + sy,
-                                    color,
-                                );
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    fn save(&self, path: &Path) -> Result<()> {
-        let file = std::fs::File::create(path).map_err(io(path))?;
-        let mut encoder = png::Encoder::new(std::io::BufWriter::new(file), W as u32, H as u32);
-        encoder.set_color(png::ColorType::Rgb);
-        encoder.set_depth(png::BitDepth::Eight);
-        let png_error = |e: png::EncodingError| TrainError::Other(format!("{}: {e}", path.display()));
-        let mut writer = encoder.write_header().map_err(png_error)?;
-        writer.write_image_data(&self.pixels).map_err(png_error)?;
-        Ok(())
-    }
-}
-
-fn label(v: f64) -> String {
-    if v != 0.0 && (v.abs() < 1e-2 || v.abs() >= 1e5) {
-        format!("{v:.1e}")
-    } else if v.abs() >= 100.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.3}")
-    }
+/// How a series is drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Style {
+    /// A line.
+    Line,
+    /// A thin, light line: noisy per-step values under their moving average.
+    Faint,
+    /// Markers joined by a line: sparse values such as evaluations.
+    Points,
 }
 
 /// A named series of (x, y) points.
+#[derive(Debug, Clone)]
 pub struct Series {
     pub name: String,
     pub points: Vec<(f64, f64)>,
+    pub style: Style,
 }
 
-/// Draws `series` into a PNG at `path`, titled `title`, x labelled "step".
-pub fn line_plot(path: &Path, title: &str, series: &[Series]) -> Result<()> {
-    let mut c = Canvas::new();
-    let all: Vec<(f64, f64)> =
-        series.iter().flat_map(|s| s.points.iter().copied()).filter(|(x, y)| x.is_finite() && y.is_finite()).collect();
-    c.text(LEFT as i64, 14, title, 2, [0, 0, 0]);
-    let (x0, y0, x1, y1) = (LEFT as f64, TOP as f64, (W - RIGHT) as f64, (H - BOTTOM) as f64);
-    let grey = [120, 120, 120];
-    for (a, b) in [((x0, y0), (x1, y0)), ((x1, y0), (x1, y1)), ((x1, y1), (x0, y1)), ((x0, y1), (x0, y0))] {
-        c.line(a, b, grey, 1);
+impl Series {
+    pub fn new(name: impl Into<String>, points: Vec<(f64, f64)>, style: Style) -> Self {
+        Self { name: name.into(), points, style }
     }
-    if all.is_empty() {
-        c.text(LEFT as i64 + 20, (H / 2) as i64, "no data", 2, grey);
-        return c.save(path);
+}
+
+fn font() -> Result<()> {
+    static REGISTERED: OnceLock<bool> = OnceLock::new();
+    if *REGISTERED.get_or_init(|| register_font("sans-serif", FontStyle::Normal, FONT).is_ok()) {
+        Ok(())
+    } else {
+        Err(TrainError::Other("the embedded plot font could not be loaded".into()))
     }
-    let fold = |f: fn(f64, f64) -> f64, init: f64, pick: fn(&(f64, f64)) -> f64| all.iter().map(pick).fold(init, f);
-    let (mut xmin, mut xmax) = (fold(f64::min, f64::INFINITY, |p| p.0), fold(f64::max, f64::NEG_INFINITY, |p| p.0));
-    let (mut ymin, mut ymax) = (fold(f64::min, f64::INFINITY, |p| p.1), fold(f64::max, f64::NEG_INFINITY, |p| p.1));
-    if xmax <= xmin {
-        xmax = xmin + 1.0;
-        xmin -= 0.0;
+}
+
+fn plot_error(path: &Path, e: impl std::fmt::Display) -> TrainError {
+    TrainError::Other(format!("{}: {e}", path.display()))
+}
+
+/// The range of the finite values, widened when it is a single value.
+fn range(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
+    let (lo, hi) =
+        values.filter(|v| v.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
+    if lo > hi {
+        return None;
     }
-    if ymax <= ymin {
-        let pad = ymin.abs().max(1.0) * 0.05;
-        (ymin, ymax) = (ymin - pad, ymax + pad);
+    let pad = if hi > lo { (hi - lo) * 0.05 } else { lo.abs().max(1.0) * 0.05 };
+    Some((lo - pad, hi + pad))
+}
+
+/// Draws `series` into a PNG at `path`: `title` above, `y_label` beside the y axis, "step" below.
+pub fn line_plot(path: &Path, title: &str, y_label: &str, series: &[Series]) -> Result<()> {
+    font()?;
+    let (w, h) = SIZE;
+    let mut pixels = vec![255u8; (w * h * 3) as usize];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, SIZE).into_drawing_area();
+        draw(&root, title, y_label, series).map_err(|e| plot_error(path, e))?;
+        root.present().map_err(|e| plot_error(path, e))?;
     }
-    let px = |x: f64| x0 + (x - xmin) / (xmax - xmin) * (x1 - x0);
-    let py = |y: f64| y1 - (y - ymin) / (ymax - ymin) * (y1 - y0);
-    for k in 0..=4 {
-        let v = ymin + (ymax - ymin) * k as f64 / 4.0;
-        let y = py(v);
-        c.line((x0 - 5.0, y), (x0, y), grey, 1);
-        let text = label(v);
-        c.text(x0 as i64 - 8 - text.len() as i64 * 12, y as i64 - 7, &text, 2, [0, 0, 0]);
-    }
-    for v in [xmin, (xmin + xmax) / 2.0, xmax] {
-        let x = px(v);
-        c.line((x, y1), (x, y1 + 5.0), grey, 1);
-        let text = format!("{}", v.round());
-        c.text(x as i64 - text.len() as i64 * 6, y1 as i64 + 10, &text, 2, [0, 0, 0]);
-    }
-    c.text((x1 - 60.0) as i64, y1 as i64 + 30, "step", 2, grey);
-    for (k, s) in series.iter().enumerate() {
-        let color = COLORS[k % COLORS.len()];
-        let points: Vec<(f64, f64)> =
-            s.points.iter().filter(|(x, y)| x.is_finite() && y.is_finite()).map(|&(x, y)| (px(x), py(y))).collect();
-        for w in points.windows(2) {
-            c.line(w[0], w[1], color, 2);
-        }
-        for &p in &points {
-            if points.len() < 30 {
-                c.line((p.0 - 3.0, p.1), (p.0 + 3.0, p.1), color, 3);
+    save_png(path, &pixels, w, h)
+}
+
+type DrawResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+fn draw(
+    root: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    title: &str,
+    y_label: &str,
+    series: &[Series],
+) -> DrawResult<()> {
+    let points = || series.iter().flat_map(|s| s.points.iter().copied());
+    let (Some(xs), Some(ys)) = (range(points().map(|p| p.0)), range(points().map(|p| p.1))) else {
+        root.draw(&Text::new("no data", (SIZE.0 as i32 / 2 - 40, SIZE.1 as i32 / 2), ("sans-serif", 24)))?;
+        return Ok(());
+    };
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 24))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(xs.0.max(0.0)..xs.1, ys.0..ys.1)?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc(y_label)
+        .label_style(("sans-serif", 15))
+        .axis_desc_style(("sans-serif", 17))
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .light_line_style(RGBColor(245, 245, 245))
+        .draw()?;
+    // A faint series shares its colour with the series after it (its moving average).
+    let mut k = 0;
+    for s in series {
+        let color = PALETTE[k % PALETTE.len()];
+        k += usize::from(s.style != Style::Faint);
+        let data = s.points.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite());
+        let drawn = match s.style {
+            Style::Line => chart.draw_series(LineSeries::new(data, color.stroke_width(2)))?,
+            Style::Faint => chart.draw_series(LineSeries::new(data, color.mix(0.3).stroke_width(1)))?,
+            Style::Points => {
+                chart.draw_series(LineSeries::new(data.clone(), color.stroke_width(1)))?;
+                chart.draw_series(data.map(|p| Circle::new(p, 5, color.filled())))?
             }
-        }
-        c.text(LEFT as i64 + 10 + k as i64 * 190, TOP as i64 + 8, &s.name, 2, color);
+        };
+        let legend = if s.style == Style::Faint { color.mix(0.3).stroke_width(3) } else { color.stroke_width(3) };
+        drawn.label(s.name.as_str()).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], legend));
     }
-    c.save(path)
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .label_font(("sans-serif", 15))
+        .background_style(WHITE.mix(0.85))
+        .border_style(RGBColor(200, 200, 200))
+        .draw()?;
+    Ok(())
+}
+
+fn save_png(path: &Path, pixels: &[u8], w: u32, h: u32) -> Result<()> {
+    let file = std::fs::File::create(path).map_err(io(path))?;
+    let mut encoder = png::Encoder::new(std::io::BufWriter::new(file), w, h);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    let mut writer = encoder.write_header().map_err(|e| plot_error(path, e))?;
+    writer.write_image_data(pixels).map_err(|e| plot_error(path, e))
 }
 
 /// The values of `key` per step in a metrics JSONL file.
@@ -229,27 +173,34 @@ pub fn moving_average(points: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
 /// `reward.png`, `accuracy.png`, `loss.png` and `step_time.png` of a run's `metrics.jsonl`.
 pub fn plot_metrics(metrics: &Path, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let s = |name: &str, key: &str| -> Result<Series> {
-        Ok(Series { name: name.into(), points: metric_series(metrics, key)? })
-    };
-    let avg = |name: &str, key: &str| -> Result<Series> {
-        Ok(Series { name: name.into(), points: moving_average(&metric_series(metrics, key)?, 10) })
+    let get = |key: &str| metric_series(metrics, key);
+    let window = (get("train/reward_mean")?.len() / 15).clamp(5, 50);
+    let noisy = |name: &str, key: &str| -> Result<[Series; 2]> {
+        let points = get(key)?;
+        Ok([
+            Series::new(format!("{name}, per step"), points.clone(), Style::Faint),
+            Series::new(format!("{name}, mean of {window} steps"), moving_average(&points, window), Style::Line),
+        ])
     };
     line_plot(
         &dir.join("reward.png"),
-        "reward (mean per step)",
-        &[s("reward", "train/reward_mean")?, avg("avg 10", "train/reward_mean")?],
+        "GRPO: reward of the sampled completions",
+        "mean reward",
+        &noisy("reward", "train/reward_mean")?,
     )?;
-    line_plot(
-        &dir.join("accuracy.png"),
-        "accuracy",
-        &[s("train", "train/accuracy")?, s("eval", "eval/accuracy")?, avg("train avg 10", "train/accuracy")?],
-    )?;
-    line_plot(&dir.join("loss.png"), "grpo loss", &[s("loss", "train/loss")?])?;
+    let mut accuracy = noisy("training prompts", "train/accuracy")?.to_vec();
+    accuracy.push(Series::new("held out, sampled", get("eval/accuracy")?, Style::Points));
+    accuracy.push(Series::new("held out, greedy", get("eval/accuracy_greedy")?, Style::Points));
+    line_plot(&dir.join("accuracy.png"), "GRPO: accuracy", "share correct", &accuracy)?;
+    line_plot(&dir.join("loss.png"), "GRPO: loss", "loss", &noisy("loss", "train/loss")?)?;
+    let time = |name: &str, key: &str| -> Result<Series> {
+        Ok(Series::new(name, moving_average(&get(key)?, window), Style::Line))
+    };
     line_plot(
         &dir.join("step_time.png"),
-        "time per step (s)",
-        &[s("step", "time/step_s")?, s("update", "time/update_s")?, s("rollout", "time/rollout_s")?],
+        &format!("GRPO: time per step (mean of {window} steps)"),
+        "seconds",
+        &[time("step", "time/step_s")?, time("rollout", "time/rollout_s")?, time("update", "time/update_s")?],
     )
 }
 
@@ -257,11 +208,23 @@ pub fn plot_metrics(metrics: &Path, dir: &Path) -> Result<()> {
 mod tests {
     use super::*;
 
+    /// A plot is a PNG of the expected size with text and lines drawn on it (not blank).
     #[test]
-    fn every_label_character_has_a_glyph() {
-        for c in "0123456789abcdefghijklmnopqrstuvwxyz.-/_():+".chars() {
-            assert!(glyph(c).iter().any(|r| r.contains('#')), "{c}");
-            assert!(glyph(c).iter().all(|r| r.len() == 5), "{c}");
-        }
+    fn plots_are_drawn() {
+        let dir = std::env::temp_dir().join(format!("flashgrpo-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.png");
+        let points: Vec<(f64, f64)> = (0..50).map(|i| (i as f64, (i as f64 * 0.3).sin())).collect();
+        line_plot(&path, "a title", "y", &[Series::new("s", points, Style::Line)]).unwrap();
+        let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&path).unwrap()));
+        let mut reader = decoder.read_info().unwrap();
+        let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+        let info = reader.next_frame(&mut buf).unwrap();
+        assert_eq!((info.width, info.height), SIZE);
+        let dark = buf.chunks(3).filter(|p| p.iter().all(|&c| c < 100)).count();
+        let blue = buf.chunks(3).filter(|p| p[2] > 150 && p[0] < 80).count();
+        assert!(dark > 500 && blue > 100, "{dark} dark pixels (text, axes), {blue} blue (the line)");
+        line_plot(&path, "empty", "y", &[]).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

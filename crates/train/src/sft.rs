@@ -3,19 +3,18 @@
 //! an accumulation window (TRL's `num_items_in_batch`: micro-batches of different lengths weigh by
 //! their tokens, so accumulating gives the loss of one large batch).
 
-use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
-use flashgrpo_candle::{LossInputs, LossKind};
 use flashgrpo_kernels::synthetic::Rng;
 use flashgrpo_kernels::Reduction;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokenizers::Tokenizer;
 
+use crate::engine::Workspace;
 use crate::error::{Result, TrainError};
-use crate::head_loss::{head_loss, LossConfig};
+use crate::grpo::update::{batch_loss, update, EngineBuffers, Objective, UpdateBatch, UpdateInputs};
+use crate::head_loss::LossConfig;
 use crate::metrics::{self, progress_bar, record, MetricsLog, Record};
 use crate::model::Qwen2;
 use crate::optim::{OptimConfig, Updater};
@@ -118,70 +117,26 @@ pub fn encode_examples(
     Ok((out, dropped))
 }
 
-/// A micro-batch, right-padded: ids `[B, T]`, key mask, and the next-token targets (`ignore`
-/// where the next token is prompt or padding).
-struct MicroBatch {
-    ids: Tensor,
-    attention: Vec<u8>,
-    targets: Vec<i64>,
-    count: usize,
-}
-
-fn micro_batch(examples: &[&Encoded], pad: u32, ignore: i64) -> Result<MicroBatch> {
-    let b = examples.len();
-    let t = examples.iter().map(|e| e.ids.len()).max().unwrap_or(1);
-    let (mut ids, mut attention, mut targets) = (vec![pad; b * t], vec![0u8; b * t], vec![ignore; b * t]);
-    let mut count = 0;
-    for (r, e) in examples.iter().enumerate() {
-        let row = r * t;
-        ids[row..row + e.ids.len()].copy_from_slice(&e.ids);
-        attention[row..row + e.ids.len()].fill(1);
-        for p in e.prompt_len.max(1)..e.ids.len() {
-            targets[row + p - 1] = e.ids[p] as i64;
-            count += 1;
-        }
-    }
-    Ok(MicroBatch { ids: Tensor::from_vec(ids, (b, t), &Device::Cpu)?, attention, targets, count })
-}
-
-/// The summed cross-entropy of a micro-batch (a graph tensor when `track`). Only the positions
-/// with a target reach the head: prompt and padding positions (half of them or more in a typical
-/// SFT batch) are dropped from the hidden states first, so the head's products, the largest cost
-/// of a step at a real vocabulary, run over completion tokens only. Cross-entropy is per token,
-/// so this changes no number.
-fn summed_loss(model: &Qwen2, mb: &MicroBatch, loss: &LossConfig, track: bool) -> Result<Tensor> {
-    let mut options = loss.options.clone();
-    options.reduction = Reduction::Sum;
-    let keep: Vec<u32> =
-        (0..mb.targets.len()).filter(|&i| mb.targets[i] != options.ignore_index).map(|i| i as u32).collect();
-    let targets: Vec<i64> = keep.iter().map(|&i| mb.targets[i as usize]).collect();
-    let inputs = Arc::new(LossInputs {
-        kind: LossKind::CrossEntropy,
-        batch: 1,
-        seq_len: keep.len(),
-        targets: Some(targets),
-        mask: None,
-        options,
-        budget: loss.budget(),
-        batch_shard: None,
-    });
-    let hidden = model.hidden_states(&mb.ids, Some(&mb.attention), track)?;
-    let (b, t, h) = hidden.dims3()?;
-    let index = Tensor::from_vec(keep.clone(), keep.len(), &Device::Cpu)?;
-    let kept = hidden.reshape((b * t, h))?.index_select(&index, 0)?.reshape((1, keep.len(), h))?;
-    Ok(head_loss(model, &kept, &inputs, loss.implementation, track)?.loss)
+/// Examples as the engine's update lays them out: the prompt (at least one token) and the rest,
+/// whose tokens are the targets, in micro-batches of `batch_size` whose losses are each a share
+/// of the whole batch's mean over its completion tokens (TRL's `num_items_in_batch`).
+fn update_batch(examples: &[&Encoded], batch_size: usize, pad: u32) -> Result<UpdateBatch> {
+    let (prompts, completions): (Vec<Vec<u32>>, Vec<Vec<u32>>) = examples
+        .iter()
+        .map(|e| {
+            let p = e.prompt_len.max(1);
+            (e.ids[..p].to_vec(), e.ids[p..].to_vec())
+        })
+        .unzip();
+    UpdateBatch::new(&prompts, &completions, batch_size, pad)
 }
 
 /// The mean completion-token loss over `data` (no gradient).
 pub fn evaluate(model: &Qwen2, data: &[Encoded], batch_size: usize, loss: &LossConfig, pad: u32) -> Result<f64> {
-    let (mut total, mut count) = (0.0, 0usize);
     let refs: Vec<&Encoded> = data.iter().collect();
-    for chunk in refs.chunks(batch_size.max(1)) {
-        let mb = micro_batch(chunk, pad, loss.options.ignore_index)?;
-        total += summed_loss(model, &mb, loss, false)?.to_scalar::<f32>()? as f64;
-        count += mb.count;
-    }
-    Ok(total / count.max(1) as f64)
+    let batch = update_batch(&refs, batch_size, pad)?;
+    let inputs = UpdateInputs { batch: &batch, objective: Objective::CrossEntropy, options: &loss.options, loss };
+    batch_loss(model, &inputs, &mut Workspace::default())
 }
 
 /// What an SFT run did.
@@ -253,24 +208,18 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
     let probe = metrics::heap_probe();
     let heap_before_steps = probe.map(|p| (p.live)());
     let mut peak_heap: Option<usize> = None;
+    let mut engine = EngineBuffers::default();
     for step in 1..=config.steps {
         if let Some(p) = probe {
             (p.reset_peak)();
         }
         let started = Instant::now();
-        let batches: Vec<Vec<&Encoded>> =
-            (0..config.grad_accum).map(|_| (0..config.batch_size).map(|_| &train[next()]).collect()).collect();
-        let batches =
-            batches.iter().map(|b| micro_batch(b, pad, loss.options.ignore_index)).collect::<Result<Vec<_>>>()?;
-        let window: usize = batches.iter().map(|b| b.count).sum();
-        let mut total = 0.0;
-        for mb in &batches {
-            let summed = summed_loss(model, mb, loss, true)?;
-            let share = (summed / window.max(1) as f64)?;
-            total += share.to_scalar::<f32>()? as f64;
-            updater.accumulate(params, &share)?;
-        }
-        let report = updater.step(params)?;
+        let examples: Vec<&Encoded> = (0..config.grad_accum * config.batch_size).map(|_| &train[next()]).collect();
+        let batch = update_batch(&examples, config.batch_size, pad)?;
+        let window = batch.valid_tokens();
+        let inputs = UpdateInputs { batch: &batch, objective: Objective::CrossEntropy, options: &loss.options, loss };
+        let (losses_, _, report) = update(model, &inputs, 1, &mut updater, &mut engine)?;
+        let total = losses_[0];
         let step_s = started.elapsed().as_secs_f64();
         let step_heap = probe.map(|p| (p.peak)());
         peak_heap = peak_heap.max(step_heap);

@@ -50,7 +50,7 @@ pub fn run_sft_job(config: &TrainConfig, out: &Path) -> Result<SftSummary> {
     };
     let (train, _) = encode_examples(&s.tokenizer, &examples(&train)?, s.eos, config.sft.max_len)?;
     let (eval, _) = encode_examples(&s.tokenizer, &examples(&eval)?, s.eos, config.sft.max_len)?;
-    let mut log = MetricsLog::open(out, false)?;
+    let mut log = MetricsLog::open(out, false)?.with_tensorboard(&out.join("tensorboard/sft"))?;
     let summary = train_sft(
         &s.model,
         SftRun {

@@ -192,6 +192,13 @@ impl TrainConfig {
     }
 
     pub fn validate(&self) -> Result<()> {
+        let share = self.task.sloppy_teacher_share();
+        if !(0.0..=1.0).contains(&share) {
+            return Err(TrainError::Config {
+                origin: "task.sloppy_teacher".into(),
+                why: format!("a share of the warm start's solutions, in [0, 1]; got {share}"),
+            });
+        }
         if self.model.path.is_none() {
             // The architecture's checks; the vocabulary is checked against the tokenizer later.
             self.model.new_config(1)?;

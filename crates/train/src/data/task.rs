@@ -33,6 +33,10 @@ pub struct TaskSection {
     pub max_sum_operand: u32,
     /// Arithmetic: largest factor, divisor and quotient.
     pub max_factor: u32,
+    /// The share of the GRPO warm start's worked solutions whose final answer the teacher writes
+    /// with its digits reversed (`data::sloppy_teacher`; the rewards check the true answer).
+    /// `null`: the task's own (arithmetic: 0.6; GSM8K: 0).
+    pub sloppy_teacher: Option<f64>,
 }
 
 impl Default for TaskSection {
@@ -44,6 +48,7 @@ impl Default for TaskSection {
             train_problems: 20_000,
             max_sum_operand: level.max_sum_operand,
             max_factor: level.max_factor,
+            sloppy_teacher: None,
         }
     }
 }
@@ -56,6 +61,14 @@ impl TaskSection {
             (None, TaskName::Gsm8k) => Some(THINK_ANSWER_SYSTEM_PROMPT.into()),
             (None, TaskName::Arithmetic) => None,
         }
+    }
+
+    /// The share of reversed answers in the GRPO warm start's data.
+    pub fn sloppy_teacher_share(&self) -> f64 {
+        self.sloppy_teacher.unwrap_or(match self.name {
+            TaskName::Arithmetic => 0.6,
+            TaskName::Gsm8k => 0.0,
+        })
     }
 
     /// Training and held-out problems.

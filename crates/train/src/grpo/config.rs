@@ -29,6 +29,11 @@ pub struct GrpoConfig {
     pub top_p: f64,
     pub max_new_tokens: usize,
     pub scale_rewards: ScaleRewards,
+    /// DAPO's dynamic sampling: drop groups whose rewards are all equal (they carry no signal) and
+    /// draw more prompts in their place, up to `max_rollout_rounds` generations per step.
+    pub dynamic_sampling: bool,
+    /// Generations per step at most, with `dynamic_sampling`.
+    pub max_rollout_rounds: usize,
     /// Added to the standard deviation in the advantages.
     pub advantage_eps: f64,
     /// Weights of correctness, strict format and tag count.
@@ -64,6 +69,8 @@ impl Default for GrpoConfig {
             top_p: 1.0,
             max_new_tokens: 32,
             scale_rewards: ScaleRewards::Group,
+            dynamic_sampling: false,
+            max_rollout_rounds: 3,
             advantage_eps: 1e-4,
             reward_weights: DEFAULT_WEIGHTS.to_vec(),
             eval_every_steps: 100,
@@ -87,6 +94,7 @@ impl GrpoConfig {
             ("max_new_tokens", self.max_new_tokens),
             ("eval_batch_size", self.eval_batch_size),
             ("eval_samples", self.eval_samples),
+            ("max_rollout_rounds", self.max_rollout_rounds),
         ] {
             if v == 0 {
                 return bad(format!("grpo.{name} must be positive"));

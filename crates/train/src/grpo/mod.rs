@@ -3,6 +3,7 @@
 pub mod batch;
 pub mod checkpoint;
 pub mod config;
+pub mod rollouts;
 pub mod trainer;
 pub mod update;
 

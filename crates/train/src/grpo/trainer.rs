@@ -15,13 +15,14 @@ use tokenizers::Tokenizer;
 
 use super::checkpoint::{checkpoint_dir, save_checkpoint, Resume, TrainerState};
 use super::config::GrpoConfig;
-use super::update::{update, EngineBuffers, UpdateBatch, UpdateInputs};
+use super::rollouts::RolloutSetup;
+use super::update::{update, EngineBuffers, Objective, UpdateBatch, UpdateInputs};
 use crate::error::{Result, TrainError};
 use crate::head_loss::LossConfig;
 use crate::metrics::{self, progress_bar, record, MetricsLog};
 use crate::model::{Qwen2, Sampling};
 use crate::optim::Updater;
-use crate::rewards::{advantages, correctness, score, REWARD_NAMES};
+use crate::rewards::{correctness, REWARD_NAMES};
 use crate::rollout::Rollout;
 use crate::tokenizer::decode;
 
@@ -231,8 +232,8 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         }
     }
     let mut rng = Rng::from_state(state.rng);
-    let sampling = config.sampling();
     let g = config.num_generations;
+    let rollouts = RolloutSetup { config, train, tokenizer, eos, pad };
     let bar = progress_bar("grpo", config.steps, state.step, progress);
     let probe = metrics::heap_probe();
     metrics::reset_peak_rss();
@@ -246,29 +247,13 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         let step = state.step + 1;
         let started = Instant::now();
 
-        // Rollout.
-        let chosen: Vec<&Prompt> = (0..config.prompts_per_step).map(|_| &train[rng.below(train.len())]).collect();
-        let prompts: Vec<Vec<u32>> = chosen.iter().flat_map(|p| std::iter::repeat_n(p.ids.clone(), g)).collect();
-        let generated = engine.rollout.generate(model, &prompts, &sampling, eos, &mut rng)?;
-        let completions: Vec<Vec<u32>> =
-            generated.completions.into_iter().map(|c| if c.is_empty() { vec![pad] } else { c }).collect();
-        let rollout_s = started.elapsed().as_secs_f64();
-
-        // Rewards and advantages.
-        let reward_started = Instant::now();
-        let scores: Vec<[f64; 3]> = completions
-            .iter()
-            .enumerate()
-            .map(|(i, c)| Ok(score(&decode(tokenizer, c)?, &chosen[i / g].answer)))
-            .collect::<Result<_>>()?;
-        let rewards: Vec<f64> =
-            scores.iter().map(|s| s.iter().zip(&config.reward_weights).map(|(r, w)| r * w).sum()).collect();
-        let adv = advantages(&rewards, g, config.scale_rewards, config.advantage_eps);
-        let reward_s = reward_started.elapsed().as_secs_f64();
+        // Rollout, rewards and advantages.
+        let groups = rollouts.run(model, &mut engine.rollout, &mut rng)?;
+        let (rollout_s, reward_s) = (groups.rollout_s, groups.reward_s);
 
         // Micro-batches, and the log-probabilities the loss compares against.
         let logprob_started = Instant::now();
-        let batch = UpdateBatch::new(&prompts, &completions, config.micro_batch_size, pad)?;
+        let batch = UpdateBatch::new(&groups.prompts, &groups.completions, config.micro_batch_size, pad)?;
         let valid_tokens = batch.valid_tokens();
         let old_logp = (config.ppo_epochs > 1)
             .then(|| batch.logprobs(model, &mut engine.workspace, &options, loss))
@@ -285,7 +270,8 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             (p.reset_peak)();
             (p.live)()
         });
-        let inputs = UpdateInputs { batch: &batch, advantages: &adv, old_logp, ref_logp, options: &options, loss };
+        let objective = Objective::Grpo { advantages: &groups.advantages, old_logp, ref_logp };
+        let inputs = UpdateInputs { batch: &batch, objective, options: &options, loss };
         let (losses, sums, report) = update(model, &inputs, config.ppo_epochs, &mut updater, &mut engine)?;
         let update_s = update_started.elapsed().as_secs_f64();
         let step_peak = probe.map(|p| (p.peak)());
@@ -307,13 +293,14 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         }
 
         // Metrics.
+        let (scores, rewards) = (&groups.scores, &groups.rewards);
         let correct: Vec<f64> = scores.iter().map(|s| s[0]).collect();
-        let completion_len = mean(&completions.iter().map(|c| c.len() as f64).collect::<Vec<_>>());
+        let completion_len = mean(&groups.lengths.iter().map(|&l| l as f64).collect::<Vec<_>>());
         let mut r = record(json!({
             "step": step,
             "train/loss": mean(&losses),
-            "train/reward_mean": mean(&rewards),
-            "train/reward_std": std(&rewards),
+            "train/reward_mean": mean(rewards),
+            "train/reward_std": std(rewards),
         }));
         for (i, name) in REWARD_NAMES.iter().enumerate() {
             r.insert(format!("train/rewards/{name}"), json!(mean(&scores.iter().map(|s| s[i]).collect::<Vec<_>>())));
@@ -323,7 +310,12 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             r.insert(key.into(), v);
         };
         put("train/accuracy", json!(mean(&correct)));
-        put("train/advantage_std", json!(std(&adv)));
+        put("train/advantage_std", json!(std(&groups.advantages)));
+        put("train/frac_reward_zero_std", json!(groups.flat_groups as f64 / groups.generated_groups.max(1) as f64));
+        if config.dynamic_sampling {
+            put("train/rollout_rounds", json!(groups.rounds));
+            put("train/groups_kept", json!(groups.prompts.len() / g));
+        }
         if let Some(e) = per_token(sums.have_entropy, sums.entropy) {
             put("train/entropy", json!(e));
         }
@@ -362,7 +354,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             }
         }
         log.write(&r)?;
-        rewards_per_step.push(mean(&rewards));
+        rewards_per_step.push(mean(rewards));
         update_times.push(update_s);
         if config.checkpoint_every > 0 && (step % config.checkpoint_every == 0 || step == config.steps) {
             save_checkpoint(&ckpt, model, reference, tokenizer, &updater, &state)?;

@@ -1,7 +1,8 @@
-//! The policy update of a GRPO step, on the engine: the rollout batch cut into micro-batches whose
-//! losses sum to the whole batch's (the kernels' [`BatchShard`] normalisers), each micro-batch's
-//! forward, head loss and backward into the optimiser's gradient buffers, then the optimiser step,
-//! `ppo_epochs` times. [`batch_gradients`] is the same without the optimiser: the loss and every
+//! An update on the engine: a batch of sequences cut into micro-batches whose losses sum to the
+//! whole batch's (the kernels' [`BatchShard`] normalisers), each micro-batch's forward, head loss
+//! and backward into the optimiser's gradient buffers, then the optimiser step. GRPO's policy
+//! update runs it `ppo_epochs` times on a rollout batch; SFT once per step on its examples
+//! (cross-entropy). [`batch_gradients`] is the same without the optimiser: the loss and every
 //! parameter's gradient of one batch, which the trainer-level oracle compares with TRL's
 //! (`flashgrpo update-grads`, tests/peers/trl_oracle.py).
 
@@ -122,17 +123,42 @@ impl TokenSums {
     }
 }
 
-/// What a policy update needs besides the model and the optimiser.
+/// The loss an update descends.
+pub enum Objective<'a> {
+    /// GRPO's policy loss.
+    Grpo {
+        /// Per sequence.
+        advantages: &'a [f64],
+        /// Per micro-batch, `[S * C]`: the rollout policy's log-probabilities (`ppo_epochs > 1`).
+        old_logp: Option<Vec<Vec<f32>>>,
+        /// Per micro-batch, `[S * C]`: the reference model's (`beta != 0`).
+        ref_logp: Option<Vec<Vec<f32>>>,
+    },
+    /// Cross-entropy of the completion tokens (SFT).
+    CrossEntropy,
+}
+
+/// What an update needs besides the model and the optimiser.
 pub struct UpdateInputs<'a> {
     pub batch: &'a UpdateBatch,
-    /// Per sequence.
-    pub advantages: &'a [f64],
-    /// Per micro-batch, `[S * C]`: the rollout policy's log-probabilities (`ppo_epochs > 1`).
-    pub old_logp: Option<Vec<Vec<f32>>>,
-    /// Per micro-batch, `[S * C]`: the reference model's (`beta != 0`).
-    pub ref_logp: Option<Vec<Vec<f32>>>,
+    pub objective: Objective<'a>,
     pub options: &'a LossOptions,
     pub loss: &'a LossConfig,
+}
+
+impl UpdateInputs<'_> {
+    /// The loss of micro-batch `k`.
+    fn kind(&self, k: usize) -> LossKind {
+        match &self.objective {
+            Objective::Grpo { advantages, old_logp, ref_logp } => LossKind::Grpo {
+                advantages: advantages[self.batch.ranges[k].clone()].iter().map(|&a| a as f32).collect(),
+                old_logp: old_logp.as_ref().map(|o| o[k].clone()),
+                ref_logp: ref_logp.as_ref().map(|r| r[k].clone()),
+                is_ratio: None,
+            },
+            Objective::CrossEntropy => LossKind::CrossEntropy,
+        }
+    }
 }
 
 /// One pass over the micro-batches: each one's forward, head loss and backward, its gradients
@@ -148,14 +174,8 @@ fn accumulate(
     let h = model.config.hidden_size;
     let w = Weights::of(model)?;
     let (mut total, mut sums) = (0.0, TokenSums::default());
-    for (k, (mb, range)) in u.batch.batches.iter().zip(&u.batch.ranges).enumerate() {
-        let kind = LossKind::Grpo {
-            advantages: u.advantages[range.clone()].iter().map(|&a| a as f32).collect(),
-            old_logp: u.old_logp.as_ref().map(|o| o[k].clone()),
-            ref_logp: u.ref_logp.as_ref().map(|r| r[k].clone()),
-            is_ratio: None,
-        };
-        let inputs = mb.inputs(kind, u.options, u.loss, Some(u.batch.shard));
+    for (k, mb) in u.batch.batches.iter().enumerate() {
+        let inputs = mb.inputs(u.kind(k), u.options, u.loss, Some(u.batch.shard));
         forward(&w, mb.packing.input(), &mut engine.workspace, Pass::Train);
         let rows = mb.packing.gather(&engine.workspace.hidden, h);
         let mut d_rows = vec![0.0f32; rows.len()];
@@ -170,6 +190,22 @@ fn accumulate(
     Ok((total, sums))
 }
 
+/// The loss of one batch, no gradient (the engine's forward without its activations kept).
+pub fn batch_loss(model: &Qwen2, u: &UpdateInputs<'_>, workspace: &mut Workspace) -> Result<f64> {
+    crate::engine::on_workers(|| {
+        let w = Weights::of(model)?;
+        let mut total = 0.0;
+        for (k, mb) in u.batch.batches.iter().enumerate() {
+            let inputs = mb.inputs(u.kind(k), u.options, u.loss, Some(u.batch.shard));
+            forward(&w, mb.packing.input(), workspace, Pass::Score);
+            let rows = mb.packing.gather(&workspace.hidden, w.dims.hidden);
+            let head = Head { weights: &w, lm_head: model.lm_head(), implementation: u.loss.implementation };
+            total += head.loss(&rows, &inputs, None)?.0;
+        }
+        Ok(total)
+    })
+}
+
 /// The loss of one batch and every parameter's gradient (in the parameters' order), no optimiser
 /// step.
 pub fn batch_gradients(model: &Qwen2, u: &UpdateInputs<'_>) -> Result<(f64, GradBuffers)> {
@@ -179,8 +215,8 @@ pub fn batch_gradients(model: &Qwen2, u: &UpdateInputs<'_>) -> Result<(f64, Grad
     Ok((loss, grads))
 }
 
-/// The policy update: `epochs` times, every micro-batch into the optimiser's buffers, then one
-/// optimiser step. Returns each epoch's loss, the first epoch's per-token sums, and the last
+/// The update: `epochs` times, every micro-batch into the optimiser's buffers, then one optimiser
+/// step. Returns each epoch's loss, the first epoch's per-token sums, and the last
 /// step's report.
 pub fn update(
     model: &Qwen2,
