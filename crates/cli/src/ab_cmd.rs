@@ -15,7 +15,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use anyhow::{Context, Result};
 use flashgrpo_train::grpo::StepHook;
 use flashgrpo_train::grpo_job::{run_grpo_job, GrpoJobSummary, JobOptions};
-use flashgrpo_train::plot::{line_plot, metric_series, moving_average, Series, Style};
+use flashgrpo_train::plot::{line_plot, metric_series, moving_average, Axes, Series, Style};
 use flashgrpo_train::{LossImpl, TrainConfig};
 use serde_json::Value;
 
@@ -219,12 +219,14 @@ pub fn main(args: AbArgs) -> Result<()> {
             })
             .collect()
     };
-    let plot = |file: &str, title: &str, y: &str, key: &str| -> Result<()> {
-        Ok(line_plot(&args.out.join(file), &format!("{title} (mean of 10 steps)"), y, &series(key)?)?)
+    let plot = |file: &str, title: &str, y: &str, key: &str, from_zero: bool| -> Result<()> {
+        let title = format!("{title} (mean of 10 steps)");
+        let axes = Axes { title: &title, y_label: y, y_from_zero: from_zero };
+        Ok(line_plot(&args.out.join(file), &axes, &series(key)?)?)
     };
-    plot("reward.png", "reward: baseline vs fused_linear", "mean reward", "train/reward_mean")?;
-    plot("loss.png", "loss: baseline vs fused_linear", "loss", "train/loss")?;
-    plot("update_time.png", "update time: baseline vs fused_linear", "seconds", "time/update_s")?;
+    plot("reward.png", "reward: baseline vs fused_linear", "mean reward", "train/reward_mean", false)?;
+    plot("loss.png", "loss: baseline vs fused_linear", "loss", "train/loss", false)?;
+    plot("update_time.png", "update time: baseline vs fused_linear", "seconds", "time/update_s", true)?;
     println!("table in {}; each arm's metrics and plots under {}", path.display(), args.out.display());
     Ok(())
 }

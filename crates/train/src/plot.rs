@@ -72,14 +72,33 @@ fn range(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
     Some((lo - pad, hi + pad))
 }
 
-/// Draws `series` into a PNG at `path`: `title` above, `y_label` beside the y axis, "step" below.
-pub fn line_plot(path: &Path, title: &str, y_label: &str, series: &[Series]) -> Result<()> {
+/// What a plot says around its curves.
+#[derive(Debug, Clone, Copy)]
+pub struct Axes<'a> {
+    pub title: &'a str,
+    pub y_label: &'a str,
+    /// Start the y axis at 0 (times, memory), not at the lowest value.
+    pub y_from_zero: bool,
+}
+
+impl<'a> Axes<'a> {
+    pub fn new(title: &'a str, y_label: &'a str) -> Self {
+        Self { title, y_label, y_from_zero: false }
+    }
+
+    pub fn from_zero(self) -> Self {
+        Self { y_from_zero: true, ..self }
+    }
+}
+
+/// Draws `series` into a PNG at `path`, "step" along the x axis.
+pub fn line_plot(path: &Path, axes: &Axes<'_>, series: &[Series]) -> Result<()> {
     font()?;
     let (w, h) = SIZE;
     let mut pixels = vec![255u8; (w * h * 3) as usize];
     {
         let root = BitMapBackend::with_buffer(&mut pixels, SIZE).into_drawing_area();
-        draw(&root, title, y_label, series).map_err(|e| plot_error(path, e))?;
+        draw(&root, axes, series).map_err(|e| plot_error(path, e))?;
         root.present().map_err(|e| plot_error(path, e))?;
     }
     save_png(path, &pixels, w, h)
@@ -89,17 +108,19 @@ type DrawResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 fn draw(
     root: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
-    title: &str,
-    y_label: &str,
+    axes: &Axes<'_>,
     series: &[Series],
 ) -> DrawResult<()> {
     let points = || series.iter().flat_map(|s| s.points.iter().copied());
-    let (Some(xs), Some(ys)) = (range(points().map(|p| p.0)), range(points().map(|p| p.1))) else {
+    let (Some(xs), Some(mut ys)) = (range(points().map(|p| p.0)), range(points().map(|p| p.1))) else {
         root.draw(&Text::new("no data", (SIZE.0 as i32 / 2 - 40, SIZE.1 as i32 / 2), ("sans-serif", 24)))?;
         return Ok(());
     };
+    if axes.y_from_zero {
+        ys.0 = ys.0.min(0.0);
+    }
     let mut chart = ChartBuilder::on(root)
-        .caption(title, ("sans-serif", 24))
+        .caption(axes.title, ("sans-serif", 24))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(70)
@@ -107,7 +128,7 @@ fn draw(
     chart
         .configure_mesh()
         .x_desc("step")
-        .y_desc(y_label)
+        .y_desc(axes.y_label)
         .label_style(("sans-serif", 15))
         .axis_desc_style(("sans-serif", 17))
         .x_label_formatter(&|x| format!("{x:.0}"))
@@ -182,24 +203,20 @@ pub fn plot_metrics(metrics: &Path, dir: &Path) -> Result<()> {
             Series::new(format!("{name}, mean of {window} steps"), moving_average(&points, window), Style::Line),
         ])
     };
-    line_plot(
-        &dir.join("reward.png"),
-        "GRPO: reward of the sampled completions",
-        "mean reward",
-        &noisy("reward", "train/reward_mean")?,
-    )?;
+    let reward = Axes::new("GRPO: reward of the sampled completions", "mean reward");
+    line_plot(&dir.join("reward.png"), &reward, &noisy("reward", "train/reward_mean")?)?;
     let mut accuracy = noisy("training prompts", "train/accuracy")?.to_vec();
     accuracy.push(Series::new("held out, sampled", get("eval/accuracy")?, Style::Points));
     accuracy.push(Series::new("held out, greedy", get("eval/accuracy_greedy")?, Style::Points));
-    line_plot(&dir.join("accuracy.png"), "GRPO: accuracy", "share correct", &accuracy)?;
-    line_plot(&dir.join("loss.png"), "GRPO: loss", "loss", &noisy("loss", "train/loss")?)?;
+    line_plot(&dir.join("accuracy.png"), &Axes::new("GRPO: accuracy", "share correct").from_zero(), &accuracy)?;
+    line_plot(&dir.join("loss.png"), &Axes::new("GRPO: loss", "loss"), &noisy("loss", "train/loss")?)?;
     let time = |name: &str, key: &str| -> Result<Series> {
         Ok(Series::new(name, moving_average(&get(key)?, window), Style::Line))
     };
+    let title = format!("GRPO: time per step (mean of {window} steps)");
     line_plot(
         &dir.join("step_time.png"),
-        &format!("GRPO: time per step (mean of {window} steps)"),
-        "seconds",
+        &Axes::new(&title, "seconds").from_zero(),
         &[time("step", "time/step_s")?, time("rollout", "time/rollout_s")?, time("update", "time/update_s")?],
     )
 }
@@ -215,7 +232,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("p.png");
         let points: Vec<(f64, f64)> = (0..50).map(|i| (i as f64, (i as f64 * 0.3).sin())).collect();
-        line_plot(&path, "a title", "y", &[Series::new("s", points, Style::Line)]).unwrap();
+        line_plot(&path, &Axes::new("a title", "y"), &[Series::new("s", points, Style::Line)]).unwrap();
         let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&path).unwrap()));
         let mut reader = decoder.read_info().unwrap();
         let mut buf = vec![0; reader.output_buffer_size().unwrap()];
@@ -224,7 +241,7 @@ mod tests {
         let dark = buf.chunks(3).filter(|p| p.iter().all(|&c| c < 100)).count();
         let blue = buf.chunks(3).filter(|p| p[2] > 150 && p[0] < 80).count();
         assert!(dark > 500 && blue > 100, "{dark} dark pixels (text, axes), {blue} blue (the line)");
-        line_plot(&path, "empty", "y", &[]).unwrap();
+        line_plot(&path, &Axes::new("empty", "y").from_zero(), &[]).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -41,7 +41,7 @@ pub struct SftConfig {
 impl Default for SftConfig {
     fn default() -> Self {
         Self {
-            steps: 600,
+            steps: 2000,
             batch_size: 16,
             grad_accum: 1,
             max_len: 384,

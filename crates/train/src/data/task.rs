@@ -35,7 +35,7 @@ pub struct TaskSection {
     pub max_factor: u32,
     /// The share of the GRPO warm start's worked solutions whose final answer the teacher writes
     /// with its digits reversed (`data::sloppy_teacher`; the rewards check the true answer).
-    /// `null`: the task's own (arithmetic: 0.6; GSM8K: 0).
+    /// `null`: the task's own (arithmetic: 0.75; GSM8K: 0).
     pub sloppy_teacher: Option<f64>,
 }
 
@@ -66,7 +66,7 @@ impl TaskSection {
     /// The share of reversed answers in the GRPO warm start's data.
     pub fn sloppy_teacher_share(&self) -> f64 {
         self.sloppy_teacher.unwrap_or(match self.name {
-            TaskName::Arithmetic => 0.6,
+            TaskName::Arithmetic => 0.75,
             TaskName::Gsm8k => 0.0,
         })
     }

@@ -59,7 +59,7 @@ pub struct GrpoConfig {
 impl Default for GrpoConfig {
     fn default() -> Self {
         Self {
-            steps: 300,
+            steps: 500,
             prompts_per_step: 8,
             num_generations: 16,
             micro_batch_size: 64,
