@@ -165,6 +165,7 @@ def main():
     trainer.train()
     total = time.perf_counter() - started
     rewards = [h.get("reward") for h in trainer.state.log_history if "reward" in h]
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     med = lambda k: statistics.median(s[k] for s in steps[1:] or steps)  # noqa: E731
     print(
         json.dumps(
@@ -183,6 +184,7 @@ def main():
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "reward_first": rewards[0] if rewards else None,
                 "reward_last": rewards[-1] if rewards else None,
+                "completion_len_mean": statistics.mean(lengths) if lengths else None,
                 "prompt_token_mismatches": mismatched,
             }
         ),

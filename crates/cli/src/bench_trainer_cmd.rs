@@ -53,6 +53,7 @@ struct Times {
     score: Vec<f64>,
     update: Vec<f64>,
     peak_rss: Vec<u64>,
+    completion_len: Vec<f64>,
     reward_first: Option<f64>,
     reward_last: Option<f64>,
 }
@@ -66,6 +67,7 @@ impl Times {
             "update_s_p50": median(self.update.clone()),
             "peak_rss_bytes": self.peak_rss.iter().max(),
             "steps_timed": self.step.len(),
+            "completion_len_mean": self.completion_len.iter().sum::<f64>() / self.completion_len.len().max(1) as f64,
             "reward_first": self.reward_first,
             "reward_last": self.reward_last,
         })
@@ -123,6 +125,7 @@ fn run_ours(config: &TrainConfig, log: &Path) -> Result<Times> {
     let records: Vec<Value> = json_lines(&text).into_iter().filter(|r| r.get("time/step_s").is_some()).collect();
     let get = |r: &Value, k: &str| r.get(k).and_then(Value::as_f64).unwrap_or(0.0);
     let mut t = Times { peak_rss: vec![measured.peak_rss_bytes], ..Default::default() };
+    t.completion_len = records.iter().map(|r| get(r, "train/completion_len_mean")).collect();
     for r in records.iter().skip(1) {
         t.step.push(get(r, "time/step_s"));
         t.rollout.push(get(r, "time/rollout_s"));
@@ -183,6 +186,7 @@ fn run_trl(python: &Path, args: &[String], log: &Path) -> Result<(Times, Value)>
         t.score.push(get(r, "score_s"));
         t.update.push(get(r, "update_s"));
     }
+    t.completion_len = summary.get("completion_len_mean").and_then(Value::as_f64).into_iter().collect();
     t.reward_first = summary.get("reward_first").and_then(Value::as_f64);
     t.reward_last = summary.get("reward_last").and_then(Value::as_f64);
     Ok((t, summary))
@@ -194,6 +198,7 @@ fn merge(into: &mut Times, t: Times) {
     into.score.extend(t.score);
     into.update.extend(t.update);
     into.peak_rss.extend(t.peak_rss);
+    into.completion_len.extend(t.completion_len);
     into.reward_first = into.reward_first.or(t.reward_first);
     into.reward_last = t.reward_last.or(into.reward_last);
 }
@@ -272,6 +277,11 @@ fn table(c: &TrainConfig, ours: &Value, trl: &Value, steps: usize, rounds: usize
         let (t, o) = (f(trl, key), f(ours, key));
         s.push_str(&format!("| {label} | {t:.3} s | {o:.3} s | {:.1}x |\n", t / o));
     }
+    s.push_str(&format!(
+        "| completion length (tokens, mean) | {:.1} | {:.1} | |\n",
+        f(trl, "completion_len_mean"),
+        f(ours, "completion_len_mean")
+    ));
     let rss = |v: &Value| v.get("peak_rss_bytes").and_then(Value::as_u64).unwrap_or(0);
     s.push_str(&format!(
         "| peak RSS (whole process) | {} | {} | {:.1}x |\n",

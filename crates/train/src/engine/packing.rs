@@ -118,26 +118,43 @@ impl Packing {
     /// The loss rows' hidden states `[S * C, H]` gathered from the slots' `hidden [slots, H]`
     /// (zeros on padding).
     pub fn gather(&self, hidden: &[f32], h: usize) -> Vec<f32> {
-        let mut out = vec![0.0f32; self.loss_slots.len() * h];
-        for (row, slot) in out.chunks_exact_mut(h).zip(&self.loss_slots) {
-            if let Some(slot) = slot {
-                row.copy_from_slice(&hidden[slot * h..(slot + 1) * h]);
-            }
-        }
-        out
+        gather_rows(&self.loss_slots, hidden, h)
     }
 
-    /// The slots' gradient `[slots, H]` from the loss rows' `d_rows [S * C, H]`: a prompt's last
-    /// slot sums the rows of every completion that continues it (in sequence order).
+    /// The slots' gradient `[slots, H]` from the loss rows' `d_rows [S * C, H]`.
     pub fn scatter(&self, d_rows: &[f32], h: usize) -> Vec<f32> {
-        let mut out = vec![0.0f32; self.slots() * h];
-        for (row, slot) in d_rows.chunks_exact(h).zip(&self.loss_slots) {
-            if let Some(slot) = slot {
-                out[slot * h..(slot + 1) * h].iter_mut().zip(row).for_each(|(o, &g)| *o += g);
-            }
-        }
-        out
+        scatter_rows(&self.loss_slots, d_rows, h, self.slots())
     }
+
+    /// The loss rows that have a target, in order (for losses that are row-local, such as
+    /// cross-entropy, which need not see the padding).
+    pub fn target_slots(&self) -> Vec<Option<usize>> {
+        self.loss_slots.iter().copied().filter(Option::is_some).collect()
+    }
+}
+
+/// Rows `[rows.len(), H]` gathered from `hidden [slots, H]`: row `i` is slot `rows[i]` (zeros for
+/// `None`).
+pub fn gather_rows(rows: &[Option<usize>], hidden: &[f32], h: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; rows.len() * h];
+    for (row, slot) in out.chunks_exact_mut(h).zip(rows) {
+        if let Some(slot) = slot {
+            row.copy_from_slice(&hidden[slot * h..(slot + 1) * h]);
+        }
+    }
+    out
+}
+
+/// The slots' gradient `[slots, H]` from the gathered rows' `d_rows`: a slot gathered several
+/// times (a prompt's last slot, once per completion that continues it) sums its rows in order.
+pub fn scatter_rows(rows: &[Option<usize>], d_rows: &[f32], h: usize, slots: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; slots * h];
+    for (row, slot) in d_rows.chunks_exact(h).zip(rows) {
+        if let Some(slot) = slot {
+            out[slot * h..(slot + 1) * h].iter_mut().zip(row).for_each(|(o, &g)| *o += g);
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -8,10 +8,11 @@
 
 use std::ops::Range;
 
-use flashgrpo_candle::LossKind;
+use flashgrpo_candle::{LossInputs, LossKind};
 use flashgrpo_kernels::{BatchShard, LossOptions, LossOutput};
 
 use super::batch::MicroBatch;
+use crate::engine::packing::{gather_rows, scatter_rows};
 use crate::engine::{backward, forward, BackwardBuffers, Head, HeadGradients, Pass, Weights, Workspace};
 use crate::error::Result;
 use crate::head_loss::LossConfig;
@@ -105,8 +106,9 @@ pub struct TokenSums {
 }
 
 impl TokenSums {
-    fn add(&mut self, out: Option<&LossOutput>, mb: &MicroBatch) {
-        let masked_sum = |v: &[f32]| -> f64 { v.iter().zip(&mb.mask).map(|(x, m)| *x as f64 * *m as f64).sum() };
+    fn add(&mut self, out: Option<&LossOutput>, inputs: &LossInputs) {
+        let weight = |i: usize| inputs.mask.as_ref().map_or(1.0, |m| m[i] as f64);
+        let masked_sum = |v: &[f32]| -> f64 { v.iter().enumerate().map(|(i, x)| *x as f64 * weight(i)).sum() };
         if let Some(o) = out {
             self.entropy += masked_sum(&o.entropy);
             self.have_entropy = true;
@@ -119,7 +121,7 @@ impl TokenSums {
                 self.have_clip = true;
             }
         }
-        self.tokens += mb.valid() as f64;
+        self.tokens += (0..inputs.batch * inputs.seq_len).map(weight).sum::<f64>();
     }
 }
 
@@ -147,6 +149,21 @@ pub struct UpdateInputs<'a> {
 }
 
 impl UpdateInputs<'_> {
+    /// The head's rows of micro-batch `k` (slots of its packing) and their loss inputs. GRPO's
+    /// objectives see the `[S, C]` layout (their normalisers count per sequence); cross-entropy
+    /// is row-local, so only the rows with a target reach the head (as one sequence), not the
+    /// padding of the shorter completions.
+    fn head(&self, k: usize, mb: &MicroBatch) -> (Vec<Option<usize>>, LossInputs) {
+        let inputs = mb.inputs(self.kind(k), self.options, self.loss, Some(self.batch.shard));
+        if !matches!(self.objective, Objective::CrossEntropy) {
+            return (mb.packing.loss_slots.clone(), inputs);
+        }
+        let rows = mb.packing.target_slots();
+        let targets = mb.targets.iter().zip(&mb.mask).filter(|(_, &m)| m != 0.0).map(|(&t, _)| t).collect();
+        let compact = LossInputs { batch: 1, seq_len: rows.len(), targets: Some(targets), mask: None, ..inputs };
+        (rows, compact)
+    }
+
     /// The loss of micro-batch `k`.
     fn kind(&self, k: usize) -> LossKind {
         match &self.objective {
@@ -175,16 +192,16 @@ fn accumulate(
     let w = Weights::of(model)?;
     let (mut total, mut sums) = (0.0, TokenSums::default());
     for (k, mb) in u.batch.batches.iter().enumerate() {
-        let inputs = mb.inputs(u.kind(k), u.options, u.loss, Some(u.batch.shard));
+        let (slots, inputs) = u.head(k, mb);
         forward(&w, mb.packing.input(), &mut engine.workspace, Pass::Train);
-        let rows = mb.packing.gather(&engine.workspace.hidden, h);
+        let rows = gather_rows(&slots, &engine.workspace.hidden, h);
         let mut d_rows = vec![0.0f32; rows.len()];
         let head = Head { weights: &w, lm_head: model.lm_head(), implementation: u.loss.implementation };
         let (value, out) = head.loss(&rows, &inputs, Some(HeadGradients { rows: &mut d_rows, grads }))?;
         record(value);
         total += value;
-        sums.add(out.as_ref(), mb);
-        let d_slots = mb.packing.scatter(&d_rows, h);
+        sums.add(out.as_ref(), &inputs);
+        let d_slots = scatter_rows(&slots, &d_rows, h, mb.packing.slots());
         backward(&w, &mb.packing, &mut engine.workspace, &mut engine.backward, &d_slots, grads);
     }
     Ok((total, sums))
@@ -196,9 +213,9 @@ pub fn batch_loss(model: &Qwen2, u: &UpdateInputs<'_>, workspace: &mut Workspace
         let w = Weights::of(model)?;
         let mut total = 0.0;
         for (k, mb) in u.batch.batches.iter().enumerate() {
-            let inputs = mb.inputs(u.kind(k), u.options, u.loss, Some(u.batch.shard));
+            let (slots, inputs) = u.head(k, mb);
             forward(&w, mb.packing.input(), workspace, Pass::Score);
-            let rows = mb.packing.gather(&workspace.hidden, w.dims.hidden);
+            let rows = gather_rows(&slots, &workspace.hidden, w.dims.hidden);
             let head = Head { weights: &w, lm_head: model.lm_head(), implementation: u.loss.implementation };
             total += head.loss(&rows, &inputs, None)?.0;
         }
