@@ -147,3 +147,83 @@ fn grpo_runs_resumes_and_the_ab_prints_its_table() {
     }
     assert!(ab.join("ab.md").exists() && ab.join("baseline/metrics.jsonl").exists());
 }
+
+fn flashgrpo(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_flashgrpo")).current_dir(root()).args(args).output().unwrap()
+}
+
+/// `plot` redraws a run's plots; `bench-rollout` (flashgrpo's side only) generates exactly
+/// `batch x new_tokens` tokens from the run's warm start; `update-grads` names what is wrong with a
+/// malformed batch.
+#[test]
+fn plot_bench_rollout_and_update_grads_on_a_tiny_run() {
+    let out = std::env::temp_dir().join(format!("flashgrpo-tools-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let run = out.join("run");
+    let mut args = vec!["--set", "grpo.steps=1", "--out", run.to_str().unwrap()];
+    args.extend(TINY_GRPO);
+    assert!(train(&args).status.success());
+
+    std::fs::remove_dir_all(run.join("plots")).unwrap();
+    let o = flashgrpo(&["plot", run.to_str().unwrap()]);
+    assert!(o.status.success() && run.join("plots/step_time.png").exists(), "{}", text(&o));
+    let o = flashgrpo(&["plot", out.join("nothing").to_str().unwrap()]);
+    assert!(!o.status.success() && text(&o).contains("metrics.jsonl"), "{}", text(&o));
+
+    let warm = run.join("warm_start");
+    let bench = out.join("bench");
+    let o = flashgrpo(&[
+        "bench-rollout",
+        "--model",
+        warm.to_str().unwrap(),
+        "--batch",
+        "8",
+        "--groups",
+        "4",
+        "--prompt-len",
+        "5",
+        "--new-tokens",
+        "6",
+        "--repeats",
+        "1",
+        "--no-peer",
+        "--out",
+        bench.to_str().unwrap(),
+    ]);
+    assert!(o.status.success() && text(&o).contains("flashgrpo rollout"), "{}", text(&o));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(bench.join("bench_rollout.json")).unwrap()).unwrap();
+    assert_eq!(report["tokens"], 48.0);
+    let o = flashgrpo(&["bench-rollout", "--model", warm.to_str().unwrap(), "--batch", "6", "--groups", "4"]);
+    assert!(!o.status.success() && text(&o).contains("multiple of --groups"), "{}", text(&o));
+
+    // A prompt mask with a hole in it: the error names the tensor and the row.
+    let batch = out.join("batch.safetensors");
+    let ids = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let floats = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let tensors = [
+        ("prompt_ids", safetensors::Dtype::I64, vec![2, 3], ids(&[5, 6, 7, 5, 6, 7])),
+        ("prompt_mask", safetensors::Dtype::I64, vec![2, 3], ids(&[1, 1, 1, 1, 0, 1])),
+        ("completion_ids", safetensors::Dtype::I64, vec![2, 2], ids(&[8, 9, 8, 9])),
+        ("completion_mask", safetensors::Dtype::I64, vec![2, 2], ids(&[1, 1, 1, 0])),
+        ("advantages", safetensors::Dtype::F32, vec![2], floats(&[0.5, -0.5])),
+    ];
+    let views: Vec<(&str, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (*n, safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &batch).unwrap();
+    let grads = out.join("grads.safetensors");
+    let o = flashgrpo(&[
+        "update-grads",
+        "--model",
+        warm.to_str().unwrap(),
+        "--batch",
+        batch.to_str().unwrap(),
+        "--out",
+        grads.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success() && text(&o).contains("prompt_ids row 1"), "{}", text(&o));
+    assert!(!grads.exists());
+    let _ = std::fs::remove_dir_all(&out);
+}
