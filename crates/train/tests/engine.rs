@@ -81,7 +81,7 @@ fn hidden_states_match_the_candle_model() {
         let mut ws = Workspace::default();
         for pass in [Pass::Train, Pass::Score] {
             let input = Input { tokens: &packing.tokens, positions: &packing.positions, queries: &packing.queries };
-            forward(&w, input, &mut ws, pass);
+            forward(&w, input, &mut ws, pass).unwrap();
             let got = packing.gather(&ws.hidden, 32);
             let h = 32;
             for (row, slot) in packing.loss_slots.iter().enumerate() {
@@ -147,7 +147,7 @@ fn engine_update(
     let (mut ws, mut bufs) = (Workspace::default(), BackwardBuffers::default());
     let mut grads = GradBuffers::new(&m.params);
     let input = Input { tokens: &packing.tokens, positions: &packing.positions, queries: &packing.queries };
-    forward(&w, input, &mut ws, Pass::Train);
+    forward(&w, input, &mut ws, Pass::Train).unwrap();
     let h = w.dims.hidden;
     let rows = packing.gather(&ws.hidden, h);
     let mut d_rows = vec![0.0f32; rows.len()];
@@ -241,4 +241,23 @@ fn sampled_generation_matches_and_does_not_depend_on_threads() {
     let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
     let single = one.install(|| Rollout::default().generate(&m, &prompts, &s, &[3], &mut Rng::new(2)).unwrap());
     assert_eq!(single, got);
+}
+
+/// Tokens outside the vocabulary and positions beyond the rotary table are errors, not panics.
+#[test]
+fn bad_rows_are_errors() {
+    let m = model(true, DType::F32, 3);
+    let w = Weights::of(&m).unwrap();
+    let p = Packing::new(&[&[1, 2, 3][..]], &[&[4, 5][..]]).unwrap();
+    let mut ws = Workspace::default();
+    let mut tokens = p.tokens.clone();
+    tokens[1] = 97;
+    let e = forward(&w, Input { tokens: &tokens, ..p.input() }, &mut ws, Pass::Score).unwrap_err().to_string();
+    assert!(e.contains("row 1") && e.contains("vocabulary"), "{e}");
+    let positions: Vec<u32> = p.positions.iter().map(|&x| x + 62).collect();
+    let e = forward(&w, Input { positions: &positions, ..p.input() }, &mut ws, Pass::Score).unwrap_err().to_string();
+    assert!(e.contains("position 64") && e.contains("max_position_embeddings"), "{e}");
+    let long = Sampling { temperature: 0.0, max_new_tokens: 62, ..Default::default() };
+    let e = Rollout::default().generate(&m, &[vec![1, 2, 3]], &long, &[0], &mut Rng::new(1)).unwrap_err().to_string();
+    assert!(e.contains("max_position_embeddings"), "{e}");
 }

@@ -9,6 +9,7 @@
 use super::attention::{self, Query};
 use super::ops;
 use super::weights::{Dims, Weights};
+use crate::error::{Result, TrainError};
 
 /// The keys and values of every slot of a generation, per layer, preallocated once and written
 /// in place (`[slots, kv_heads * head_dim]` each).
@@ -145,9 +146,23 @@ fn layer(
     ops::linear_add(next, &a.act, &w.down, d.intermediate);
 }
 
-/// Runs the model over `input`; the final hidden states are in `ws.hidden`.
-pub fn forward(w: &Weights<'_>, input: Input<'_>, ws: &mut Workspace, mut pass: Pass<'_>) {
+/// Runs the model over `input`; the final hidden states are in `ws.hidden`. A token outside the
+/// vocabulary or a position beyond the rotary table is an error naming the row.
+pub fn forward(w: &Weights<'_>, input: Input<'_>, ws: &mut Workspace, mut pass: Pass<'_>) -> Result<()> {
     let d = &w.dims;
+    if let Some(r) = input.tokens.iter().position(|&t| t as usize >= d.vocab) {
+        return Err(TrainError::Other(format!(
+            "row {r}: token {} is outside the vocabulary of {}",
+            input.tokens[r], d.vocab
+        )));
+    }
+    let reach = w.rope.max_positions();
+    if let Some(r) = input.positions.iter().position(|&p| p as usize >= reach) {
+        return Err(TrainError::Other(format!(
+            "row {r}: position {} is beyond max_position_embeddings = {reach}",
+            input.positions[r]
+        )));
+    }
     let n = input.tokens.len();
     let train = matches!(pass, Pass::Train);
     let residuals = if train { d.layers + 1 } else { 2 };
@@ -175,6 +190,7 @@ pub fn forward(w: &Weights<'_>, input: Input<'_>, ws: &mut Workspace, mut pass: 
     ws.hidden.resize(n * d.hidden, 0.0);
     ws.rstd_final.resize(n, 0.0);
     ops::rms_norm(&mut ws.hidden, &mut ws.rstd_final, &ws.residual[ws.last], &w.norm, d.eps);
+    Ok(())
 }
 
 /// `(&v[a], &mut v[b])` for `a != b`.

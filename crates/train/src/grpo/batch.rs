@@ -114,7 +114,7 @@ impl MicroBatch {
         options: &LossOptions,
         loss: &LossConfig,
     ) -> Result<Vec<f32>> {
-        forward(w, self.packing.input(), ws, Pass::Score);
+        forward(w, self.packing.input(), ws, Pass::Score)?;
         let rows = self.packing.gather(&ws.hidden, w.dims.hidden);
         let inputs = self.inputs(LossKind::Logprob, options, loss, None);
         let head = Head { weights: w, lm_head, implementation: LossImpl::FusedLinear };

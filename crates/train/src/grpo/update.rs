@@ -193,7 +193,7 @@ fn accumulate(
     let (mut total, mut sums) = (0.0, TokenSums::default());
     for (k, mb) in u.batch.batches.iter().enumerate() {
         let (slots, inputs) = u.head(k, mb);
-        forward(&w, mb.packing.input(), &mut engine.workspace, Pass::Train);
+        forward(&w, mb.packing.input(), &mut engine.workspace, Pass::Train)?;
         let rows = gather_rows(&slots, &engine.workspace.hidden, h);
         let mut d_rows = vec![0.0f32; rows.len()];
         let head = Head { weights: &w, lm_head: model.lm_head(), implementation: u.loss.implementation };
@@ -214,7 +214,7 @@ pub fn batch_loss(model: &Qwen2, u: &UpdateInputs<'_>, workspace: &mut Workspace
         let mut total = 0.0;
         for (k, mb) in u.batch.batches.iter().enumerate() {
             let (slots, inputs) = u.head(k, mb);
-            forward(&w, mb.packing.input(), workspace, Pass::Score);
+            forward(&w, mb.packing.input(), workspace, Pass::Score)?;
             let rows = gather_rows(&slots, &workspace.hidden, w.dims.hidden);
             let head = Head { weights: &w, lm_head: model.lm_head(), implementation: u.loss.implementation };
             total += head.loss(&rows, &inputs, None)?.0;

@@ -102,7 +102,7 @@ impl Rollout {
         // Prefill every distinct prompt once; each row starts from its prompt's last hidden state.
         let prefill: Vec<usize> = (0..prompt_slots).collect();
         let input = Input { tokens: &packing.tokens, positions: &packing.positions, queries: &packing.queries };
-        forward(&w, input, &mut self.workspace, Pass::Cached { cache: &mut self.cache, slots: &prefill });
+        forward(&w, input, &mut self.workspace, Pass::Cached { cache: &mut self.cache, slots: &prefill })?;
         // Without completions, each block is one distinct prompt.
         let last_hidden: Vec<f32> = packing
             .blocks
@@ -139,7 +139,7 @@ impl Rollout {
                 self.queries.push(Query { parent: packing.prompt_slots[r].clone(), own: row_base(r)..slot + 1 });
             }
             let input = Input { tokens: &self.tokens, positions: &self.positions, queries: &self.queries };
-            forward(&w, input, &mut self.workspace, Pass::Cached { cache: &mut self.cache, slots: &self.slots });
+            forward(&w, input, &mut self.workspace, Pass::Cached { cache: &mut self.cache, slots: &self.slots })?;
             logits(&w, &self.workspace.hidden, &mut self.logits);
             logit_rows.clear();
             logit_rows.extend(0..active.len());
