@@ -61,9 +61,12 @@ pub fn run_measured(cmd: &mut Command, log: &Path) -> Result<Measured> {
         .stderr(log_file)
         .spawn()
         .with_context(|| format!("cannot start {:?}", cmd.get_program()))?;
-    let mut stdout = String::new();
-    child.stdout.take().context("stdout is piped")?.read_to_string(&mut stdout)?;
+    let mut bytes = Vec::new();
+    let read = child.stdout.take().context("stdout is piped")?.read_to_end(&mut bytes);
+    // Reap the child whatever the read did.
     let (status, peak) = wait_with_peak_rss(child.id() as libc::pid_t)?;
+    read.context("cannot read the child's output")?;
+    let stdout = String::from_utf8_lossy(&bytes).into_owned();
     if !status {
         let text = std::fs::read_to_string(log).unwrap_or_default();
         let tail: Vec<&str> = text.lines().rev().take(20).collect();
@@ -83,10 +86,16 @@ fn wait_with_peak_rss(pid: libc::pid_t) -> Result<(bool, u64)> {
     let mut status = 0;
     // SAFETY: an all-zero rusage is a valid value to be overwritten.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: `pid` is our child, not yet waited for; the pointers are to live locals.
-    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-    if r < 0 {
-        bail!("wait4 failed: {}", std::io::Error::last_os_error());
+    loop {
+        // SAFETY: `pid` is our child, not yet waited for; the pointers are to live locals.
+        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+        if r >= 0 {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            bail!("wait4 failed: {e}");
+        }
     }
     let ok = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
     Ok((ok, usage.ru_maxrss as u64 * 1024))

@@ -75,6 +75,9 @@ pub fn main(args: UpdateGradsArgs) -> Result<()> {
     let [b, p] = ps[..] else { bail!("`prompt_ids` has shape {ps:?}; expected [B, P]") };
     let [_, c] = cs[..] else { bail!("`completion_ids` has shape {cs:?}; expected [B, C]") };
     expect_shape("completion_ids", &cs, &[b, c], "`prompt_ids` has B rows")?;
+    if b == 0 || p == 0 || c == 0 {
+        bail!("the batch is empty: prompt_ids {ps:?}, completion_ids {cs:?} (every dimension must be positive)");
+    }
     let mask = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
         let (m, s) = file.mask(name)?.with_context(|| format!("the batch has no `{name}`"))?;
         expect_shape(name, &s, shape, "it masks the ids beside it")?;

@@ -105,7 +105,10 @@ impl Head<'_, '_> {
         }
     }
 
-    /// The composed loss on candle's materialised logits, differentiated by candle.
+    /// The composed loss on candle's materialised logits, differentiated by candle. candle reads
+    /// the lm_head under a second read lock of its storage while `Weights` holds the first: fine,
+    /// as nothing writes the parameters during an update (the optimiser runs after `Weights` is
+    /// dropped).
     fn baseline(&self, rows: &[f32], inputs: &LossInputs, gradients: Option<HeadGradients<'_>>) -> Result<f64> {
         let d = self.weights.dims;
         let (b, t, h) = (inputs.batch, inputs.seq_len, d.hidden);

@@ -110,11 +110,6 @@ impl Packing {
         self.tokens.len()
     }
 
-    /// The sequences (loss rows `S`).
-    pub fn sequences(&self) -> usize {
-        self.prompt_slots.len()
-    }
-
     /// The loss rows' hidden states `[S * C, H]` gathered from the slots' `hidden [slots, H]`
     /// (zeros on padding).
     pub fn gather(&self, hidden: &[f32], h: usize) -> Vec<f32> {

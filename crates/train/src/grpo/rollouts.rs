@@ -47,7 +47,6 @@ pub struct RolloutSetup<'a> {
     pub train: &'a [Prompt],
     pub tokenizer: &'a Tokenizer,
     pub eos: &'a [u32],
-    pub pad: u32,
 }
 
 impl RolloutSetup<'_> {
@@ -66,8 +65,8 @@ impl RolloutSetup<'_> {
                 (0..c.prompts_per_step).map(|_| &self.train[rng.below(self.train.len())]).collect();
             let prompts: Vec<Vec<u32>> = chosen.iter().flat_map(|p| std::iter::repeat_n(p.ids.clone(), g)).collect();
             let generated = rollout.generate(model, &prompts, &c.sampling(), self.eos, rng)?;
-            let completions: Vec<Vec<u32>> =
-                generated.completions.into_iter().map(|c| if c.is_empty() { vec![self.pad] } else { c }).collect();
+            // Every completion has a token: `max_new_tokens >= 1` (validated).
+            let completions = generated.completions;
             out.rollout_s += started.elapsed().as_secs_f64();
 
             let started = Instant::now();

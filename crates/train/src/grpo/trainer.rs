@@ -233,7 +233,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
     }
     let mut rng = Rng::from_state(state.rng);
     let g = config.num_generations;
-    let rollouts = RolloutSetup { config, train, tokenizer, eos, pad };
+    let rollouts = RolloutSetup { config, train, tokenizer, eos };
     let bar = progress_bar("grpo", config.steps, state.step, progress);
     let probe = metrics::heap_probe();
     metrics::reset_peak_rss();
@@ -255,11 +255,10 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         let logprob_started = Instant::now();
         let batch = UpdateBatch::new(&groups.prompts, &groups.completions, config.micro_batch_size, pad)?;
         let valid_tokens = batch.valid_tokens();
-        let old_logp = (config.ppo_epochs > 1)
-            .then(|| batch.logprobs(model, &mut engine.workspace, &options, loss))
-            .transpose()?;
+        let old_logp =
+            (config.ppo_epochs > 1).then(|| batch.logprobs(model, &mut engine.score, &options, loss)).transpose()?;
         let ref_logp = match (beta != 0.0, reference) {
-            (true, Some(r)) => Some(batch.logprobs(r, &mut engine.workspace, &options, loss)?),
+            (true, Some(r)) => Some(batch.logprobs(r, &mut engine.score, &options, loss)?),
             _ => None,
         };
         let logprob_s = logprob_started.elapsed().as_secs_f64();

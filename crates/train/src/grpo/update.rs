@@ -20,11 +20,13 @@ use crate::model::Qwen2;
 use crate::optim::{GradBuffers, StepReport, Updater};
 use crate::rollout::Rollout;
 
-/// The engine's buffers, kept from step to step.
+/// The engine's buffers, kept from step to step: generation's, the update's (every layer's
+/// activations), the no-gradient passes' (one layer's), the backward's.
 #[derive(Default)]
 pub struct EngineBuffers {
     pub rollout: Rollout,
     pub workspace: Workspace,
+    pub score: Workspace,
     pub backward: BackwardBuffers,
 }
 
@@ -41,9 +43,12 @@ impl UpdateBatch {
     /// `prompts[s] + completions[s]` (every completion at least one token) in micro-batches of
     /// `micro_batch_size` sequences.
     pub fn new(prompts: &[Vec<u32>], completions: &[Vec<u32>], micro_batch_size: usize, pad: u32) -> Result<Self> {
+        if micro_batch_size == 0 {
+            return Err(crate::error::TrainError::Other("the micro-batch size must be positive".into()));
+        }
         let n = completions.len();
         let ranges: Vec<Range<usize>> =
-            (0..n).step_by(micro_batch_size.max(1)).map(|s| s..(s + micro_batch_size).min(n)).collect();
+            (0..n).step_by(micro_batch_size).map(|s| s..(s + micro_batch_size).min(n)).collect();
         let batches = ranges
             .iter()
             .map(|r| {

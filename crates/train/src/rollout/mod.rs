@@ -110,8 +110,9 @@ impl Rollout {
             .flat_map(|b| self.workspace.hidden[(b.end - 1) * d.hidden..b.end * d.hidden].iter().copied())
             .collect();
         logits(&w, &last_hidden, &mut self.logits);
-        let mut logit_rows: Vec<usize> =
-            packing.prompt_slots.iter().map(|p| packing.blocks.iter().position(|b| b == p).unwrap_or(0)).collect();
+        let block_of: std::collections::HashMap<usize, usize> =
+            packing.blocks.iter().enumerate().map(|(i, b)| (b.start, i)).collect();
+        let mut logit_rows: Vec<usize> = packing.prompt_slots.iter().map(|p| block_of[&p.start]).collect();
         let mut active: Vec<usize> = (0..rows).collect();
         let (mut uniforms, mut drawn) = (Vec::with_capacity(rows), vec![0u32; rows]);
         for step in 0..s.max_new_tokens {
