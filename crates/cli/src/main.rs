@@ -18,6 +18,7 @@ mod gradcheck;
 mod input_spec;
 mod loss_cmd;
 mod memory;
+mod mpi_check_cmd;
 mod peers;
 mod plot_cmd;
 mod run;
@@ -70,6 +71,9 @@ enum Command {
     BenchTrainer(bench_trainer_cmd::BenchTrainerArgs),
     /// The loss and every parameter's gradient of one GRPO update on a given rollout batch.
     UpdateGrads(update_grads_cmd::UpdateGradsArgs),
+    /// What the multi-process layer finds (run under `mpirun -np K`): every collective checked,
+    /// the all-reduce timed.
+    MpiCheck(mpi_check_cmd::MpiCheckArgs),
     /// What the CUDA backend finds here (GPU, NVRTC, headers, cuBLAS); compiles the kernels.
     #[cfg(feature = "cuda")]
     CudaCheck(cuda_check_cmd::CudaCheckArgs),
@@ -101,6 +105,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::BenchRollout(args) => bench_rollout_cmd::main(args),
         Command::BenchTrainer(args) => bench_trainer_cmd::main(args),
         Command::UpdateGrads(args) => update_grads_cmd::main(args),
+        Command::MpiCheck(args) => mpi_check_cmd::main(args),
         #[cfg(feature = "cuda")]
         Command::CudaCheck(args) => cuda_check_cmd::main(args),
     }

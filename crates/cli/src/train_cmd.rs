@@ -5,6 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use flashgrpo_train::grpo_job::{run_grpo_job, GrpoJobSummary, JobOptions};
+use std::sync::Arc;
+
+use flashgrpo_collective::Collective;
 use flashgrpo_train::sft_job::run_sft_job;
 use flashgrpo_train::{Algo, TrainConfig};
 use serde_json::Value;
@@ -111,9 +114,17 @@ pub fn main(args: TrainArgs) -> Result<()> {
         print!("{}", serde_saphyr::to_string(&config)?);
         return Ok(());
     }
+    let comm: Arc<dyn Collective> = Arc::from(flashgrpo_collective::from_environment(false)?);
+    if !comm.is_root() {
+        // Rank 0 prints; the others compute.
+        return run_quietly(&config, &args, comm);
+    }
+    if comm.size() > 1 {
+        eprintln!("flashgrpo train: {} ({} data-parallel ranks)", comm.describe(), comm.size());
+    }
     match config.algo {
         Algo::Sft => {
-            let s = run_sft_job(&config, &config.out)?;
+            let s = run_sft_job(&config, &config.out, comm.as_ref())?;
             let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
             println!("sft: {} steps, loss.impl = {}", config.sft.steps, config.loss.implementation.name());
             println!("  train/loss first {:.4}, last 10 {:.4}", s.first_loss, s.last_loss);
@@ -140,11 +151,25 @@ pub fn main(args: TrainArgs) -> Result<()> {
         }
         Algo::Grpo => {
             let resume = args.resume.as_deref().map(resume_dirs).transpose()?.map(|(c, _)| c);
-            let s = run_grpo_job(&config, &JobOptions { resume, ..Default::default() })?;
+            let s = run_grpo_job(&config, &JobOptions { resume, comm, ..Default::default() })?;
             print_grpo_summary(&config, &s);
             Ok(())
         }
     }
+}
+
+/// A rank other than 0: the same job, nothing printed.
+fn run_quietly(config: &TrainConfig, args: &TrainArgs, comm: Arc<dyn Collective>) -> Result<()> {
+    match config.algo {
+        Algo::Sft => {
+            run_sft_job(config, &config.out, comm.as_ref())?;
+        }
+        Algo::Grpo => {
+            let resume = args.resume.as_deref().map(resume_dirs).transpose()?.map(|(c, _)| c);
+            run_grpo_job(config, &JobOptions { resume, comm, ..Default::default() })?;
+        }
+    }
+    Ok(())
 }
 
 fn print_grpo_summary(config: &TrainConfig, s: &GrpoJobSummary) {

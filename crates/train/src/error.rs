@@ -27,6 +27,9 @@ pub enum TrainError {
     #[error(transparent)]
     Loss(#[from] flashgrpo_kernels::LossError),
 
+    #[error(transparent)]
+    Collective(#[from] flashgrpo_collective::CollectiveError),
+
     #[error("{0}")]
     Other(String),
 }

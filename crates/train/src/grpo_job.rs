@@ -6,6 +6,9 @@
 //! plots, and `checkpoint/` to resume from.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use flashgrpo_collective::{Collective, SingleProcess};
 
 use serde_json::json;
 use tokenizers::Tokenizer;
@@ -17,6 +20,7 @@ use crate::grpo::{train_grpo, Checkpoint, GrpoRun, GrpoSummary, Prompt, StepHook
 use crate::head_loss::{LossConfig, LossImpl};
 use crate::metrics::MetricsLog;
 use crate::model::{load_tokenizer, save_model, Qwen2};
+use crate::parallel::broadcast_weights;
 use crate::plot::plot_metrics;
 use crate::prompt::PromptFormat;
 use crate::rewards::formatted;
@@ -26,7 +30,7 @@ use crate::tokenizer::{encode, save_tokenizer, CHATML_TEMPLATE, END_OF_TEXT};
 use crate::train_config::TrainConfig;
 
 /// How a job runs besides its config.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone)]
 pub struct JobOptions {
     /// Continue from this checkpoint directory (`OUT/checkpoint`).
     pub resume: Option<PathBuf>,
@@ -34,6 +38,24 @@ pub struct JobOptions {
     pub stop_after: Option<usize>,
     /// Called after every GRPO step, outside all timed regions (`flashgrpo ab` alternates its arms).
     pub after_step: Option<StepHook>,
+    /// The processes of the job (`mpirun -np K`): data-parallel ranks; one process by default.
+    pub comm: Arc<dyn Collective>,
+}
+
+impl Default for JobOptions {
+    fn default() -> Self {
+        Self { resume: None, stop_after: None, after_step: None, comm: Arc::new(SingleProcess) }
+    }
+}
+
+impl std::fmt::Debug for JobOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobOptions")
+            .field("resume", &self.resume)
+            .field("stop_after", &self.stop_after)
+            .field("ranks", &self.comm.size())
+            .finish()
+    }
 }
 
 /// What the job did.
@@ -104,9 +126,13 @@ fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
 /// Runs GRPO as the config says, in `config.out`.
 pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary> {
     config.validate()?;
-    let out = config.out.clone();
-    std::fs::create_dir_all(&out).map_err(io(&out))?;
-    write_json(&out.join("config.json"), config)?;
+    let comm = options.comm.as_ref();
+    config.parallel.validate(comm.size())?;
+    let (out, root) = (config.out.clone(), comm.is_root());
+    if root {
+        std::fs::create_dir_all(&out).map_err(io(&out))?;
+        write_json(&out.join("config.json"), config)?;
+    }
     let (train_problems, eval_problems) = config.task.load(&config.data, config.seed)?;
 
     let checkpoint = options.resume.as_deref().map(Checkpoint::load).transpose()?;
@@ -119,7 +145,7 @@ pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJo
             (Setup { model, tokenizer, eos, pad, trained_tokenizer: trained }, reference, None, Some(resume))
         }
         None => {
-            let (setup, warm_start) = fresh_start(config, &train_problems, &eval_problems, &out)?;
+            let (setup, warm_start) = fresh_start(config, &train_problems, &eval_problems, &out, comm)?;
             let reference = (config.loss.options.beta != 0.0).then(|| setup.model.frozen_copy()).transpose()?;
             (setup, reference, warm_start, None)
         }
@@ -136,6 +162,7 @@ pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJo
     }
     let (eval, _) = encode_prompts(&setup.tokenizer, &format, &eval_problems, room)?;
     let mut log = match &resume {
+        _ if !root => MetricsLog::discard(),
         Some(r) => MetricsLog::resume(&out, r.state.step)?,
         None => MetricsLog::open(&out, false)?,
     }
@@ -159,8 +186,14 @@ pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJo
             resume: resume.as_ref(),
             stop_after: options.stop_after,
             after_step: options.after_step.as_ref(),
+            comm,
+            check_weights_every: config.parallel.check_weights_every,
         },
     )?;
+    if !root {
+        comm.barrier()?;
+        return Ok(GrpoJobSummary { warm_start, grpo, out });
+    }
     let model_dir = out.join("model");
     save_model(&setup.model, &model_dir, None)?;
     save_tokenizer(&setup.tokenizer, &model_dir)?;
@@ -181,6 +214,7 @@ pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJo
         }),
     )?;
     plot_metrics(log.path(), &out.join("plots"))?;
+    comm.barrier()?;
     Ok(GrpoJobSummary { warm_start, grpo, out })
 }
 
@@ -191,6 +225,7 @@ fn fresh_start(
     train_problems: &[Gsm8kProblem],
     eval_problems: &[Gsm8kProblem],
     out: &Path,
+    comm: &dyn Collective,
 ) -> Result<(Setup, Option<SftSummary>)> {
     let corpus_format = prompt_format(config, true)?;
     let corpus: Vec<String> = train_problems
@@ -198,13 +233,16 @@ fn fresh_start(
         .map(|p| Ok(format!("{}{}", corpus_format.render(&p.question)?, formatted(&p.reasoning, &p.answer))))
         .collect::<Result<_>>()?;
     let setup = setup(config, corpus.iter())?;
+    broadcast_weights(&setup.model.params, comm)?;
     if config.sft.steps == 0 {
         return Ok((setup, None));
     }
     let format = prompt_format(config, setup.trained_tokenizer)?;
-    let summary = warm_start(config, &setup, &format, train_problems, eval_problems, out)?;
-    save_model(&setup.model, &warm_start_dir(out), None)?;
-    save_tokenizer(&setup.tokenizer, &warm_start_dir(out))?;
+    let summary = warm_start(config, &setup, &format, train_problems, eval_problems, out, comm)?;
+    if comm.is_root() {
+        save_model(&setup.model, &warm_start_dir(out), None)?;
+        save_tokenizer(&setup.tokenizer, &warm_start_dir(out))?;
+    }
     Ok((setup, Some(summary)))
 }
 
@@ -217,7 +255,7 @@ pub fn make_warm_start(config: &TrainConfig) -> Result<PathBuf> {
     }
     std::fs::create_dir_all(&config.out).map_err(io(&config.out))?;
     let (train_problems, eval_problems) = config.task.load(&config.data, config.seed)?;
-    fresh_start(config, &train_problems, &eval_problems, &config.out)?;
+    fresh_start(config, &train_problems, &eval_problems, &config.out, &SingleProcess)?;
     Ok(warm_start_dir(&config.out))
 }
 
@@ -281,6 +319,7 @@ fn warm_start(
     train: &[Gsm8kProblem],
     eval: &[Gsm8kProblem],
     out: &Path,
+    comm: &dyn Collective,
 ) -> Result<SftSummary> {
     let loss = LossConfig {
         implementation: LossImpl::FusedLinear,
@@ -290,8 +329,11 @@ fn warm_start(
     let taught = sloppy_answers(train, config.task.sloppy_teacher_share(), config.seed);
     let (train, _) = encode_examples(&s.tokenizer, &warm_start_examples(format, &taught)?, s.eos, config.sft.max_len)?;
     let (eval, _) = encode_examples(&s.tokenizer, &warm_start_examples(format, eval)?, s.eos, config.sft.max_len)?;
-    let mut log =
-        MetricsLog::open_file(&out.join("sft_metrics.jsonl"), false)?.with_tensorboard(&out.join("tensorboard/sft"))?;
+    let mut log = if comm.is_root() {
+        MetricsLog::open_file(&out.join("sft_metrics.jsonl"), false)?.with_tensorboard(&out.join("tensorboard/sft"))?
+    } else {
+        MetricsLog::discard()
+    };
     train_sft(
         &s.model,
         SftRun {
@@ -303,6 +345,8 @@ fn warm_start(
             seed: config.seed,
             log: Some(&mut log),
             progress: config.progress,
+            comm,
+            check_weights_every: config.parallel.check_weights_every,
         },
     )
 }

@@ -14,6 +14,7 @@ pub mod head_loss;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod parallel;
 pub mod plot;
 pub mod prompt;
 pub mod rewards;

@@ -18,7 +18,8 @@ pub type Record = Map<String, Value>;
 /// Appends records to a JSONL file and, when asked, to a TensorBoard event file.
 pub struct MetricsLog {
     path: PathBuf,
-    file: BufWriter<File>,
+    /// `None`: a log that keeps nothing (the ranks other than 0 of a data-parallel run).
+    file: Option<BufWriter<File>>,
     events: Option<(PathBuf, syntaxdot_summary::SummaryWriter<BufWriter<File>>)>,
 }
 
@@ -38,13 +39,16 @@ impl MetricsLog {
             .truncate(!append)
             .open(path)
             .map_err(io(path))?;
-        Ok(Self { path: path.into(), file: BufWriter::new(file), events: None })
+        Ok(Self { path: path.into(), file: Some(BufWriter::new(file)), events: None })
     }
 
     /// Also writes every record's numbers as TensorBoard scalars (tag: the metric's name, step:
     /// the record's `step`) into a new event file in `dir`. A resumed run starts a new file; the
     /// records it redoes then appear twice in TensorBoard, once per file.
     pub fn with_tensorboard(mut self, dir: &Path) -> Result<Self> {
+        if self.file.is_none() {
+            return Ok(self);
+        }
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let writer = syntaxdot_summary::SummaryWriter::from_prefix(dir.join("events")).map_err(io(dir))?;
         self.events = Some((dir.to_path_buf(), writer));
@@ -70,9 +74,16 @@ impl MetricsLog {
         Self::open_file(&path, true)
     }
 
+    /// A log that writes nothing: every rank but 0 of a data-parallel run computes the same
+    /// records and leaves the files to rank 0.
+    pub fn discard() -> Self {
+        Self { path: PathBuf::new(), file: None, events: None }
+    }
+
     pub fn write(&mut self, record: &Record) -> Result<()> {
+        let Some(file) = &mut self.file else { return Ok(()) };
         let line = serde_json::to_string(record).expect("a JSON map serialises");
-        writeln!(self.file, "{line}").and_then(|_| self.file.flush()).map_err(io(&self.path))?;
+        writeln!(file, "{line}").and_then(|_| file.flush()).map_err(io(&self.path))?;
         if let Some((dir, events)) = &mut self.events {
             let step = record.get("step").and_then(Value::as_i64).unwrap_or(0);
             for (key, value) in record.iter().filter(|(k, _)| k.as_str() != "step") {

@@ -5,6 +5,7 @@
 
 use std::time::Instant;
 
+use flashgrpo_collective::{share, Collective, ReduceOp, SingleProcess};
 use flashgrpo_kernels::synthetic::Rng;
 use flashgrpo_kernels::Reduction;
 use serde::{Deserialize, Serialize};
@@ -133,10 +134,25 @@ fn update_batch(examples: &[&Encoded], batch_size: usize, pad: u32) -> Result<Up
 
 /// The mean completion-token loss over `data` (no gradient).
 pub fn evaluate(model: &Qwen2, data: &[Encoded], batch_size: usize, loss: &LossConfig, pad: u32) -> Result<f64> {
-    let refs: Vec<&Encoded> = data.iter().collect();
-    let batch = update_batch(&refs, batch_size, pad)?;
+    evaluate_shared(model, data, batch_size, loss, pad, &SingleProcess)
+}
+
+/// [`evaluate`] with the examples shared among the ranks of `comm`.
+pub fn evaluate_shared(
+    model: &Qwen2,
+    data: &[Encoded],
+    batch_size: usize,
+    loss: &LossConfig,
+    pad: u32,
+    comm: &dyn Collective,
+) -> Result<f64> {
+    let refs: Vec<&Encoded> = data[share(data.len(), comm.size(), comm.rank())].iter().collect();
+    let mut batch = update_batch(&refs, batch_size, pad)?;
+    batch.share_normalisers(comm)?;
     let inputs = UpdateInputs { batch: &batch, objective: Objective::CrossEntropy, options: &loss.options, loss };
-    batch_loss(model, &inputs, &mut Workspace::default())
+    let mut total = [batch_loss(model, &inputs, &mut Workspace::default())?];
+    comm.all_reduce_f64(&mut total, ReduceOp::Sum)?;
+    Ok(total[0])
 }
 
 /// What an SFT run did.
@@ -170,11 +186,20 @@ pub struct SftRun<'a> {
     pub log: Option<&'a mut MetricsLog>,
     /// A progress bar on the terminal (hidden when it is not one).
     pub progress: bool,
+    /// The data-parallel ranks: each trains on its share of every step's examples, the
+    /// gradients summed; rank 0 writes the log.
+    pub comm: &'a dyn Collective,
+    /// Compare the ranks' weights every this many steps (0: never).
+    pub check_weights_every: usize,
 }
 
 /// Trains `model` in place.
 pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
-    let SftRun { config, loss, train, eval, pad, seed, mut log, progress } = run;
+    let SftRun { config, loss, train, eval, pad, seed, mut log, progress, comm, check_weights_every } = run;
+    let progress = progress && comm.is_root();
+    if !comm.is_root() {
+        log = None;
+    }
     config.validate(loss)?;
     if train.is_empty() {
         return Err(TrainError::Other("SFT: no training examples".into()));
@@ -193,7 +218,7 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
         order.pop().expect("refilled")
     };
     let eval_loss = |model: &Qwen2| -> Result<Option<f64>> {
-        (!eval.is_empty()).then(|| evaluate(model, eval, config.batch_size, loss, pad)).transpose()
+        (!eval.is_empty()).then(|| evaluate_shared(model, eval, config.batch_size, loss, pad, comm)).transpose()
     };
     let eval_before = eval_loss(model)?;
     let mut write = |record: &Record| -> Result<()> { log.as_deref_mut().map_or(Ok(()), |l| l.write(record)) };
@@ -215,10 +240,12 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
         }
         let started = Instant::now();
         let examples: Vec<&Encoded> = (0..config.grad_accum * config.batch_size).map(|_| &train[next()]).collect();
-        let batch = update_batch(&examples, config.batch_size, pad)?;
+        let mine = share(examples.len(), comm.size(), comm.rank());
+        let mut batch = update_batch(&examples[mine], config.batch_size, pad)?;
+        batch.share_normalisers(comm)?;
         let window = batch.valid_tokens();
         let inputs = UpdateInputs { batch: &batch, objective: Objective::CrossEntropy, options: &loss.options, loss };
-        let (losses_, _, report) = update(model, &inputs, 1, &mut updater, &mut engine)?;
+        let (losses_, _, report) = update(model, &inputs, 1, &mut updater, &mut engine, comm)?;
         let total = losses_[0];
         let step_s = started.elapsed().as_secs_f64();
         let step_heap = probe.map(|p| (p.peak)());
@@ -247,6 +274,9 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
             if let Some(e) = eval_after {
                 r.insert("eval/loss".into(), json!(e));
             }
+        }
+        if check_weights_every > 0 && comm.size() > 1 && step % check_weights_every == 0 {
+            crate::parallel::check_weights(&model.params, comm, step)?;
         }
         write(&r)?;
         bar.set_message(metrics::summary_line(

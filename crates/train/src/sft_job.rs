@@ -7,7 +7,10 @@ use crate::data::{Gsm8kProblem, TaskName};
 use crate::error::{io, Result};
 use crate::grpo_job::{prompt_format, warm_start_examples};
 use crate::metrics::MetricsLog;
+use flashgrpo_collective::Collective;
+
 use crate::model::save_model;
+use crate::parallel::broadcast_weights;
 use crate::setup::setup;
 use crate::sft::{encode_examples, train_sft, Example, SftRun, SftSummary};
 use crate::tokenizer::save_tokenizer;
@@ -25,7 +28,9 @@ pub fn gsm8k_example(p: &Gsm8kProblem) -> Example {
 /// Runs SFT as the config says, writing `metrics.jsonl`, `config.json` and `model/` to `out`.
 /// GSM8K trains on `Question: ...\nAnswer: ` + the worked solution; the arithmetic task on its
 /// prompts and the think/answer format the GRPO rewards ask for.
-pub fn run_sft_job(config: &TrainConfig, out: &Path) -> Result<SftSummary> {
+pub fn run_sft_job(config: &TrainConfig, out: &Path, comm: &dyn Collective) -> Result<SftSummary> {
+    config.parallel.validate(comm.size())?;
+    let root = comm.is_root();
     let (train, eval) = config.task.load(&config.data, config.seed)?;
     let gsm8k = config.task.name == TaskName::Gsm8k;
     let s = if gsm8k {
@@ -37,9 +42,12 @@ pub fn run_sft_job(config: &TrainConfig, out: &Path) -> Result<SftSummary> {
         let corpus = warm_start_examples(&format, &train)?;
         setup(config, corpus.iter().map(|e| format!("{}{}", e.prompt, e.completion)))?
     };
-    std::fs::create_dir_all(out).map_err(io(out))?;
-    let config_path = out.join("config.json");
-    std::fs::write(&config_path, serde_json::to_string_pretty(config).expect("json")).map_err(io(&config_path))?;
+    broadcast_weights(&s.model.params, comm)?;
+    if root {
+        std::fs::create_dir_all(out).map_err(io(out))?;
+        let config_path = out.join("config.json");
+        std::fs::write(&config_path, serde_json::to_string_pretty(config).expect("json")).map_err(io(&config_path))?;
+    }
     let format = prompt_format(config, s.trained_tokenizer)?;
     let examples = |problems: &[Gsm8kProblem]| -> Result<Vec<Example>> {
         if gsm8k {
@@ -50,7 +58,11 @@ pub fn run_sft_job(config: &TrainConfig, out: &Path) -> Result<SftSummary> {
     };
     let (train, _) = encode_examples(&s.tokenizer, &examples(&train)?, s.eos, config.sft.max_len)?;
     let (eval, _) = encode_examples(&s.tokenizer, &examples(&eval)?, s.eos, config.sft.max_len)?;
-    let mut log = MetricsLog::open(out, false)?.with_tensorboard(&out.join("tensorboard/sft"))?;
+    let mut log = if root {
+        MetricsLog::open(out, false)?.with_tensorboard(&out.join("tensorboard/sft"))?
+    } else {
+        MetricsLog::discard()
+    };
     let summary = train_sft(
         &s.model,
         SftRun {
@@ -62,10 +74,15 @@ pub fn run_sft_job(config: &TrainConfig, out: &Path) -> Result<SftSummary> {
             seed: config.seed,
             log: Some(&mut log),
             progress: config.progress,
+            comm,
+            check_weights_every: config.parallel.check_weights_every,
         },
     )?;
-    let model_dir = out.join("model");
-    save_model(&s.model, &model_dir, None)?;
-    save_tokenizer(&s.tokenizer, &model_dir)?;
+    if root {
+        let model_dir = out.join("model");
+        save_model(&s.model, &model_dir, None)?;
+        save_tokenizer(&s.tokenizer, &model_dir)?;
+    }
+    comm.barrier()?;
     Ok(summary)
 }

@@ -12,6 +12,7 @@ use crate::error::{Result, TrainError};
 use crate::grpo::GrpoConfig;
 use crate::head_loss::LossConfig;
 use crate::model::Qwen2Config;
+use crate::parallel::ParallelConfig;
 use crate::sft::SftConfig;
 
 /// Which training algorithm.
@@ -162,6 +163,8 @@ pub struct TrainConfig {
     pub sft: SftConfig,
     pub grpo: GrpoConfig,
     pub loss: LossConfig,
+    /// Multi-process training (`mpirun -np K flashgrpo train`): docs/DISTRIBUTED.md.
+    pub parallel: ParallelConfig,
 }
 
 impl Default for TrainConfig {
@@ -178,6 +181,7 @@ impl Default for TrainConfig {
             sft: SftConfig::default(),
             grpo: GrpoConfig::default(),
             loss: LossConfig::default(),
+            parallel: ParallelConfig::default(),
         }
     }
 }

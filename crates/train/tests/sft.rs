@@ -60,7 +60,7 @@ fn series(m: &[serde_json::Map<String, Value>], key: &str) -> Vec<f64> {
 #[test]
 fn sft_lowers_the_loss_and_saves_a_loadable_model() {
     let out = out_dir("lowers");
-    let s = run_sft_job(&tiny(40), &out).unwrap();
+    let s = run_sft_job(&tiny(40), &out, &flashgrpo_collective::SingleProcess).unwrap();
     let (before, after) = (s.eval_before.unwrap(), s.eval_after.unwrap());
     assert!(after < before - 1.5, "held-out loss {before} -> {after}");
     assert!(s.last_loss < s.first_loss - 1.0, "train loss {} -> {}", s.first_loss, s.last_loss);
@@ -79,7 +79,7 @@ fn sft_lowers_the_loss_and_saves_a_loadable_model() {
 /// Runs `steps` steps and returns the logged train losses and gradient norms.
 fn trace(config: &TrainConfig, name: &str) -> (Vec<f64>, Vec<f64>) {
     let out = out_dir(name);
-    run_sft_job(config, &out).unwrap();
+    run_sft_job(config, &out, &flashgrpo_collective::SingleProcess).unwrap();
     let m = metrics(&out);
     let _ = std::fs::remove_dir_all(&out);
     (series(&m, "train/loss"), series(&m, "train/grad_norm"))
@@ -143,7 +143,7 @@ fn bf16_parameters_train() {
     let mut c = tiny(25);
     c.model.dtype = flashgrpo_train::train_config::ParamDType::Bf16;
     let out = out_dir("bf16");
-    let s = run_sft_job(&c, &out).unwrap();
+    let s = run_sft_job(&c, &out, &flashgrpo_collective::SingleProcess).unwrap();
     assert!(s.eval_after.unwrap() < s.eval_before.unwrap() - 1.0, "{s:?}");
     let model = flashgrpo_train::model::load_model(&out.join("model"), None).unwrap();
     assert_eq!(model.dtype(), candle_core::DType::BF16);
@@ -162,18 +162,18 @@ fn bad_inputs_are_named() {
     .unwrap();
     let mut c = tiny(1);
     c.data.path = bad.clone();
-    let e = run_sft_job(&c, &dir.join("out")).err().unwrap().to_string();
+    let e = run_sft_job(&c, &dir.join("out"), &flashgrpo_collective::SingleProcess).err().unwrap().to_string();
     assert!(e.contains("bad.jsonl line 2") && e.contains("####"), "{e}");
     c.data.path = dir.join("missing.jsonl");
-    let e = run_sft_job(&c, &dir.join("out")).err().unwrap().to_string();
+    let e = run_sft_job(&c, &dir.join("out"), &flashgrpo_collective::SingleProcess).err().unwrap().to_string();
     assert!(e.contains("missing.jsonl"), "{e}");
     let mut c = tiny(1);
     c.model.path = Some(dir.clone());
-    let e = run_sft_job(&c, &dir.join("out")).err().unwrap().to_string();
+    let e = run_sft_job(&c, &dir.join("out"), &flashgrpo_collective::SingleProcess).err().unwrap().to_string();
     assert!(e.contains("tokenizer.json") || e.contains("config.json"), "{e}");
     let mut c = tiny(1);
     c.loss.options.reduction = flashgrpo_kernels::Reduction::Sum;
-    let e = run_sft_job(&c, &dir.join("out")).err().unwrap().to_string();
+    let e = run_sft_job(&c, &dir.join("out"), &flashgrpo_collective::SingleProcess).err().unwrap().to_string();
     assert!(e.contains("loss.reduction"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

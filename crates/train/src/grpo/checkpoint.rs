@@ -28,6 +28,13 @@ pub struct TrainerState {
     pub eval_greedy_before: Option<f64>,
     /// The last (up to) 10 step times, for `time/step_avg_last10_s`.
     pub recent_step_s: Vec<f64>,
+    /// The data-parallel ranks that trained it (a resumed run must use as many).
+    #[serde(default = "one")]
+    pub world_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// `out/checkpoint`.

@@ -5,9 +5,17 @@
 //! generations per step, until `prompts_per_step` groups carry a signal (or the rounds run out:
 //! the step then trains on the groups it has, or, with none, on the last round's, as without
 //! dynamic sampling).
+//!
+//! Data-parallel: every rank draws the same prompts (the step's generator is the same on every
+//! rank), generates the whole groups of its share, and the ranks exchange what all of them need
+//! (which groups are flat, every completion's scores): the kept groups, counts and metrics are
+//! those of one process, each rank trains on its own kept groups. Each row samples from its own
+//! stream keyed by its global index ([`RowStreams`]), so the completions do not depend on the
+//! number of ranks.
 
 use std::time::Instant;
 
+use flashgrpo_collective::{share, Collective};
 use flashgrpo_kernels::synthetic::Rng;
 use tokenizers::Tokenizer;
 
@@ -16,24 +24,26 @@ use super::trainer::Prompt;
 use crate::error::Result;
 use crate::model::Qwen2;
 use crate::rewards::{advantages, score};
-use crate::rollout::Rollout;
+use crate::rollout::{Rollout, RowStreams};
 use crate::tokenizer::decode;
 
 /// What a step's rollout produced.
 #[derive(Debug, Default)]
 pub struct Groups {
-    /// The sequences the update trains on, group after group: prompt ids, completions (at least
-    /// one token each), advantages.
+    /// The sequences this rank's update trains on, group after group: prompt ids, completions (at
+    /// least one token each), advantages.
     pub prompts: Vec<Vec<u32>>,
     pub completions: Vec<Vec<u32>>,
     pub advantages: Vec<f64>,
-    /// Every completion generated in the step, kept or not (the policy's own statistics): the
-    /// three rewards, the weighted reward, the length.
+    /// Every completion generated in the step by any rank, kept or not (the policy's own
+    /// statistics): the three rewards, the weighted reward, the length.
     pub scores: Vec<[f64; 3]>,
     pub rewards: Vec<f64>,
     pub lengths: Vec<usize>,
     /// Generations run (1 without dynamic sampling).
     pub rounds: usize,
+    /// Groups kept for the update, over all ranks.
+    pub kept_groups: usize,
     /// Of the groups generated, those whose rewards were all equal.
     pub flat_groups: usize,
     pub generated_groups: usize,
@@ -47,24 +57,28 @@ pub struct RolloutSetup<'a> {
     pub train: &'a [Prompt],
     pub tokenizer: &'a Tokenizer,
     pub eos: &'a [u32],
+    /// The data-parallel ranks (one process: [`flashgrpo_collective::SingleProcess`]).
+    pub comm: &'a dyn Collective,
 }
 
 impl RolloutSetup<'_> {
     /// One step's groups, prompts drawn from `rng`.
     pub fn run(&self, model: &Qwen2, rollout: &mut Rollout, rng: &mut Rng) -> Result<Groups> {
         let c = self.config;
-        let g = c.num_generations;
+        let (g, target) = (c.num_generations, c.prompts_per_step);
+        let mine = share(target, self.comm.size(), self.comm.rank());
         let mut out = Groups::default();
         let mut kept_rewards = Vec::new();
         let mut last_round = (Vec::new(), Vec::new(), Vec::new());
         let rounds = if c.dynamic_sampling { c.max_rollout_rounds.max(1) } else { 1 };
-        while out.rounds < rounds && out.prompts.len() < c.prompts_per_step * g {
+        while out.rounds < rounds && out.kept_groups < target {
             out.rounds += 1;
             let started = Instant::now();
-            let chosen: Vec<&Prompt> =
-                (0..c.prompts_per_step).map(|_| &self.train[rng.below(self.train.len())]).collect();
-            let prompts: Vec<Vec<u32>> = chosen.iter().flat_map(|p| std::iter::repeat_n(p.ids.clone(), g)).collect();
-            let generated = rollout.generate(model, &prompts, &c.sampling(), self.eos, rng)?;
+            let chosen: Vec<&Prompt> = (0..target).map(|_| &self.train[rng.below(self.train.len())]).collect();
+            let mut streams = RowStreams::new(rng.next_u64(), mine.start * g..mine.end * g);
+            let prompts: Vec<Vec<u32>> =
+                chosen[mine.clone()].iter().flat_map(|p| std::iter::repeat_n(p.ids.clone(), g)).collect();
+            let generated = rollout.generate_rows(model, &prompts, &c.sampling(), self.eos, &mut streams)?;
             // Every completion has a token: `max_new_tokens >= 1` (validated).
             let completions = generated.completions;
             out.rollout_s += started.elapsed().as_secs_f64();
@@ -73,32 +87,54 @@ impl RolloutSetup<'_> {
             let scores: Vec<[f64; 3]> = completions
                 .iter()
                 .enumerate()
-                .map(|(i, t)| Ok(score(&decode(self.tokenizer, t)?, &chosen[i / g].answer)))
+                .map(|(i, t)| Ok(score(&decode(self.tokenizer, t)?, &chosen[mine.start + i / g].answer)))
                 .collect::<Result<_>>()?;
+            let scores = self.gather_scores(&scores)?;
             let rewards: Vec<f64> =
                 scores.iter().map(|s| s.iter().zip(&c.reward_weights).map(|(r, w)| r * w).sum()).collect();
             for (k, group) in rewards.chunks(g).enumerate() {
                 out.generated_groups += 1;
                 let flat = group.iter().all(|r| *r == group[0]);
                 out.flat_groups += usize::from(flat);
-                if (flat && c.dynamic_sampling) || out.prompts.len() >= c.prompts_per_step * g {
+                if (flat && c.dynamic_sampling) || out.kept_groups >= target {
                     continue;
                 }
-                let range = k * g..(k + 1) * g;
-                out.prompts.extend_from_slice(&prompts[range.clone()]);
-                out.completions.extend_from_slice(&completions[range]);
+                out.kept_groups += 1;
+                if !mine.contains(&k) {
+                    continue;
+                }
+                let local = (k - mine.start) * g..(k - mine.start + 1) * g;
+                out.prompts.extend_from_slice(&prompts[local.clone()]);
+                out.completions.extend_from_slice(&completions[local]);
                 kept_rewards.extend_from_slice(group);
             }
-            out.lengths.extend(completions.iter().map(Vec::len));
-            out.scores.extend(scores);
+            out.lengths.extend(self.gather_lengths(&completions)?);
+            out.scores.extend_from_slice(&scores);
             out.rewards.extend_from_slice(&rewards);
             out.reward_s += started.elapsed().as_secs_f64();
-            last_round = (prompts, completions, rewards);
+            last_round = (prompts, completions, rewards[mine.start * g..mine.end * g].to_vec());
         }
-        if out.prompts.is_empty() {
+        if out.kept_groups == 0 {
             (out.prompts, out.completions, kept_rewards) = last_round;
+            out.kept_groups = target;
         }
         out.advantages = advantages(&kept_rewards, g, c.scale_rewards, c.advantage_eps);
         Ok(out)
+    }
+
+    /// Every rank's completion scores, in global row order.
+    fn gather_scores(&self, local: &[[f64; 3]]) -> Result<Vec<[f64; 3]>> {
+        let flat: Vec<f64> = local.iter().flatten().copied().collect();
+        let mut all = vec![0.0; flat.len() * self.comm.size()];
+        self.comm.all_gather_f64(&flat, &mut all)?;
+        Ok(all.chunks(3).map(|s| [s[0], s[1], s[2]]).collect())
+    }
+
+    /// Every rank's completion lengths, in global row order.
+    fn gather_lengths(&self, completions: &[Vec<u32>]) -> Result<Vec<usize>> {
+        let local: Vec<u64> = completions.iter().map(|c| c.len() as u64).collect();
+        let mut all = vec![0u64; local.len() * self.comm.size()];
+        self.comm.all_gather_u64(&local, &mut all)?;
+        Ok(all.into_iter().map(|l| l as usize).collect())
     }
 }

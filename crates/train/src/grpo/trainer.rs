@@ -4,10 +4,17 @@
 //! logprob op, then update the policy over micro-batches whose losses sum to the whole batch's
 //! (the kernels' `BatchShard` normalisers), with clipping, AdamW, metrics, evaluation and
 //! checkpoints.
+//!
+//! Data-parallel over a [`Collective`]: every rank holds the whole model, generates and trains
+//! on its share of the step's groups, and the gradients are summed over the ranks before the
+//! optimiser step, with the whole batch's normalisers (LOSSES.md, Sharding): the same update as
+//! one process on the global batch. Rank 0 writes the metrics and checkpoints; every
+//! `parallel.check_weights_every` steps the ranks compare a hash of their weights.
 
 use std::path::Path;
 use std::time::Instant;
 
+use flashgrpo_collective::{share, Collective};
 use flashgrpo_kernels::synthetic::Rng;
 use flashgrpo_kernels::LossOptions;
 use serde_json::json;
@@ -22,8 +29,9 @@ use crate::head_loss::LossConfig;
 use crate::metrics::{self, progress_bar, record, MetricsLog};
 use crate::model::{Qwen2, Sampling};
 use crate::optim::Updater;
+use crate::parallel::check_weights;
 use crate::rewards::{correctness, REWARD_NAMES};
-use crate::rollout::Rollout;
+use crate::rollout::{Rollout, RowStreams};
 use crate::tokenizer::decode;
 
 /// A tokenised prompt and its gold answer.
@@ -55,6 +63,10 @@ pub struct GrpoRun<'a> {
     pub stop_after: Option<usize>,
     /// Called after every step, outside all timed regions.
     pub after_step: Option<&'a StepHook>,
+    /// The data-parallel ranks ([`flashgrpo_collective::SingleProcess`] for one process).
+    pub comm: &'a dyn Collective,
+    /// Compare the ranks' weights every this many steps (0: never).
+    pub check_weights_every: usize,
 }
 
 /// A callback after every GRPO step, outside all timed regions: `flashgrpo ab` hands the machine
@@ -101,27 +113,35 @@ pub struct Evaluation<'a> {
     pub tokenizer: &'a Tokenizer,
     pub eos: &'a [u32],
     pub pad: u32,
+    /// The ranks that share the evaluation (each its share of the prompts).
+    pub comm: &'a dyn Collective,
 }
 
 impl Evaluation<'_> {
-    /// The share of `prompts` answered correctly; `seed` drives sampling when it is not greedy.
+    /// The share of `prompts` answered correctly; `seed` drives sampling when it is not greedy
+    /// (each completion from its own stream, so the figure does not depend on the batch size or
+    /// the number of ranks).
     pub fn accuracy(&self, model: &Qwen2, prompts: &[Prompt], seed: u64) -> Result<f64> {
         if prompts.is_empty() {
             return Ok(f64::NAN);
         }
-        let mut rng = Rng::new(seed);
+        let stream_seed = Rng::new(seed).next_u64();
         let k = if self.sampling.temperature == 0.0 { 1 } else { self.samples.max(1) };
-        let repeated: Vec<&Prompt> = prompts.iter().flat_map(|p| std::iter::repeat_n(p, k)).collect();
+        let mine = share(prompts.len(), self.comm.size(), self.comm.rank());
+        let rows: Vec<(usize, &Prompt)> = mine.flat_map(|i| (0..k).map(move |j| (i * k + j, &prompts[i]))).collect();
         let mut correct = 0.0;
         let mut rollout = Rollout::default();
-        for chunk in repeated.chunks(self.batch_size.max(1)) {
-            let ids: Vec<Vec<u32>> = chunk.iter().map(|p| p.ids.clone()).collect();
-            let generated = rollout.generate(model, &ids, &self.sampling, self.eos, &mut rng)?;
-            for (p, completion) in chunk.iter().zip(&generated.completions) {
-                correct += correctness(&decode(self.tokenizer, completion)?, &p.answer) / k as f64;
+        for chunk in rows.chunks(self.batch_size.max(1)) {
+            let ids: Vec<Vec<u32>> = chunk.iter().map(|(_, p)| p.ids.clone()).collect();
+            let mut streams = RowStreams::new(stream_seed, chunk[0].0..chunk[0].0 + chunk.len());
+            let generated = rollout.generate_rows(model, &ids, &self.sampling, self.eos, &mut streams)?;
+            for ((_, p), completion) in chunk.iter().zip(&generated.completions) {
+                correct += correctness(&decode(self.tokenizer, completion)?, &p.answer);
             }
         }
-        Ok(correct / prompts.len() as f64)
+        let mut total = [correct];
+        self.comm.all_reduce_f64(&mut total, flashgrpo_collective::ReduceOp::Sum)?;
+        Ok(total[0] / k as f64 / prompts.len() as f64)
     }
 }
 
@@ -159,8 +179,29 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         resume,
         stop_after,
         after_step,
+        comm,
+        check_weights_every,
     } = run;
     config.validate()?;
+    let ranks = comm.size();
+    if config.prompts_per_step % ranks != 0 {
+        return Err(TrainError::Config {
+            origin: "grpo.prompts_per_step".into(),
+            why: format!(
+                "{} prompts per step cannot be split into whole groups over {ranks} data-parallel ranks; use a multiple of {ranks}",
+                config.prompts_per_step
+            ),
+        });
+    }
+    if let Some(r) = resume {
+        if r.state.world_size != ranks {
+            return Err(TrainError::Other(format!(
+                "the checkpoint was written by {} data-parallel ranks and this run has {ranks}: resume with `mpirun -np {}`",
+                r.state.world_size, r.state.world_size
+            )));
+        }
+    }
+    let progress = progress && comm.is_root();
     if train.is_empty() {
         return Err(TrainError::Other("GRPO: no training prompts".into()));
     }
@@ -196,6 +237,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
                 eval_before: None,
                 eval_greedy_before: None,
                 recent_step_s: Vec::new(),
+                world_size: ranks,
             },
         ),
     };
@@ -206,6 +248,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         tokenizer,
         eos,
         pad,
+        comm,
     };
     let greedy = Evaluation { sampling: Sampling { temperature: 0.0, ..evaluation.sampling }, ..evaluation };
     let greedy_at = |model: &Qwen2| -> Result<Option<f64>> {
@@ -228,12 +271,13 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             if let Some(g) = state.eval_greedy_before {
                 r.insert("eval/accuracy_greedy".into(), json!(g));
             }
-            log.write(&r)?;
+            if comm.is_root() {
+                log.write(&r)?;
+            }
         }
     }
     let mut rng = Rng::from_state(state.rng);
-    let g = config.num_generations;
-    let rollouts = RolloutSetup { config, train, tokenizer, eos };
+    let rollouts = RolloutSetup { config, train, tokenizer, eos, comm };
     let bar = progress_bar("grpo", config.steps, state.step, progress);
     let probe = metrics::heap_probe();
     metrics::reset_peak_rss();
@@ -253,7 +297,8 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
 
         // Micro-batches, and the log-probabilities the loss compares against.
         let logprob_started = Instant::now();
-        let batch = UpdateBatch::new(&groups.prompts, &groups.completions, config.micro_batch_size, pad)?;
+        let mut batch = UpdateBatch::new(&groups.prompts, &groups.completions, config.micro_batch_size, pad)?;
+        batch.share_normalisers(comm)?;
         let valid_tokens = batch.valid_tokens();
         let old_logp =
             (config.ppo_epochs > 1).then(|| batch.logprobs(model, &mut engine.score, &options, loss)).transpose()?;
@@ -271,7 +316,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         });
         let objective = Objective::Grpo { advantages: &groups.advantages, old_logp, ref_logp };
         let inputs = UpdateInputs { batch: &batch, objective, options: &options, loss };
-        let (losses, sums, report) = update(model, &inputs, config.ppo_epochs, &mut updater, &mut engine)?;
+        let (losses, sums, report) = update(model, &inputs, config.ppo_epochs, &mut updater, &mut engine, comm)?;
         let update_s = update_started.elapsed().as_secs_f64();
         let step_peak = probe.map(|p| (p.peak)());
         let update_heap = step_peak.zip(live_before).map(|(p, l)| p.saturating_sub(l));
@@ -313,7 +358,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         put("train/frac_reward_zero_std", json!(groups.flat_groups as f64 / groups.generated_groups.max(1) as f64));
         if config.dynamic_sampling {
             put("train/rollout_rounds", json!(groups.rounds));
-            put("train/groups_kept", json!(groups.prompts.len() / g));
+            put("train/groups_kept", json!(groups.kept_groups));
         }
         if let Some(e) = per_token(sums.have_entropy, sums.entropy) {
             put("train/entropy", json!(e));
@@ -332,6 +377,10 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         put("time/reward_s", json!(reward_s));
         put("time/logprob_s", json!(logprob_s));
         put("time/update_s", json!(update_s));
+        if ranks > 1 {
+            put("time/comm_s", json!(report.comm_s));
+            put("parallel/ranks", json!(ranks));
+        }
         put("time/step_s", json!(step_s));
         put("time/step_avg_last10_s", json!(mean(&state.recent_step_s)));
         put("throughput/valid_tokens_per_s", json!(valid_tokens as f64 / step_s));
@@ -352,10 +401,18 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
                 }
             }
         }
-        log.write(&r)?;
+        if check_weights_every > 0 && ranks > 1 && step % check_weights_every == 0 {
+            check_weights(&model.params, comm, step)?;
+        }
+        if comm.is_root() {
+            log.write(&r)?;
+        }
         rewards_per_step.push(mean(rewards));
         update_times.push(update_s);
-        if config.checkpoint_every > 0 && (step % config.checkpoint_every == 0 || step == config.steps) {
+        if comm.is_root()
+            && config.checkpoint_every > 0
+            && (step % config.checkpoint_every == 0 || step == config.steps)
+        {
             save_checkpoint(&ckpt, model, reference, tokenizer, &updater, &state)?;
         }
         bar.set_message(metrics::summary_line(

@@ -9,6 +9,7 @@
 use std::ops::Range;
 
 use flashgrpo_candle::{LossInputs, LossKind};
+use flashgrpo_collective::{Collective, ReduceOp};
 use flashgrpo_kernels::{BatchShard, LossOptions, LossOutput};
 
 use super::batch::MicroBatch;
@@ -61,7 +62,17 @@ impl UpdateBatch {
         Ok(Self { batches, ranges, shard: BatchShard { global_batch: n, global_valid_rows: valid as f64 } })
     }
 
-    /// Completion tokens in the batch.
+    /// Makes the normalisers those of the batch of every rank (each holding its share of the
+    /// sequences): one all-reduce of two numbers, after which the ranks' losses and gradients
+    /// sum to the whole batch's.
+    pub fn share_normalisers(&mut self, comm: &dyn Collective) -> Result<()> {
+        let mut counts = [self.shard.global_batch as f64, self.shard.global_valid_rows];
+        comm.all_reduce_f64(&mut counts, ReduceOp::Sum)?;
+        self.shard = BatchShard { global_batch: counts[0] as usize, global_valid_rows: counts[1] };
+        Ok(())
+    }
+
+    /// Completion tokens in the batch (every rank's, after [`UpdateBatch::share_normalisers`]).
     pub fn valid_tokens(&self) -> usize {
         self.shard.global_valid_rows as usize
     }
@@ -111,6 +122,29 @@ pub struct TokenSums {
 }
 
 impl TokenSums {
+    /// The sums over every rank (with the loss, in one all-reduce).
+    fn all_reduce(&mut self, loss: &mut f64, comm: &dyn Collective) -> Result<()> {
+        if comm.size() == 1 {
+            return Ok(());
+        }
+        let flag = |b: bool| f64::from(u8::from(b));
+        let mut v = [
+            *loss,
+            self.entropy,
+            self.kl,
+            self.clipped,
+            self.tokens,
+            flag(self.have_entropy),
+            flag(self.have_kl),
+            flag(self.have_clip),
+        ];
+        comm.all_reduce_f64(&mut v, ReduceOp::Sum)?;
+        *loss = v[0];
+        (self.entropy, self.kl, self.clipped, self.tokens) = (v[1], v[2], v[3], v[4]);
+        (self.have_entropy, self.have_kl, self.have_clip) = (v[5] > 0.0, v[6] > 0.0, v[7] > 0.0);
+        Ok(())
+    }
+
     fn add(&mut self, out: Option<&LossOutput>, inputs: &LossInputs) {
         let weight = |i: usize| inputs.mask.as_ref().map_or(1.0, |m| m[i] as f64);
         let masked_sum = |v: &[f32]| -> f64 { v.iter().enumerate().map(|(i, x)| *x as f64 * weight(i)).sum() };
@@ -237,23 +271,30 @@ pub fn batch_gradients(model: &Qwen2, u: &UpdateInputs<'_>) -> Result<(f64, Grad
     Ok((loss, grads))
 }
 
-/// The update: `epochs` times, every micro-batch into the optimiser's buffers, then one optimiser
-/// step. Returns each epoch's loss, the first epoch's per-token sums, and the last
-/// step's report.
+/// The update: `epochs` times, every micro-batch into the optimiser's buffers, the gradients
+/// summed over the data-parallel ranks, then one optimiser step. Returns each epoch's loss (over
+/// every rank), the first epoch's per-token sums, and the last step's report (its `comm_s`:
+/// the epochs' time in collectives).
 pub fn update(
     model: &Qwen2,
     u: &UpdateInputs<'_>,
     epochs: usize,
     updater: &mut Updater,
     engine: &mut EngineBuffers,
+    comm: &dyn Collective,
 ) -> Result<(Vec<f64>, TokenSums, StepReport)> {
-    let (mut losses, mut first, mut report) = (Vec::new(), None, None);
+    let (mut losses, mut first, mut report, mut comm_s) = (Vec::new(), None, None, 0.0);
     for _ in 0..epochs {
         let (grads, record) = updater.grads_and_recorder();
-        let (loss, sums) = crate::engine::on_workers(|| accumulate(model, u, grads, engine, record))?;
+        let (mut loss, mut sums) = crate::engine::on_workers(|| accumulate(model, u, grads, engine, record))?;
+        let started = std::time::Instant::now();
+        sums.all_reduce(&mut loss, comm)?;
+        updater.reduce(comm)?;
+        comm_s += started.elapsed().as_secs_f64();
         losses.push(loss);
         first.get_or_insert(sums);
         report = Some(updater.step(&model.params)?);
     }
-    Ok((losses, first.unwrap_or_default(), report.expect("ppo_epochs >= 1")))
+    let report = StepReport { comm_s, ..report.expect("ppo_epochs >= 1") };
+    Ok((losses, first.unwrap_or_default(), report))
 }

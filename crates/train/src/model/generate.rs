@@ -9,7 +9,7 @@ use flashgrpo_kernels::synthetic::Rng;
 use rayon::prelude::*;
 
 use super::qwen2::{KvCache, Qwen2};
-use crate::rollout::sampler::{sample_row, uniform_for, Sampling};
+use crate::rollout::sampler::{sample_row, RowStreams, Sampling};
 
 /// What `generate` produced for each prompt.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,6 +49,7 @@ pub fn generate(
             model.max_positions()
         );
     }
+    let mut streams = RowStreams::from_rng(rng, b);
     let mut cache = KvCache::default();
     let input = Tensor::from_vec(ids, (b, longest), &Device::Cpu)?;
     let mut hidden = model.forward(&input, Some(mask), positions, Some(&mut cache), false)?;
@@ -57,9 +58,10 @@ pub fn generate(
     for _ in 0..s.max_new_tokens {
         let t = hidden.dim(1)?;
         let logits: Vec<Vec<f32>> = model.logits(&hidden.narrow(1, t - 1, 1)?)?.squeeze(1)?.to_vec2()?;
-        // The rows' uniform numbers in row order, then the rows in parallel (a softmax over the
-        // vocabulary each): the same tokens as one row after the other.
-        let uniforms: Vec<Option<f64>> = finished.iter().map(|&f| (!f).then(|| uniform_for(s, rng))).collect();
+        // Each row's uniform number from its own stream, then the rows in parallel (a softmax
+        // over the vocabulary each): the same tokens as one row after the other.
+        let uniforms: Vec<Option<f64>> =
+            finished.iter().enumerate().map(|(r, &f)| (!f).then(|| streams.uniform(r, s))).collect();
         let tokens: Vec<Option<u32>> = logits
             .par_iter()
             .zip(&uniforms)

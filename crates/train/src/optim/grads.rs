@@ -6,7 +6,13 @@ use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
 use rayon::prelude::*;
 
+use flashgrpo_collective::{Collective, ReduceOp};
+
 use crate::model::Params;
+
+/// The largest all-reduce bucket of small gradients: 4 Mi floats (16 MiB), large enough that
+/// the per-call latency is paid a few times per step, small enough to stay a modest copy.
+pub const BUCKET_FLOATS: usize = 4 << 20;
 
 /// One f32 buffer per parameter, in the parameters' order.
 pub struct GradBuffers {
@@ -55,6 +61,45 @@ impl GradBuffers {
             }
         }
         norm
+    }
+
+    /// Sums every buffer over the ranks of `comm`, in buckets of at most [`BUCKET_FLOATS`]
+    /// (small parameters share a bucket, so a step makes a few large all-reduces rather than one
+    /// per parameter; a large one goes by itself, in place).
+    pub fn all_reduce(&mut self, comm: &dyn Collective) -> crate::error::Result<()> {
+        if comm.size() == 1 {
+            return Ok(());
+        }
+        let mut bucket: Vec<f32> = Vec::with_capacity(BUCKET_FLOATS);
+        let mut members: Vec<usize> = Vec::new();
+        let flush = |bucket: &mut Vec<f32>, members: &mut Vec<usize>, buffers: &mut [Vec<f32>]| {
+            if bucket.is_empty() {
+                return Ok::<(), crate::error::TrainError>(());
+            }
+            comm.all_reduce_f32(bucket, ReduceOp::Sum)?;
+            let mut at = 0;
+            for &i in members.iter() {
+                let n = buffers[i].len();
+                buffers[i].copy_from_slice(&bucket[at..at + n]);
+                at += n;
+            }
+            bucket.clear();
+            members.clear();
+            Ok(())
+        };
+        for i in 0..self.buffers.len() {
+            let n = self.buffers[i].len();
+            if n >= BUCKET_FLOATS {
+                comm.all_reduce_f32(&mut self.buffers[i], ReduceOp::Sum)?;
+                continue;
+            }
+            if bucket.len() + n > BUCKET_FLOATS {
+                flush(&mut bucket, &mut members, &mut self.buffers)?;
+            }
+            bucket.extend_from_slice(&self.buffers[i]);
+            members.push(i);
+        }
+        flush(&mut bucket, &mut members, &mut self.buffers)
     }
 
     pub fn zero(&mut self) {

@@ -76,6 +76,8 @@ pub struct StepReport {
     pub grad_norm: f64,
     /// The window was skipped (non-finite loss or gradient).
     pub skipped: bool,
+    /// Seconds spent in collectives (summing the gradients over data-parallel ranks).
+    pub comm_s: f64,
 }
 
 /// Gradient accumulation, clipping, AdamW and the schedule for one training stage.
@@ -141,6 +143,18 @@ impl Updater {
         (&mut self.grads, move |value: f64| *finite &= value.is_finite())
     }
 
+    /// Sums the window's gradients over the data-parallel ranks (and whether every rank's loss
+    /// was finite), so that each rank's step below is the same step.
+    pub fn reduce(&mut self, comm: &dyn flashgrpo_collective::Collective) -> Result<()> {
+        if comm.size() == 1 {
+            return Ok(());
+        }
+        let mut not_finite = [f64::from(u8::from(!self.finite))];
+        comm.all_reduce_f64(&mut not_finite, flashgrpo_collective::ReduceOp::Max)?;
+        self.finite = not_finite[0] == 0.0;
+        self.grads.all_reduce(comm)
+    }
+
     /// Ends the window: clip, update (unless something was not finite), zero.
     pub fn step(&mut self, params: &Params) -> Result<StepReport> {
         let lr = self.schedule.lr(self.steps);
@@ -157,6 +171,6 @@ impl Updater {
         }
         self.grads.zero();
         self.finite = true;
-        Ok(StepReport { lr, grad_norm, skipped })
+        Ok(StepReport { lr, grad_norm, skipped, comm_s: 0.0 })
     }
 }

@@ -7,9 +7,10 @@
 //!   or concatenated per token, and grouped-query heads read their key/value head directly.
 //! - Every row still generating is decoded in one batch; rows that drew end-of-sequence leave
 //!   the batch (they cost nothing afterwards).
-//! - Sampling draws one uniform number per row from the run's stream in row order, then draws
-//!   the rows in parallel with per-thread scratch ([`sampler::Sampler`]): the same tokens for any
-//!   thread count, no allocation per token.
+//! - Sampling draws one uniform number per row from the row's own stream ([`RowStreams`], keyed
+//!   by the generation's seed and the row's global index), then draws the rows in parallel with
+//!   per-thread scratch ([`sampler::Sampler`]): the same tokens for any thread count, batch
+//!   split or number of ranks, no allocation per token.
 //!
 //! [`crate::model::generate`] (candle's forward) is the reference it is tested against.
 
@@ -21,7 +22,8 @@ use flashgrpo_kernels::synthetic::Rng;
 use crate::engine::{forward, on_workers, Input, KvCache, Packing, Pass, Query, Weights, Workspace};
 use crate::error::{Result, TrainError};
 use crate::model::{Generated, Qwen2};
-use sampler::{uniform_for, Sampler, Sampling};
+pub use sampler::RowStreams;
+use sampler::{Sampler, Sampling};
 
 /// Generation's buffers, kept from one rollout to the next (a trainer allocates them once).
 #[derive(Debug, Default)]
@@ -47,7 +49,8 @@ fn logits(w: &Weights<'_>, hidden: &[f32], out: &mut Vec<f32>) {
 
 impl Rollout {
     /// A completion for each prompt (token ids; equal prompts share their prefill), drawn as `s`
-    /// says, ending at a token of `eos` or after `s.max_new_tokens`.
+    /// says, ending at a token of `eos` or after `s.max_new_tokens`; the rows' streams are
+    /// seeded by one draw from `rng`.
     pub fn generate(
         &mut self,
         model: &Qwen2,
@@ -56,7 +59,27 @@ impl Rollout {
         eos: &[u32],
         rng: &mut Rng,
     ) -> Result<Generated> {
-        on_workers(|| self.generate_here(model, prompts, s, eos, rng))
+        let mut streams = RowStreams::from_rng(rng, prompts.len());
+        self.generate_rows(model, prompts, s, eos, &mut streams)
+    }
+
+    /// [`Rollout::generate`] with the rows' streams given (`streams.len() == prompts.len()`).
+    pub fn generate_rows(
+        &mut self,
+        model: &Qwen2,
+        prompts: &[Vec<u32>],
+        s: &Sampling,
+        eos: &[u32],
+        streams: &mut RowStreams,
+    ) -> Result<Generated> {
+        if streams.len() != prompts.len() {
+            return Err(TrainError::Other(format!(
+                "{} random streams for {} rows of a generation",
+                streams.len(),
+                prompts.len()
+            )));
+        }
+        on_workers(|| self.generate_here(model, prompts, s, eos, streams))
     }
 
     fn generate_here(
@@ -65,7 +88,7 @@ impl Rollout {
         prompts: &[Vec<u32>],
         s: &Sampling,
         eos: &[u32],
-        rng: &mut Rng,
+        streams: &mut RowStreams,
     ) -> Result<Generated> {
         let rows = prompts.len();
         let mut completions = vec![Vec::new(); rows];
@@ -117,7 +140,7 @@ impl Rollout {
         let (mut uniforms, mut drawn) = (Vec::with_capacity(rows), vec![0u32; rows]);
         for step in 0..s.max_new_tokens {
             uniforms.clear();
-            uniforms.extend(active.iter().map(|_| uniform_for(s, rng)));
+            uniforms.extend(active.iter().map(|&r| streams.uniform(r, s)));
             self.sampler.draw(s, &self.logits, vocab, &logit_rows, &uniforms, &mut drawn[..active.len()]);
             for (&r, &token) in active.iter().zip(&drawn) {
                 completions[r].push(token);

@@ -49,6 +49,41 @@ pub fn uniform_for(s: &Sampling, rng: &mut Rng) -> f64 {
     }
 }
 
+/// One random stream per row of a generation, keyed by the generation's seed and the row's
+/// global index: a row's draws do not depend on which other rows share its batch, on the thread
+/// count, or on which rank of a data-parallel job generates it, so the same global batch gives
+/// the same completions on any number of processes.
+#[derive(Debug, Clone)]
+pub struct RowStreams {
+    streams: Vec<Rng>,
+}
+
+impl RowStreams {
+    /// The streams of global rows `rows` of the generation seeded `seed`.
+    pub fn new(seed: u64, rows: std::ops::Range<usize>) -> Self {
+        let stream = |r: usize| Rng::new(Rng::new(seed ^ (r as u64).wrapping_mul(0xD1B5_4A32_D192_ED03)).next_u64());
+        Self { streams: rows.map(stream).collect() }
+    }
+
+    /// Streams for `rows` rows, seeded by one draw from `rng`.
+    pub fn from_rng(rng: &mut Rng, rows: usize) -> Self {
+        Self::new(rng.next_u64(), 0..rows)
+    }
+
+    pub fn len(&self) -> usize {
+        self.streams.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+
+    /// The next uniform number of local row `row` (none drawn when greedy).
+    pub fn uniform(&mut self, row: usize, s: &Sampling) -> f64 {
+        uniform_for(s, &mut self.streams[row])
+    }
+}
+
 /// Reusable buffers of one thread's draws.
 #[derive(Debug, Default)]
 pub struct Scratch {

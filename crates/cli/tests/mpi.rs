@@ -1,0 +1,256 @@
+//! Multi-process flashgrpo under `mpirun --oversubscribe` on loopback: the collectives over 2, 3
+//! and 4 ranks, data-parallel GRPO (with its SFT warm start) over 2 ranks against one process on
+//! the same global batch, and a rank killed mid-run. The first test to run installs Open MPI
+//! (`scripts/setup-mpi.sh`: Debian packages) and builds the binary with `--features mpi` into
+//! `target/mpi` (the default build needs no MPI), so the README's test command covers them on a
+//! fresh machine.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// Open MPI installed, and the path of flashgrpo built with `--features mpi`.
+fn mpi_binary() -> &'static Path {
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY.get_or_init(|| {
+        let setup = Command::new("bash").arg(root().join("scripts/setup-mpi.sh")).output().expect("bash runs");
+        assert!(setup.status.success(), "scripts/setup-mpi.sh failed:\n{}", text(&setup));
+        let target = root().join("target/mpi");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let build = Command::new(cargo)
+            .current_dir(root())
+            .args(["build", "--release", "--features", "mpi", "-p", "flashgrpo-cli", "--target-dir"])
+            .arg(&target)
+            .output()
+            .expect("cargo runs");
+        assert!(build.status.success(), "building flashgrpo with --features mpi failed:\n{}", text(&build));
+        target.join("release/flashgrpo")
+    })
+}
+
+/// `mpirun -np ranks flashgrpo args...` on this machine (more ranks than cores allowed).
+fn mpirun(ranks: usize, args: &[&str]) -> Command {
+    let mut c = Command::new("mpirun");
+    c.current_dir(root())
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .args(["--oversubscribe", "--bind-to", "none", "-np", &ranks.to_string()])
+        .arg(mpi_binary())
+        .args(args);
+    c
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("flashgrpo-mpi-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn collectives_over_2_3_and_4_ranks() {
+    for ranks in [2, 3, 4] {
+        let o = mpirun(ranks, &["mpi-check", "--mib", "1", "--repeats", "2"]).output().unwrap();
+        assert!(o.status.success(), "{ranks} ranks: {}", text(&o));
+        assert!(text(&o).contains(&format!("rank 0 of {ranks}")), "{}", text(&o));
+        assert!(text(&o).contains("split: ok"), "{}", text(&o));
+    }
+}
+
+/// A GRPO run of the built-in task in seconds, whose warm start learns enough of the format for
+/// the rewards to differ within groups (a signal to train on).
+const TINY: [&str; 26] = [
+    "model.vocab_size=null",
+    "model.hidden_size=64",
+    "model.num_layers=1",
+    "tokenizer.vocab_size=300",
+    "data.limit=200",
+    "data.eval_limit=8",
+    "sft.steps=300",
+    "sft.batch_size=8",
+    "sft.eval_every=0",
+    "grpo.prompts_per_step=4",
+    "grpo.num_generations=4",
+    "grpo.max_new_tokens=16",
+    "grpo.micro_batch_size=3",
+    "grpo.ppo_epochs=2",
+    "grpo.optim.lr=1e-3",
+    "grpo.eval_every_steps=0",
+    "grpo.eval_samples=2",
+    "grpo.eval_batch_size=3",
+    "grpo.dynamic_sampling=true",
+    "grpo.max_rollout_rounds=2",
+    "grpo.checkpoint_every=1",
+    "loss.loss_type=dapo",
+    "loss.beta=0.04",
+    "parallel.check_weights_every=1",
+    "progress=false",
+    "seed=3",
+];
+
+fn tiny_args(out: &Path, extra: &[String]) -> Vec<String> {
+    let mut args = vec!["train".to_string(), "--out".into(), out.display().to_string()];
+    for s in TINY.iter().map(|s| s.to_string()).chain(extra.iter().cloned()) {
+        args.extend(["--set".to_string(), s]);
+    }
+    args
+}
+
+fn records(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
+            (name, t.data().chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Every tensor of the two models within `rel` of its largest magnitude.
+fn assert_same_weights(a: &Path, b: &Path, rel: f64) {
+    let (wa, wb) = (weights(a), weights(b));
+    assert_eq!(wa.len(), wb.len());
+    for ((name, p), (_, q)) in wa.iter().zip(&wb) {
+        let scale = p.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+        let worst = p.iter().zip(q).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max) as f64;
+        assert!(worst <= rel * scale + 1e-7, "{}/{name}: max difference {worst} (scale {scale})", a.display());
+    }
+}
+
+fn close(a: f64, b: f64, rel: f64) -> bool {
+    (a - b).abs() <= rel * a.abs().max(b.abs()) + 1e-7
+}
+
+fn run_one(args: &[String]) {
+    let o = Command::new(mpi_binary()).current_dir(root()).args(args).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+}
+
+fn run_two(args: &[String]) {
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = mpirun(2, &refs).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("2 data-parallel ranks"), "{}", text(&o));
+}
+
+#[test]
+fn data_parallel_sft_and_grpo_over_2_ranks_equal_one_process() {
+    let dir = scratch("dp");
+    // SFT: 5 steps of 8 examples, split 4 + 4.
+    let sft = ["--algo".to_string(), "sft".into()];
+    let short = ["sft.steps=5".to_string()];
+    let (one, two) = (dir.join("sft-one"), dir.join("sft-two"));
+    run_one(&[tiny_args(&one, &short), sft.to_vec()].concat());
+    run_two(&[tiny_args(&two, &short), sft.to_vec()].concat());
+    assert_same_weights(&one.join("model"), &two.join("model"), 1e-5);
+
+    // GRPO: 3 steps from the same warm start (made by one process), 2 prompts of 4 per rank.
+    let warm = dir.join("warm");
+    run_one(&tiny_args(&warm, &["grpo.steps=1".into()]));
+    let from_warm =
+        [format!("model.path={}", warm.join("warm_start").display()), "sft.steps=0".into(), "grpo.steps=3".into()];
+    let (one, two) = (dir.join("grpo-one"), dir.join("grpo-two"));
+    run_one(&tiny_args(&one, &from_warm));
+    run_two(&tiny_args(&two, &from_warm));
+    let (a, b) = (records(&one), records(&two));
+    assert_eq!(a.len(), b.len(), "records: {} vs {}", a.len(), b.len());
+    // The same completions (rewards, lengths, accuracies bit for bit), the same losses and weights.
+    let signal = a.iter().filter_map(|r| r.get("train/reward_std")?.as_f64()).any(|s| s > 0.0);
+    assert!(signal, "no reward signal: the test would compare noise");
+    for (x, y) in a.iter().zip(&b) {
+        for key in
+            ["train/reward_mean", "train/reward_std", "train/completion_len_mean", "train/accuracy", "eval/accuracy"]
+        {
+            assert_eq!(x.get(key), y.get(key), "{key} at step {}", x["step"]);
+        }
+        for key in ["train/loss", "train/grad_norm", "train/entropy"] {
+            if let (Some(p), Some(q)) = (x.get(key).and_then(|v| v.as_f64()), y.get(key).and_then(|v| v.as_f64())) {
+                assert!(close(p, q, 1e-5), "{key} at step {}: {p} vs {q}", x["step"]);
+            }
+        }
+    }
+    assert_same_weights(&one.join("model"), &two.join("model"), 1e-5);
+    // Only rank 0 wrote; a resume must use as many ranks as wrote the checkpoint.
+    assert!(two.join("plots/reward.png").exists() && two.join("checkpoint/trainer_state.json").exists());
+    let o = Command::new(mpi_binary()).current_dir(root()).args(["train", "--resume"]).arg(&two).output().unwrap();
+    assert!(!o.status.success() && text(&o).contains("mpirun -np 2"), "{}", text(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The PIDs of `parent`'s children (the ranks that `mpirun` started on this machine).
+fn children(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        // `pid (comm) state ppid ...`: the fields after the last ')'.
+        let ppid = stat.rsplit(')').next().and_then(|s| s.split_whitespace().nth(1)).and_then(|p| p.parse().ok());
+        if ppid == Some(parent) {
+            out.push(pid);
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn a_killed_rank_ends_the_job_and_the_checkpoint_resumes() {
+    let dir = scratch("kill");
+    let run = dir.join("run");
+    let args = tiny_args(&run, &["sft.steps=20".into(), "grpo.steps=100000".into()]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut job = mpirun(2, &refs).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let started = Instant::now();
+    while records(&run).iter().filter(|r| r.get("train/loss").is_some()).count() < 3 {
+        assert!(job.try_wait().unwrap().is_none(), "the job ended before the kill");
+        assert!(started.elapsed() < Duration::from_secs(300), "no GRPO step logged in 300 s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let ranks = children(job.id());
+    assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
+    let killed = Instant::now();
+    unsafe { libc::kill(ranks[1] as i32, libc::SIGKILL) };
+    let status = loop {
+        if let Some(s) = job.try_wait().unwrap() {
+            break s;
+        }
+        assert!(killed.elapsed() < Duration::from_secs(60), "the job still runs 60 s after a rank was killed");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let o = job.wait_with_output().unwrap();
+    assert!(!status.success(), "exit status {status:?}");
+    assert!(text(&o).contains("signal 9") || text(&o).contains("Killed"), "{}", text(&o));
+
+    // The last checkpoint loads and the run resumes from it with the same number of ranks.
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("checkpoint/trainer_state.json")).unwrap()).unwrap();
+    let done = state["step"].as_u64().unwrap() as usize;
+    assert!(done >= 2, "checkpoint at step {done}");
+    let target = format!("grpo.steps={}", done + 2);
+    let o = mpirun(2, &["train", "--resume", run.to_str().unwrap(), "--set", &target]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let last = records(&run).last().and_then(|r| r["step"].as_u64()).unwrap() as usize;
+    assert_eq!(last, done + 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,84 @@
+//! Data-parallel training's model-level pieces: the `parallel:` config section, the initial
+//! weights broadcast from rank 0, and the check that the ranks' weights stay identical (each
+//! rank applies the same summed gradient, so they should be bit for bit; a hash comparison
+//! every few steps turns a silent divergence into an error that names the ranks).
+
+use flashgrpo_collective::Collective;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError};
+use crate::model::Params;
+use crate::optim::grads::with_f32;
+
+/// The `parallel:` section: how the world of processes is used.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelConfig {
+    /// Data-parallel ranks; `null`: every process the launcher started.
+    pub data: Option<usize>,
+    /// Vocabulary-parallel ranks of the lm_head and loss inside each data-parallel rank (only 1
+    /// in the trainer so far; `flashgrpo loss --vocab-parallel` shards the loss by itself).
+    pub vocab: usize,
+    /// Compare a hash of the weights across ranks every this many GRPO / SFT steps (0: never).
+    pub check_weights_every: usize,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self { data: None, vocab: 1, check_weights_every: 50 }
+    }
+}
+
+impl ParallelConfig {
+    /// Checks the section against the world the launcher started.
+    pub fn validate(&self, world: usize) -> Result<()> {
+        let bad = |why: String| Err(TrainError::Config { origin: "parallel".into(), why });
+        if self.vocab != 1 {
+            return bad(format!(
+                "parallel.vocab = {}: the trainer's lm_head is not vocabulary-parallel yet (only 1 is supported)",
+                self.vocab
+            ));
+        }
+        let data = self.data.unwrap_or(world);
+        if data * self.vocab != world {
+            return bad(format!(
+                "parallel.data ({data}) x parallel.vocab ({}) must equal the number of processes ({world})",
+                self.vocab
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Makes every rank's weights rank 0's (one broadcast per parameter, as f32: exact for f32,
+/// bf16 and f16 weights).
+pub fn broadcast_weights(params: &Params, comm: &dyn Collective) -> Result<()> {
+    if comm.size() == 1 {
+        return Ok(());
+    }
+    for (_, var) in params.iter() {
+        let mut values = with_f32(var.as_tensor(), <[f32]>::to_vec)?;
+        comm.broadcast_f32(&mut values, 0)?;
+        let t = candle_core::Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?;
+        var.set(&t)?;
+    }
+    Ok(())
+}
+
+/// FNV-1a over every parameter's bits, in the parameters' order.
+pub fn weights_hash(params: &Params) -> Result<u64> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (_, var) in params.iter() {
+        with_f32(var.as_tensor(), |v| {
+            for x in v {
+                h = (h ^ u64::from(x.to_bits())).wrapping_mul(0x0100_0000_01b3);
+            }
+        })?;
+    }
+    Ok(h)
+}
+
+/// Errors when the ranks' weights differ after `step`.
+pub fn check_weights(params: &Params, comm: &dyn Collective, step: usize) -> Result<()> {
+    comm.check_same(&format!("the weights after step {step}"), weights_hash(params)?).map_err(TrainError::from)
+}
