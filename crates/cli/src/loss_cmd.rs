@@ -3,12 +3,13 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::batch::{Batch, OpName};
 use crate::config::{self, NoKeys};
 use crate::run::{run_on, Device, Impl, Results};
 use crate::tensor_io::{write_atomically, Output, TensorFile};
+use crate::vocab_parallel_run::run_vocab_parallel;
 use flashgrpo_kernels::ChunkBudget;
 use serde::{Deserialize, Serialize};
 
@@ -36,6 +37,11 @@ pub struct LossArgs {
     /// `chunk_memory_mb` (fused-linear).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
+    /// Split the vocabulary over the processes of `mpirun -np K` (logits columns, or lm_head
+    /// rows): each rank computes its slice, rank 0 writes the same file as one process
+    /// (docs/DISTRIBUTED.md). CPU, `--impl fused`.
+    #[arg(long)]
+    pub vocab_parallel: bool,
 }
 
 /// `flashgrpo loss`'s own key, besides the loss options.
@@ -58,6 +64,27 @@ pub fn main(args: LossArgs) -> Result<()> {
     let file = TensorFile::read(&args.inputs)?;
     let batch = Batch::read(&file, args.op).with_context(|| format!("in {}", args.inputs.display()))?;
     drop(file);
+    if args.vocab_parallel {
+        if args.device != Device::Cpu || args.implementation != Impl::Fused {
+            bail!("--vocab-parallel runs the fused kernels on the CPU (--impl fused --device cpu)");
+        }
+        let comm = flashgrpo_collective::from_environment(false)?;
+        if comm.is_root() {
+            let widest = flashgrpo_collective::share(batch.vocab, comm.size(), 0).len();
+            eprintln!(
+                "flashgrpo loss: vocabulary of {} over {} ranks (up to {widest} columns each; {})",
+                batch.vocab,
+                comm.size(),
+                comm.describe()
+            );
+        }
+        let results = run_vocab_parallel(comm.as_ref(), &batch, &options)?;
+        if comm.is_root() {
+            write_atomically(&args.out, &outputs(&batch, results))?;
+        }
+        comm.barrier()?;
+        return Ok(());
+    }
     let results = run_on(args.device, &batch, &options, args.implementation, budget)?;
     write_atomically(&args.out, &outputs(&batch, results))?;
     Ok(())

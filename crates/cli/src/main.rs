@@ -25,6 +25,7 @@ mod run;
 mod tensor_io;
 mod train_cmd;
 mod update_grads_cmd;
+mod vocab_parallel_run;
 
 use std::process::ExitCode;
 

@@ -254,3 +254,161 @@ fn a_killed_rank_ends_the_job_and_the_checkpoint_resumes() {
     assert_eq!(last, done + 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// ---- Vocabulary-parallel losses -------------------------------------------------------------
+
+const VB: usize = 3;
+const VT: usize = 5;
+/// Divides by none of 2, 3, 4.
+const VV: usize = 1001;
+const VH: usize = 24;
+
+struct Tensor {
+    name: &'static str,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+fn floats(name: &'static str, shape: Vec<usize>, v: &[f32], bf16: bool) -> Tensor {
+    let (dtype, bytes) = if bf16 {
+        (safetensors::Dtype::BF16, v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect())
+    } else {
+        (safetensors::Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    };
+    Tensor { name, dtype, shape, bytes }
+}
+
+fn write_tensors(path: &Path, tensors: &[Tensor]) {
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|t| (t.name, safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.bytes).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// Every output tensor of a `flashgrpo loss` file, as f32.
+fn outputs(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let v = match t.dtype() {
+                safetensors::Dtype::F32 => {
+                    t.data().chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+                }
+                safetensors::Dtype::BF16 => {
+                    t.data().chunks(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+                }
+                other => panic!("{name}: {other:?}"),
+            };
+            (name, v)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Inputs of every op: logits (or hidden, weight, bias), targets, a mask with holes, advantages,
+/// old and reference log-probabilities.
+fn loss_inputs(path: &Path, linear: bool, bf16: bool) {
+    use flashgrpo_kernels::synthetic::{normal_matrix, SyntheticSpec};
+    let data = SyntheticSpec {
+        batch: VB,
+        seq_len: VT,
+        vocab: VV,
+        seed: 11,
+        logit_std: 2.0,
+        logp_noise: 0.3,
+        mask_fraction: 0.3,
+    }
+    .generate();
+    let mut tensors = vec![
+        Tensor {
+            name: "targets",
+            dtype: safetensors::Dtype::I64,
+            shape: vec![VB, VT],
+            bytes: data.targets.iter().flat_map(|&x| (x as i64).to_le_bytes()).collect(),
+        },
+        floats("mask", vec![VB, VT], &data.mask, false),
+        floats("advantages", vec![VB], &data.advantages, false),
+        floats("old_logp", vec![VB, VT], &data.old_logp, false),
+        floats("ref_logp", vec![VB, VT], &data.ref_logp, false),
+    ];
+    if linear {
+        tensors.push(floats("hidden", vec![VB, VT, VH], &normal_matrix(VB * VT, VH, 1.0, 5), bf16));
+        tensors.push(floats("weight", vec![VV, VH], &normal_matrix(VV, VH, 0.5, 6), bf16));
+        tensors.push(floats("bias", vec![VV], &normal_matrix(1, VV, 0.3, 7), bf16));
+    } else {
+        tensors.push(floats("logits", vec![VB, VT, VV], &data.logits, bf16));
+    }
+    write_tensors(path, &tensors);
+}
+
+#[test]
+fn vocabulary_parallel_losses_over_2_3_and_4_ranks_equal_one_process() {
+    let dir = scratch("vocab");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases: [(&str, &[&str]); 7] = [
+        ("grpo", &["beta=0.04", "epsilon_high=0.28"]),
+        ("grpo", &["importance_sampling_level=sequence", "loss_type=grpo", "beta=0.04"]),
+        ("grpo", &["loss_type=dr_grpo", "temperature=0.7", "entropy_coef=0.01", "delta=2.0"]),
+        ("cross_entropy", &["label_smoothing=0.1", "z_loss=0.001"]),
+        ("cross_entropy", &["reduction=sum"]),
+        ("entropy", &[]),
+        ("logprob", &[]),
+    ];
+    let mut checked = 0;
+    for linear in [false, true] {
+        for bf16 in [false, true] {
+            let input = dir.join(format!("in-{linear}-{bf16}.safetensors"));
+            loss_inputs(&input, linear, bf16);
+            for (case, (op, sets)) in cases.iter().enumerate() {
+                let mut args = vec!["loss".to_string(), "--op".into(), op.to_string(), "--inputs".into()];
+                args.push(input.display().to_string());
+                for s in sets.iter() {
+                    args.extend(["--set".to_string(), s.to_string()]);
+                }
+                let one = dir.join(format!("one-{case}.safetensors"));
+                let o = Command::new(mpi_binary())
+                    .current_dir(root())
+                    .args(&args)
+                    .args(["--out", one.to_str().unwrap()])
+                    .output()
+                    .unwrap();
+                assert!(o.status.success(), "{}", text(&o));
+                let want = outputs(&one);
+                for ranks in [2, 3, 4] {
+                    let many = dir.join(format!("many-{case}-{ranks}.safetensors"));
+                    let mut refs: Vec<&str> = args.iter().map(String::as_str).collect();
+                    refs.extend(["--vocab-parallel", "--out", many.to_str().unwrap()]);
+                    let o = mpirun(ranks, &refs).output().unwrap();
+                    assert!(o.status.success(), "{ranks} ranks, {op} {sets:?}: {}", text(&o));
+                    let split = format!("vocabulary of {VV} over {ranks} ranks");
+                    assert!(text(&o).contains(&split), "{}", text(&o));
+                    let got = outputs(&many);
+                    assert_eq!(
+                        want.iter().map(|w| &w.0).collect::<Vec<_>>(),
+                        got.iter().map(|g| &g.0).collect::<Vec<_>>()
+                    );
+                    // f32: within LOSSES.md's f32 tolerance; bf16 outputs: a bf16 rounding step
+                    // (the fused-linear products are bf16 in one process, f32 here).
+                    let rel = if bf16 { 2e-2 } else { 2e-5 };
+                    for ((name, w), (_, g)) in want.iter().zip(&got) {
+                        let scale = w.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
+                        let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max) as f64;
+                        assert!(
+                            worst <= rel * scale + 1e-6,
+                            "{ranks} ranks, {op} {sets:?}, linear {linear}, bf16 {bf16}: `{name}` differs by {worst} (scale {scale})"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 300, "{checked} tensors compared");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -24,6 +24,7 @@ pub mod sft;
 pub mod sft_job;
 pub mod tokenizer;
 pub mod train_config;
+pub mod vocab_parallel;
 
 pub use error::{Result, TrainError};
 pub use head_loss::{head_loss, HeadLoss, LossConfig, LossImpl};
