@@ -78,7 +78,7 @@ pub fn main(args: LossArgs) -> Result<()> {
                 comm.describe()
             );
         }
-        let results = run_vocab_parallel(comm.as_ref(), &batch, &options)?;
+        let results = run_vocab_parallel(comm.as_ref(), &batch, &options, budget)?;
         if comm.is_root() {
             write_atomically(&args.out, &outputs(&batch, results))?;
         }

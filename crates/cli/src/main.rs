@@ -82,10 +82,15 @@ enum Command {
 
 fn main() -> ExitCode {
     match run(Cli::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => {
+            flashgrpo_collective::finalize();
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             // The whole chain on one line, without anyhow's backtrace.
             eprintln!("error: {e:#}");
+            // One rank of several: the others would wait for it in their next collective.
+            flashgrpo_collective::abort_world(1);
             ExitCode::FAILURE
         }
     }

@@ -120,7 +120,12 @@ pub fn main(args: TrainArgs) -> Result<()> {
         return run_quietly(&config, &args, comm);
     }
     if comm.size() > 1 {
-        eprintln!("flashgrpo train: {} ({} data-parallel ranks)", comm.describe(), comm.size());
+        let vocab = config.parallel.vocab.max(1);
+        eprintln!(
+            "flashgrpo train: {}: {} data-parallel x {vocab} vocabulary-parallel",
+            comm.describe(),
+            comm.size() / vocab
+        );
     }
     match config.algo {
         Algo::Sft => {

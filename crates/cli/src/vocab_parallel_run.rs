@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use flashgrpo_collective::{share, Collective};
-use flashgrpo_kernels::LossOptions;
+use flashgrpo_kernels::{ChunkBudget, LossOptions};
 use flashgrpo_train::vocab_parallel::{columns, linear_loss, logits_loss, LinearShard, LinearShardGrads};
 
 use crate::batch::{Batch, LinearData, Scores};
@@ -13,10 +13,15 @@ use crate::tensor_io::{FloatData, FloatElement, FloatVisitor};
 
 /// The loss of `batch` over the ranks of `comm`, each holding its vocabulary slice; every rank
 /// returns the whole results.
-pub fn run_vocab_parallel(comm: &dyn Collective, batch: &Batch, options: &LossOptions) -> Result<Results> {
+pub fn run_vocab_parallel(
+    comm: &dyn Collective,
+    batch: &Batch,
+    options: &LossOptions,
+    budget: ChunkBudget,
+) -> Result<Results> {
     match &batch.scores {
         Scores::Logits(logits) => logits.visit(LogitsSlice { comm, batch, options }),
-        Scores::Linear(lin) => lin.hidden.visit(LinearSlice { comm, batch, options, lin }),
+        Scores::Linear(lin) => lin.hidden.visit(LinearSlice { comm, batch, options, lin, budget }),
     }
 }
 
@@ -80,10 +85,7 @@ struct LinearSlice<'a> {
     batch: &'a Batch,
     options: &'a LossOptions,
     lin: &'a LinearData,
-}
-
-fn f32s(data: &FloatData) -> Vec<f32> {
-    data.to_f64().into_iter().map(|x| x as f32).collect()
+    budget: ChunkBudget,
 }
 
 impl FloatVisitor for LinearSlice<'_> {
@@ -92,18 +94,22 @@ impl FloatVisitor for LinearSlice<'_> {
         let (b, t, v, h) = (self.batch.batch, self.batch.seq_len, self.batch.vocab, self.lin.hidden_size);
         let spec = self.batch.spec(self.options);
         let cols = columns(self.comm, v);
-        let hidden: Vec<f32> = hidden.iter().map(|x| x.to_f32()).collect();
-        let weight = f32s(&self.lin.weight)[cols.start * h..cols.end * h].to_vec();
-        let bias = self.lin.bias.as_ref().map(|b| f32s(b)[cols.clone()].to_vec());
-        let shard = LinearShard { hidden: &hidden, weight: &weight, bias: bias.as_deref(), hidden_size: h };
+        let weight = &typed::<T>(&self.lin.weight)[cols.start * h..cols.end * h];
+        let bias = self.lin.bias.as_ref().map(|b| &typed::<T>(b)[cols.clone()]);
+        let shard = LinearShard { hidden, weight, bias, hidden_size: h };
         if !spec.loss.has_gradient() {
-            return Ok(Results { output: linear_loss(self.comm, spec, shard, None)?, grads: Vec::new() });
+            return Ok(Results { output: linear_loss(self.comm, spec, shard, None, self.budget)?, grads: Vec::new() });
         }
         let mut gh = vec![0.0f32; hidden.len()];
         let mut gw = vec![0.0f32; cols.len() * h];
         let mut gb = vec![0.0f32; if bias.is_some() { cols.len() } else { 0 }];
-        let grads = LinearShardGrads { hidden: &mut gh, weight: &mut gw, bias: bias.is_some().then_some(&mut gb[..]) };
-        let output = linear_loss(self.comm, spec, shard, Some(grads))?;
+        let grads = LinearShardGrads {
+            hidden: &mut gh,
+            weight: Some(&mut gw),
+            bias: bias.is_some().then_some(&mut gb[..]),
+            accumulate: false,
+        };
+        let output = linear_loss(self.comm, spec, shard, Some(grads), self.budget)?;
         // The weight's rows are the columns of its transpose: gather `[h, V]` column blocks.
         let gw_t = transpose(&gw, cols.len(), h);
         let full_w = transpose(&gather_columns(self.comm, &gw_t, h, v)?, h, v);
@@ -117,6 +123,11 @@ impl FloatVisitor for LinearSlice<'_> {
         }
         Ok(Results { output, grads: named })
     }
+}
+
+/// The weight or bias in the hidden states' dtype (`Batch::read` gives them one dtype).
+fn typed<T: FloatElement>(data: &FloatData) -> &[T] {
+    T::slice_of(data).expect("the hidden states, weight and bias share one dtype")
 }
 
 /// `[rows, cols]` -> `[cols, rows]`.

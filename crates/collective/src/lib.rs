@@ -22,8 +22,18 @@ mod single;
 pub use error::{CollectiveError, Result};
 pub use launch::{from_environment, launcher_world_size};
 #[cfg(feature = "mpi")]
-pub use mpi_backend::Mpi;
+pub use mpi_backend::{abort_world, finalize, Mpi};
 pub use single::SingleProcess;
+
+/// Ends every rank of a multi-process job with `code` when this process is one of them (a rank
+/// that stops on an error would leave the others waiting in their next collective); returns
+/// when the process is alone.
+#[cfg(not(feature = "mpi"))]
+pub fn abort_world(_code: i32) {}
+
+/// Finalises MPI when it was initialised: the end of a successful multi-process run.
+#[cfg(not(feature = "mpi"))]
+pub fn finalize() {}
 
 /// The reductions an all-reduce applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -20,7 +20,7 @@ use crate::grpo::{train_grpo, Checkpoint, GrpoRun, GrpoSummary, Prompt, StepHook
 use crate::head_loss::{LossConfig, LossImpl};
 use crate::metrics::MetricsLog;
 use crate::model::{load_tokenizer, save_model, Qwen2};
-use crate::parallel::broadcast_weights;
+use crate::parallel::{broadcast_weights, Mesh};
 use crate::plot::plot_metrics;
 use crate::prompt::PromptFormat;
 use crate::rewards::formatted;
@@ -127,7 +127,8 @@ fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
 pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary> {
     config.validate()?;
     let comm = options.comm.as_ref();
-    config.parallel.validate(comm.size())?;
+    let mesh = Mesh::new(comm, &config.parallel)?;
+    config.grpo.check_ranks(mesh.data().size())?;
     let (out, root) = (config.out.clone(), comm.is_root());
     if root {
         std::fs::create_dir_all(&out).map_err(io(&out))?;
@@ -140,12 +141,15 @@ pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJo
         Some(Checkpoint { model, reference, tokenizer_dir, resume }) => {
             let tokenizer = load_tokenizer(&tokenizer_dir)?;
             let trained = config.model.path.is_none() && config.tokenizer.path.is_none();
+            // Every rank reads the checkpoint (a shared filesystem on several machines): prove
+            // they read the same weights.
+            crate::parallel::check_weights(&model.params, comm, resume.state.step)?;
             let eos = eos_of(&model, &tokenizer)?;
             let pad = tokenizer.token_to_id(END_OF_TEXT).unwrap_or(eos);
             (Setup { model, tokenizer, eos, pad, trained_tokenizer: trained }, reference, None, Some(resume))
         }
         None => {
-            let (setup, warm_start) = fresh_start(config, &train_problems, &eval_problems, &out, comm)?;
+            let (setup, warm_start) = fresh_start(config, &train_problems, &eval_problems, &out, &mesh)?;
             let reference = (config.loss.options.beta != 0.0).then(|| setup.model.frozen_copy()).transpose()?;
             (setup, reference, warm_start, None)
         }
@@ -186,7 +190,7 @@ pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJo
             resume: resume.as_ref(),
             stop_after: options.stop_after,
             after_step: options.after_step.as_ref(),
-            comm,
+            mesh: &mesh,
             check_weights_every: config.parallel.check_weights_every,
         },
     )?;
@@ -225,8 +229,9 @@ fn fresh_start(
     train_problems: &[Gsm8kProblem],
     eval_problems: &[Gsm8kProblem],
     out: &Path,
-    comm: &dyn Collective,
+    mesh: &Mesh<'_>,
 ) -> Result<(Setup, Option<SftSummary>)> {
+    let comm = mesh.world;
     let corpus_format = prompt_format(config, true)?;
     let corpus: Vec<String> = train_problems
         .iter()
@@ -238,7 +243,7 @@ fn fresh_start(
         return Ok((setup, None));
     }
     let format = prompt_format(config, setup.trained_tokenizer)?;
-    let summary = warm_start(config, &setup, &format, train_problems, eval_problems, out, comm)?;
+    let summary = warm_start(config, &setup, &format, train_problems, eval_problems, out, mesh)?;
     if comm.is_root() {
         save_model(&setup.model, &warm_start_dir(out), None)?;
         save_tokenizer(&setup.tokenizer, &warm_start_dir(out))?;
@@ -255,7 +260,7 @@ pub fn make_warm_start(config: &TrainConfig) -> Result<PathBuf> {
     }
     std::fs::create_dir_all(&config.out).map_err(io(&config.out))?;
     let (train_problems, eval_problems) = config.task.load(&config.data, config.seed)?;
-    fresh_start(config, &train_problems, &eval_problems, &config.out, &SingleProcess)?;
+    fresh_start(config, &train_problems, &eval_problems, &config.out, &Mesh::single())?;
     Ok(warm_start_dir(&config.out))
 }
 
@@ -319,7 +324,7 @@ fn warm_start(
     train: &[Gsm8kProblem],
     eval: &[Gsm8kProblem],
     out: &Path,
-    comm: &dyn Collective,
+    mesh: &Mesh<'_>,
 ) -> Result<SftSummary> {
     let loss = LossConfig {
         implementation: LossImpl::FusedLinear,
@@ -329,7 +334,7 @@ fn warm_start(
     let taught = sloppy_answers(train, config.task.sloppy_teacher_share(), config.seed);
     let (train, _) = encode_examples(&s.tokenizer, &warm_start_examples(format, &taught)?, s.eos, config.sft.max_len)?;
     let (eval, _) = encode_examples(&s.tokenizer, &warm_start_examples(format, eval)?, s.eos, config.sft.max_len)?;
-    let mut log = if comm.is_root() {
+    let mut log = if mesh.world.is_root() {
         MetricsLog::open_file(&out.join("sft_metrics.jsonl"), false)?.with_tensorboard(&out.join("tensorboard/sft"))?
     } else {
         MetricsLog::discard()
@@ -345,7 +350,7 @@ fn warm_start(
             seed: config.seed,
             log: Some(&mut log),
             progress: config.progress,
-            comm,
+            mesh,
             check_weights_every: config.parallel.check_weights_every,
         },
     )

@@ -3,7 +3,7 @@
 //! rank applies the same summed gradient, so they should be bit for bit; a hash comparison
 //! every few steps turns a silent divergence into an error that names the ranks).
 
-use flashgrpo_collective::Collective;
+use flashgrpo_collective::{Collective, SingleProcess};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -16,8 +16,9 @@ use crate::optim::grads::with_f32;
 pub struct ParallelConfig {
     /// Data-parallel ranks; `null`: every process the launcher started.
     pub data: Option<usize>,
-    /// Vocabulary-parallel ranks of the lm_head and loss inside each data-parallel rank (only 1
-    /// in the trainer so far; `flashgrpo loss --vocab-parallel` shards the loss by itself).
+    /// Vocabulary-parallel ranks inside each data-parallel group: they share the group's
+    /// sequences and split the update's lm_head products and loss by vocabulary rows
+    /// (`loss.impl: fused_linear`).
     pub vocab: usize,
     /// Compare a hash of the weights across ranks every this many GRPO / SFT steps (0: never).
     pub check_weights_every: usize,
@@ -33,13 +34,13 @@ impl ParallelConfig {
     /// Checks the section against the world the launcher started.
     pub fn validate(&self, world: usize) -> Result<()> {
         let bad = |why: String| Err(TrainError::Config { origin: "parallel".into(), why });
-        if self.vocab != 1 {
-            return bad(format!(
-                "parallel.vocab = {}: the trainer's lm_head is not vocabulary-parallel yet (only 1 is supported)",
-                self.vocab
-            ));
+        if self.vocab == 0 || self.data == Some(0) {
+            return bad("parallel.data and parallel.vocab must be positive".into());
         }
-        let data = self.data.unwrap_or(world);
+        if self.data.is_none() && world % self.vocab != 0 {
+            return bad(format!("parallel.vocab ({}) must divide the number of processes ({world})", self.vocab));
+        }
+        let data = self.data.unwrap_or(world / self.vocab);
         if data * self.vocab != world {
             return bad(format!(
                 "parallel.data ({data}) x parallel.vocab ({}) must equal the number of processes ({world})",
@@ -47,6 +48,50 @@ impl ParallelConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// The processes of a job as a `data x vocab` mesh, rank `d * vocab + v`: the `vocab` ranks of
+/// a data group hold the same sequences and split the head's vocabulary; the `data` groups
+/// split the batch.
+pub struct Mesh<'a> {
+    /// Every process: weights broadcast and checks, the gradient sum, rank 0's files.
+    pub world: &'a dyn Collective,
+    /// The ranks with this rank's vocabulary index (one per data group); `None`: the world.
+    data: Option<Box<dyn Collective>>,
+    /// The ranks of this rank's data group; `None`: this process alone.
+    vocab: Option<Box<dyn Collective>>,
+}
+
+static ALONE: SingleProcess = SingleProcess;
+
+impl<'a> Mesh<'a> {
+    /// One process.
+    pub fn single() -> Mesh<'static> {
+        Mesh { world: &ALONE, data: None, vocab: None }
+    }
+
+    /// The mesh `config` asks for over `world` (every rank calls it: the splits are collective).
+    pub fn new(world: &'a dyn Collective, config: &ParallelConfig) -> Result<Self> {
+        config.validate(world.size())?;
+        let v = config.vocab;
+        if v == 1 {
+            return Ok(Self { world, data: None, vocab: None });
+        }
+        let (d, r) = (world.rank() / v, world.rank() % v);
+        let data = world.split(r, d)?;
+        let vocab = world.split(d, r)?;
+        Ok(Self { world, data: Some(data), vocab: Some(vocab) })
+    }
+
+    /// The data-parallel group: batch shares, normalisers, metrics.
+    pub fn data(&self) -> &dyn Collective {
+        self.data.as_deref().unwrap_or(self.world)
+    }
+
+    /// The vocabulary-parallel group of the head.
+    pub fn vocab(&self) -> &dyn Collective {
+        self.vocab.as_deref().unwrap_or(&ALONE)
     }
 }
 

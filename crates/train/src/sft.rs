@@ -186,18 +186,19 @@ pub struct SftRun<'a> {
     pub log: Option<&'a mut MetricsLog>,
     /// A progress bar on the terminal (hidden when it is not one).
     pub progress: bool,
-    /// The data-parallel ranks: each trains on its share of every step's examples, the
+    /// The processes: each data group trains on its share of every step's examples, the
     /// gradients summed; rank 0 writes the log.
-    pub comm: &'a dyn Collective,
+    pub mesh: &'a crate::parallel::Mesh<'a>,
     /// Compare the ranks' weights every this many steps (0: never).
     pub check_weights_every: usize,
 }
 
 /// Trains `model` in place.
 pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
-    let SftRun { config, loss, train, eval, pad, seed, mut log, progress, comm, check_weights_every } = run;
-    let progress = progress && comm.is_root();
-    if !comm.is_root() {
+    let SftRun { config, loss, train, eval, pad, seed, mut log, progress, mesh, check_weights_every } = run;
+    let (comm, world) = (mesh.data(), mesh.world);
+    let progress = progress && world.is_root();
+    if !world.is_root() {
         log = None;
     }
     config.validate(loss)?;
@@ -245,7 +246,7 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
         batch.share_normalisers(comm)?;
         let window = batch.valid_tokens();
         let inputs = UpdateInputs { batch: &batch, objective: Objective::CrossEntropy, options: &loss.options, loss };
-        let (losses_, _, report) = update(model, &inputs, 1, &mut updater, &mut engine, comm)?;
+        let (losses_, _, report) = update(model, &inputs, 1, &mut updater, &mut engine, mesh)?;
         let total = losses_[0];
         let step_s = started.elapsed().as_secs_f64();
         let step_heap = probe.map(|p| (p.peak)());
@@ -275,8 +276,8 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
                 r.insert("eval/loss".into(), json!(e));
             }
         }
-        if check_weights_every > 0 && comm.size() > 1 && step % check_weights_every == 0 {
-            crate::parallel::check_weights(&model.params, comm, step)?;
+        if check_weights_every > 0 && world.size() > 1 && step % check_weights_every == 0 {
+            crate::parallel::check_weights(&model.params, world, step)?;
         }
         write(&r)?;
         bar.set_message(metrics::summary_line(

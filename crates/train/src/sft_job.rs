@@ -10,7 +10,7 @@ use crate::metrics::MetricsLog;
 use flashgrpo_collective::Collective;
 
 use crate::model::save_model;
-use crate::parallel::broadcast_weights;
+use crate::parallel::{broadcast_weights, Mesh};
 use crate::setup::setup;
 use crate::sft::{encode_examples, train_sft, Example, SftRun, SftSummary};
 use crate::tokenizer::save_tokenizer;
@@ -29,7 +29,7 @@ pub fn gsm8k_example(p: &Gsm8kProblem) -> Example {
 /// GSM8K trains on `Question: ...\nAnswer: ` + the worked solution; the arithmetic task on its
 /// prompts and the think/answer format the GRPO rewards ask for.
 pub fn run_sft_job(config: &TrainConfig, out: &Path, comm: &dyn Collective) -> Result<SftSummary> {
-    config.parallel.validate(comm.size())?;
+    let mesh = Mesh::new(comm, &config.parallel)?;
     let root = comm.is_root();
     let (train, eval) = config.task.load(&config.data, config.seed)?;
     let gsm8k = config.task.name == TaskName::Gsm8k;
@@ -74,7 +74,7 @@ pub fn run_sft_job(config: &TrainConfig, out: &Path, comm: &dyn Collective) -> R
             seed: config.seed,
             log: Some(&mut log),
             progress: config.progress,
-            comm,
+            mesh: &mesh,
             check_weights_every: config.parallel.check_weights_every,
         },
     )?;

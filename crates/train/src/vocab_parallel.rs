@@ -5,7 +5,8 @@
 //! it: 24 bytes per row from each rank). Every rank then combines the same statistics in the
 //! same order ([`combine_shards`]), so every rank computes the same objective (sequence-level
 //! GRPO included: it needs only the rows' statistics) and writes the gradient of its own slice.
-//! The fused-linear form adds one all-reduce (sum) of `grad_hidden`, `N x H` f32.
+//! The fused-linear form streams its rows of the lm_head with the kernels' sharded fused-linear
+//! loss (no logits tensor) and adds one all-reduce (sum) of `grad_hidden`, `N x H` f32.
 //!
 //! One all-gather rather than Megatron's two all-reduces (max, then the rescaled sums): the same
 //! bytes for two ranks, one latency instead of two, and every rank's combine is the tested
@@ -15,8 +16,10 @@
 use std::ops::Range;
 
 use flashgrpo_collective::{share, Collective, ReduceOp};
-use flashgrpo_kernels::matmul::{matmul_nn, matmul_nt, matmul_tn, Mat, MatMut};
-use flashgrpo_kernels::{combine_shards, Element, GradientTarget, LossOutput, LossSpec, PartialRowStats, PreparedLoss};
+use flashgrpo_kernels::{
+    combine_shards, ChunkBudget, Element, GradientTarget, LinearGradients, LinearInputs, LossOutput, LossSpec,
+    PartialRowStats, PreparedLinearLoss, PreparedLoss,
+};
 
 use crate::error::Result;
 
@@ -88,60 +91,64 @@ pub fn logits_loss<T: Element>(
     Ok(output)
 }
 
-/// This rank's part of a fused-linear loss: its rows of the lm_head (and bias), f32.
-pub struct LinearShard<'a> {
+/// This rank's part of a fused-linear loss: its rows of the lm_head (and bias).
+pub struct LinearShard<'a, T> {
     /// `[N, H]`, every rank the same.
-    pub hidden: &'a [f32],
+    pub hidden: &'a [T],
     /// `[columns.len(), H]`: this rank's rows of the lm_head.
-    pub weight: &'a [f32],
+    pub weight: &'a [T],
     /// `[columns.len()]`.
-    pub bias: Option<&'a [f32]>,
+    pub bias: Option<&'a [T]>,
     pub hidden_size: usize,
 }
 
-/// Gradients of a fused-linear shard: `hidden` (summed over the ranks) and this rank's rows of
-/// the weight and bias.
-pub struct LinearShardGrads<'a> {
-    pub hidden: &'a mut [f32],
-    pub weight: &'a mut [f32],
-    pub bias: Option<&'a mut [f32]>,
+impl<'a, T> LinearShard<'a, T> {
+    fn inputs(&self) -> LinearInputs<'a, T> {
+        LinearInputs { hidden: self.hidden, weight: self.weight, bias: self.bias, hidden_size: self.hidden_size }
+    }
 }
 
-/// The fused-linear loss with the lm_head split by rows. This rank's logits slice `[N, V/K]`
-/// is formed, streamed for statistics and for its gradient, then turned into `grad_weight`'s
-/// rows (`dz^T h`) and a part of `grad_hidden` (`dz W`) that one all-reduce sums.
-pub fn linear_loss(
+/// Gradients of a fused-linear shard, f32: `hidden` (overwritten, then summed over the ranks)
+/// and this rank's rows of the weight and bias (overwritten, or added to with `accumulate`).
+pub struct LinearShardGrads<'a> {
+    pub hidden: &'a mut [f32],
+    pub weight: Option<&'a mut [f32]>,
+    pub bias: Option<&'a mut [f32]>,
+    pub accumulate: bool,
+}
+
+/// The fused-linear loss with the lm_head split by rows: the kernels' sharded fused-linear
+/// ([`PreparedLinearLoss`]) streams this rank's rows twice, for the statistics and, once the
+/// objective is known, for the gradients (recomputing the logits: no `[N, V/K]` tensor), and one
+/// all-reduce sums the ranks' parts of `grad_hidden`.
+pub fn linear_loss<T: Element>(
     comm: &dyn Collective,
     spec: LossSpec<'_>,
-    shard: LinearShard<'_>,
+    shard: LinearShard<'_, T>,
     grads: Option<LinearShardGrads<'_>>,
+    budget: ChunkBudget,
 ) -> Result<LossOutput> {
-    let (n, h) = (spec.rows.len(), shard.hidden_size);
-    let v = columns(comm, spec.rows.vocab).len();
-    let mut logits = vec![0.0f32; n * v];
-    if let Some(b) = shard.bias {
-        logits.chunks_mut(v.max(1)).for_each(|row| row.copy_from_slice(b));
-    }
-    if v > 0 {
-        let mut z = MatMut::new(&mut logits, n, v);
-        matmul_nt(&mut z, shard.bias.is_some(), Mat::new(shard.hidden, n, h), Mat::new(shard.weight, v, h));
-    }
-    let Some(g) = grads else {
-        return logits_loss(comm, spec, &logits, None);
+    let vocab = spec.rows.vocab;
+    let cols = columns(comm, vocab);
+    let prepared = PreparedLinearLoss::new(spec, budget)?;
+    let local = if cols.is_empty() {
+        vec![PartialRowStats::EMPTY; spec.rows.len()]
+    } else {
+        prepared.statistics(shard.inputs(), cols.clone())?
     };
-    let mut dz = vec![0.0f32; n * v];
-    let output = logits_loss(comm, spec, &logits, Some(&mut dz))?;
-    drop(logits);
-    g.hidden.fill(0.0);
-    if v > 0 {
-        matmul_nn(&mut MatMut::new(g.hidden, n, h), false, Mat::new(&dz, n, v), Mat::new(shard.weight, v, h));
-        matmul_tn(&mut MatMut::new(g.weight, v, h), false, Mat::new(&dz, n, v), Mat::new(shard.hidden, n, h));
-    }
-    if let Some(gb) = g.bias {
-        gb.fill(0.0);
-        for row in dz.chunks(v.max(1)) {
-            gb.iter_mut().zip(row).for_each(|(b, d)| *b += d);
-        }
+    let stats = combined_statistics(comm, &local, vocab)?;
+    let (output, row_grads) = prepared.objective(&stats)?;
+    let Some(mut g) = grads else { return Ok(output) };
+    if cols.is_empty() {
+        g.hidden.fill(0.0);
+    } else {
+        let target = LinearGradients {
+            hidden: &mut *g.hidden,
+            weight: g.weight.as_deref_mut(),
+            bias: g.bias.as_deref_mut(),
+            accumulate: g.accumulate,
+        };
+        prepared.gradient(shard.inputs(), cols, &row_grads, target)?;
     }
     comm.all_reduce_f32(g.hidden, ReduceOp::Sum)?;
     Ok(output)

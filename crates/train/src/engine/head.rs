@@ -105,6 +105,33 @@ impl Head<'_, '_> {
         }
     }
 
+    /// The fused-linear loss with the vocabulary split over `comm`'s ranks, which hold the same
+    /// rows: each streams its rows of the lm_head, the rows' statistics are exchanged
+    /// ([`crate::vocab_parallel`]), `d rows` is summed over the ranks, and each adds the gradient
+    /// of its rows of the lm_head to the buffer.
+    pub fn loss_vocab_parallel(
+        &self,
+        rows: &[f32],
+        inputs: &LossInputs,
+        g: HeadGradients<'_>,
+        comm: &dyn flashgrpo_collective::Collective,
+    ) -> Result<(f64, Option<LossOutput>)> {
+        use crate::vocab_parallel::{columns, linear_loss, LinearShard, LinearShardGrads};
+        if self.implementation != LossImpl::FusedLinear {
+            return Err(kernel("a vocabulary-parallel head needs loss.impl = fused_linear"));
+        }
+        let d = self.weights.dims;
+        let (h, v) = (d.hidden, d.vocab);
+        let cols = columns(comm, v);
+        let weight: &[f32] = self.weights.lm_head();
+        let shard =
+            LinearShard { hidden: rows, weight: &weight[cols.start * h..cols.end * h], bias: None, hidden_size: h };
+        let rows_of_head = &mut g.grads.get_mut(self.weights.lm_head().index)[cols.start * h..cols.end * h];
+        let grads = LinearShardGrads { hidden: g.rows, weight: Some(rows_of_head), bias: None, accumulate: true };
+        let out = linear_loss(comm, inputs.spec(v), shard, Some(grads), inputs.budget)?;
+        Ok((out.loss, Some(out)))
+    }
+
     /// The composed loss on candle's materialised logits, differentiated by candle. candle reads
     /// the lm_head under a second read lock of its storage while `Weights` holds the first: fine,
     /// as nothing writes the parameters during an update (the optimiser runs after `Weights` is

@@ -84,6 +84,20 @@ impl Default for GrpoConfig {
 }
 
 impl GrpoConfig {
+    /// Checks that each of `ranks` data-parallel ranks gets whole groups.
+    pub fn check_ranks(&self, ranks: usize) -> Result<()> {
+        if self.prompts_per_step % ranks != 0 {
+            return Err(TrainError::Config {
+                origin: "grpo.prompts_per_step".into(),
+                why: format!(
+                    "{} prompts per step cannot be split into whole groups over {ranks} data-parallel ranks; use a multiple of {ranks}",
+                    self.prompts_per_step
+                ),
+            });
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |why: String| Err(TrainError::Config { origin: "grpo".into(), why });
         for (name, v) in [

@@ -44,6 +44,8 @@ pub struct Groups {
     pub rounds: usize,
     /// Groups kept for the update, over all ranks.
     pub kept_groups: usize,
+    /// The standard deviation of every rank's advantages.
+    pub advantage_std: f64,
     /// Of the groups generated, those whose rewards were all equal.
     pub flat_groups: usize,
     pub generated_groups: usize,
@@ -61,6 +63,15 @@ pub struct RolloutSetup<'a> {
     pub comm: &'a dyn Collective,
 }
 
+/// The sample standard deviation (0 for fewer than two values).
+pub(crate) fn std_dev(v: &[f64]) -> f64 {
+    if v.len() < 2 {
+        return 0.0;
+    }
+    let m = v.iter().sum::<f64>() / v.len() as f64;
+    (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64).sqrt()
+}
+
 impl RolloutSetup<'_> {
     /// One step's groups, prompts drawn from `rng`.
     pub fn run(&self, model: &Qwen2, rollout: &mut Rollout, rng: &mut Rng) -> Result<Groups> {
@@ -68,7 +79,9 @@ impl RolloutSetup<'_> {
         let (g, target) = (c.num_generations, c.prompts_per_step);
         let mine = share(target, self.comm.size(), self.comm.rank());
         let mut out = Groups::default();
-        let mut kept_rewards = Vec::new();
+        // Every rank's kept groups' rewards (global order), and which kept groups are this rank's:
+        // advantages scaled over the batch (`scale_rewards: batch`) need the whole batch.
+        let (mut kept_rewards, mut kept_here) = (Vec::new(), Vec::new());
         let mut last_round = (Vec::new(), Vec::new(), Vec::new());
         let rounds = if c.dynamic_sampling { c.max_rollout_rounds.max(1) } else { 1 };
         while out.rounds < rounds && out.kept_groups < target {
@@ -100,25 +113,30 @@ impl RolloutSetup<'_> {
                     continue;
                 }
                 out.kept_groups += 1;
+                kept_here.push(mine.contains(&k));
+                kept_rewards.extend_from_slice(group);
                 if !mine.contains(&k) {
                     continue;
                 }
                 let local = (k - mine.start) * g..(k - mine.start + 1) * g;
                 out.prompts.extend_from_slice(&prompts[local.clone()]);
                 out.completions.extend_from_slice(&completions[local]);
-                kept_rewards.extend_from_slice(group);
             }
             out.lengths.extend(self.gather_lengths(&completions)?);
             out.scores.extend_from_slice(&scores);
             out.rewards.extend_from_slice(&rewards);
             out.reward_s += started.elapsed().as_secs_f64();
-            last_round = (prompts, completions, rewards[mine.start * g..mine.end * g].to_vec());
+            last_round = (prompts, completions, rewards);
         }
         if out.kept_groups == 0 {
             (out.prompts, out.completions, kept_rewards) = last_round;
+            kept_here = (0..target).map(|k| mine.contains(&k)).collect();
             out.kept_groups = target;
         }
-        out.advantages = advantages(&kept_rewards, g, c.scale_rewards, c.advantage_eps);
+        let all = advantages(&kept_rewards, g, c.scale_rewards, c.advantage_eps);
+        out.advantage_std = std_dev(&all);
+        out.advantages =
+            all.chunks(g).zip(&kept_here).filter(|(_, &here)| here).flat_map(|(a, _)| a.to_vec()).collect();
         Ok(out)
     }
 

@@ -22,14 +22,14 @@ use tokenizers::Tokenizer;
 
 use super::checkpoint::{checkpoint_dir, save_checkpoint, Resume, TrainerState};
 use super::config::GrpoConfig;
-use super::rollouts::RolloutSetup;
+use super::rollouts::{std_dev, RolloutSetup};
 use super::update::{update, EngineBuffers, Objective, UpdateBatch, UpdateInputs};
 use crate::error::{Result, TrainError};
 use crate::head_loss::LossConfig;
 use crate::metrics::{self, progress_bar, record, MetricsLog};
 use crate::model::{Qwen2, Sampling};
 use crate::optim::Updater;
-use crate::parallel::check_weights;
+use crate::parallel::{check_weights, Mesh};
 use crate::rewards::{correctness, REWARD_NAMES};
 use crate::rollout::{Rollout, RowStreams};
 use crate::tokenizer::decode;
@@ -63,8 +63,8 @@ pub struct GrpoRun<'a> {
     pub stop_after: Option<usize>,
     /// Called after every step, outside all timed regions.
     pub after_step: Option<&'a StepHook>,
-    /// The data-parallel ranks ([`flashgrpo_collective::SingleProcess`] for one process).
-    pub comm: &'a dyn Collective,
+    /// The processes: data-parallel groups, vocabulary groups ([`Mesh::single`] for one).
+    pub mesh: &'a Mesh<'a>,
     /// Compare the ranks' weights every this many steps (0: never).
     pub check_weights_every: usize,
 }
@@ -153,14 +153,6 @@ fn mean(v: &[f64]) -> f64 {
     }
 }
 
-fn std(v: &[f64]) -> f64 {
-    if v.len() < 2 {
-        return 0.0;
-    }
-    let m = mean(v);
-    (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64).sqrt()
-}
-
 /// Trains `model` in place.
 pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
     let GrpoRun {
@@ -179,20 +171,13 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         resume,
         stop_after,
         after_step,
-        comm,
+        mesh,
         check_weights_every,
     } = run;
+    let (comm, world) = (mesh.data(), mesh.world);
     config.validate()?;
-    let ranks = comm.size();
-    if config.prompts_per_step % ranks != 0 {
-        return Err(TrainError::Config {
-            origin: "grpo.prompts_per_step".into(),
-            why: format!(
-                "{} prompts per step cannot be split into whole groups over {ranks} data-parallel ranks; use a multiple of {ranks}",
-                config.prompts_per_step
-            ),
-        });
-    }
+    config.check_ranks(comm.size())?;
+    let ranks = world.size();
     if let Some(r) = resume {
         if r.state.world_size != ranks {
             return Err(TrainError::Other(format!(
@@ -201,7 +186,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             )));
         }
     }
-    let progress = progress && comm.is_root();
+    let progress = progress && world.is_root();
     if train.is_empty() {
         return Err(TrainError::Other("GRPO: no training prompts".into()));
     }
@@ -271,7 +256,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             if let Some(g) = state.eval_greedy_before {
                 r.insert("eval/accuracy_greedy".into(), json!(g));
             }
-            if comm.is_root() {
+            if world.is_root() {
                 log.write(&r)?;
             }
         }
@@ -316,7 +301,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         });
         let objective = Objective::Grpo { advantages: &groups.advantages, old_logp, ref_logp };
         let inputs = UpdateInputs { batch: &batch, objective, options: &options, loss };
-        let (losses, sums, report) = update(model, &inputs, config.ppo_epochs, &mut updater, &mut engine, comm)?;
+        let (losses, sums, report) = update(model, &inputs, config.ppo_epochs, &mut updater, &mut engine, mesh)?;
         let update_s = update_started.elapsed().as_secs_f64();
         let step_peak = probe.map(|p| (p.peak)());
         let update_heap = step_peak.zip(live_before).map(|(p, l)| p.saturating_sub(l));
@@ -344,7 +329,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             "step": step,
             "train/loss": mean(&losses),
             "train/reward_mean": mean(rewards),
-            "train/reward_std": std(rewards),
+            "train/reward_std": std_dev(rewards),
         }));
         for (i, name) in REWARD_NAMES.iter().enumerate() {
             r.insert(format!("train/rewards/{name}"), json!(mean(&scores.iter().map(|s| s[i]).collect::<Vec<_>>())));
@@ -354,7 +339,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             r.insert(key.into(), v);
         };
         put("train/accuracy", json!(mean(&correct)));
-        put("train/advantage_std", json!(std(&groups.advantages)));
+        put("train/advantage_std", json!(groups.advantage_std));
         put("train/frac_reward_zero_std", json!(groups.flat_groups as f64 / groups.generated_groups.max(1) as f64));
         if config.dynamic_sampling {
             put("train/rollout_rounds", json!(groups.rounds));
@@ -402,14 +387,14 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             }
         }
         if check_weights_every > 0 && ranks > 1 && step % check_weights_every == 0 {
-            check_weights(&model.params, comm, step)?;
+            check_weights(&model.params, world, step)?;
         }
-        if comm.is_root() {
+        if world.is_root() {
             log.write(&r)?;
         }
         rewards_per_step.push(mean(rewards));
         update_times.push(update_s);
-        if comm.is_root()
+        if world.is_root()
             && config.checkpoint_every > 0
             && (step % config.checkpoint_every == 0 || step == config.steps)
         {

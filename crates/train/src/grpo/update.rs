@@ -9,7 +9,7 @@
 use std::ops::Range;
 
 use flashgrpo_candle::{LossInputs, LossKind};
-use flashgrpo_collective::{Collective, ReduceOp};
+use flashgrpo_collective::{Collective, ReduceOp, SingleProcess};
 use flashgrpo_kernels::{BatchShard, LossOptions, LossOutput};
 
 use super::batch::MicroBatch;
@@ -19,6 +19,7 @@ use crate::error::Result;
 use crate::head_loss::LossConfig;
 use crate::model::Qwen2;
 use crate::optim::{GradBuffers, StepReport, Updater};
+use crate::parallel::Mesh;
 use crate::rollout::Rollout;
 
 /// The engine's buffers, kept from step to step: generation's, the update's (every layer's
@@ -220,12 +221,18 @@ impl UpdateInputs<'_> {
 /// One pass over the micro-batches: each one's forward, head loss and backward, its gradients
 /// added to `grads` (`record` sees each micro-batch's loss). Returns the batch's loss (the sum of
 /// the micro-batches') and the per-token sums.
+///
+/// With a vocabulary group of several ranks (`vocab`), the head's products and loss are split
+/// by vocabulary rows among them ([`Head::loss_vocab_parallel`]); they hold the same sequences,
+/// so only the group's first rank runs the layers' backward (the others would add the same
+/// gradient again to the world's sum): the others contribute their rows of the lm_head's gradient.
 fn accumulate(
     model: &Qwen2,
     u: &UpdateInputs<'_>,
     grads: &mut GradBuffers,
     engine: &mut EngineBuffers,
     mut record: impl FnMut(f64),
+    vocab: &dyn Collective,
 ) -> Result<(f64, TokenSums)> {
     let h = model.config.hidden_size;
     let w = Weights::of(model)?;
@@ -236,12 +243,19 @@ fn accumulate(
         let rows = gather_rows(&slots, &engine.workspace.hidden, h);
         let mut d_rows = vec![0.0f32; rows.len()];
         let head = Head { weights: &w, lm_head: model.lm_head(), implementation: u.loss.implementation };
-        let (value, out) = head.loss(&rows, &inputs, Some(HeadGradients { rows: &mut d_rows, grads }))?;
+        let gradients = HeadGradients { rows: &mut d_rows, grads };
+        let (value, out) = if vocab.size() > 1 {
+            head.loss_vocab_parallel(&rows, &inputs, gradients, vocab)?
+        } else {
+            head.loss(&rows, &inputs, Some(gradients))?
+        };
         record(value);
         total += value;
         sums.add(out.as_ref(), &inputs);
-        let d_slots = scatter_rows(&slots, &d_rows, h, mb.packing.slots());
-        backward(&w, &mb.packing, &mut engine.workspace, &mut engine.backward, &d_slots, grads);
+        if vocab.rank() == 0 {
+            let d_slots = scatter_rows(&slots, &d_rows, h, mb.packing.slots());
+            backward(&w, &mb.packing, &mut engine.workspace, &mut engine.backward, &d_slots, grads);
+        }
     }
     Ok((total, sums))
 }
@@ -266,13 +280,14 @@ pub fn batch_loss(model: &Qwen2, u: &UpdateInputs<'_>, workspace: &mut Workspace
 /// step.
 pub fn batch_gradients(model: &Qwen2, u: &UpdateInputs<'_>) -> Result<(f64, GradBuffers)> {
     let mut grads = GradBuffers::new(&model.params);
-    let (loss, _) =
-        crate::engine::on_workers(|| accumulate(model, u, &mut grads, &mut EngineBuffers::default(), |_| {}))?;
+    let (loss, _) = crate::engine::on_workers(|| {
+        accumulate(model, u, &mut grads, &mut EngineBuffers::default(), |_| {}, &SingleProcess)
+    })?;
     Ok((loss, grads))
 }
 
 /// The update: `epochs` times, every micro-batch into the optimiser's buffers, the gradients
-/// summed over the data-parallel ranks, then one optimiser step. Returns each epoch's loss (over
+/// summed over every rank of `mesh`, then one optimiser step. Returns each epoch's loss (over
 /// every rank), the first epoch's per-token sums, and the last step's report (its `comm_s`:
 /// the epochs' time in collectives).
 pub fn update(
@@ -281,15 +296,16 @@ pub fn update(
     epochs: usize,
     updater: &mut Updater,
     engine: &mut EngineBuffers,
-    comm: &dyn Collective,
+    mesh: &Mesh<'_>,
 ) -> Result<(Vec<f64>, TokenSums, StepReport)> {
     let (mut losses, mut first, mut report, mut comm_s) = (Vec::new(), None, None, 0.0);
+    let vocab = mesh.vocab();
     for _ in 0..epochs {
         let (grads, record) = updater.grads_and_recorder();
-        let (mut loss, mut sums) = crate::engine::on_workers(|| accumulate(model, u, grads, engine, record))?;
+        let (mut loss, mut sums) = crate::engine::on_workers(|| accumulate(model, u, grads, engine, record, vocab))?;
         let started = std::time::Instant::now();
-        sums.all_reduce(&mut loss, comm)?;
-        updater.reduce(comm)?;
+        sums.all_reduce(&mut loss, mesh.data())?;
+        updater.reduce(mesh.world)?;
         comm_s += started.elapsed().as_secs_f64();
         losses.push(loss);
         first.get_or_insert(sums);
