@@ -37,7 +37,7 @@ impl ParallelConfig {
         if self.vocab == 0 || self.data == Some(0) {
             return bad("parallel.data and parallel.vocab must be positive".into());
         }
-        if self.data.is_none() && world % self.vocab != 0 {
+        if self.data.is_none() && !world.is_multiple_of(self.vocab) {
             return bad(format!("parallel.vocab ({}) must divide the number of processes ({world})", self.vocab));
         }
         let data = self.data.unwrap_or(world / self.vocab);

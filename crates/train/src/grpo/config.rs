@@ -86,7 +86,7 @@ impl Default for GrpoConfig {
 impl GrpoConfig {
     /// Checks that each of `ranks` data-parallel ranks gets whole groups.
     pub fn check_ranks(&self, ranks: usize) -> Result<()> {
-        if self.prompts_per_step % ranks != 0 {
+        if !self.prompts_per_step.is_multiple_of(ranks) {
             return Err(TrainError::Config {
                 origin: "grpo.prompts_per_step".into(),
                 why: format!(
