@@ -223,6 +223,31 @@ fn data_parallel_sft_and_grpo_over_2_ranks_equal_one_process() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn an_error_on_one_rank_ends_the_job() {
+    // Only rank 0 writes: an output path under a regular file fails there alone, while the other
+    // rank goes on to its first collective. The error must end the job, not leave it waiting.
+    let dir = scratch("error");
+    std::fs::create_dir_all(&dir).unwrap();
+    let blocker = dir.join("a-file");
+    std::fs::write(&blocker, "not a directory").unwrap();
+    let args = tiny_args(&blocker.join("run"), &["grpo.steps=2".into()]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut job = mpirun(2, &refs).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = job.try_wait().unwrap() {
+            break s;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "the job still runs 60 s after rank 0 failed");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let o = job.wait_with_output().unwrap();
+    assert!(!status.success());
+    assert!(text(&o).contains("error:") && text(&o).contains("a-file"), "{}", text(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The PIDs of `parent`'s children (the ranks that `mpirun` started on this machine).
 fn children(parent: u32) -> Vec<u32> {
     let mut out = Vec::new();

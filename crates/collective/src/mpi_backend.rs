@@ -44,7 +44,7 @@ pub fn abort_world(code: i32) {
 
 /// The MPI environment, finalised by [`finalize`] (not by a drop: a rank that stops on an error
 /// must abort the job before anything finalises, or `MPI_Finalize` would wait for the others).
-struct Environment(Universe);
+struct Environment(#[allow(dead_code)] /* held for its drop: MPI_Finalize */ Universe);
 
 // SAFETY: the universe is only touched under `MPI_LOCK` (MPI_THREAD_SERIALIZED).
 unsafe impl Send for Environment {}
