@@ -6,7 +6,7 @@
 //! fresh machine.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -200,6 +200,10 @@ fn data_parallel_sft_and_grpo_over_2_ranks_equal_one_process() {
     run_one(&tiny_args(&one, &from_warm));
     run_two(&tiny_args(&two, &from_warm));
     assert_same_grpo_run(&one, &two, 1e-5);
+    // The same with the gradients summed after the backward instead of during it.
+    let after = dir.join("grpo-two-after");
+    run_two(&tiny_args(&after, &[from_warm.to_vec(), vec!["parallel.overlap_grad_sum=false".into()]].concat()));
+    assert_same_grpo_run(&one, &after, 1e-5);
     // Batch-scaled advantages need the whole batch's rewards.
     let batch_scaled = [from_warm.to_vec(), vec!["grpo.scale_rewards=batch".into()]].concat();
     let (one_b, two_b) = (dir.join("grpo-one-batch"), dir.join("grpo-two-batch"));
@@ -233,19 +237,25 @@ fn an_error_on_one_rank_ends_the_job() {
     std::fs::write(&blocker, "not a directory").unwrap();
     let args = tiny_args(&blocker.join("run"), &["grpo.steps=2".into()]);
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut job = mpirun(2, &refs).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let started = Instant::now();
-    let status = loop {
-        if let Some(s) = job.try_wait().unwrap() {
-            break s;
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "the job still runs 60 s after rank 0 failed");
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let o = job.wait_with_output().unwrap();
-    assert!(!status.success());
+    let job = mpirun(2, &refs).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let o = finish_within(job, Duration::from_secs(60), "rank 0 failed");
+    assert!(!o.status.success());
     assert!(text(&o).contains("error:") && text(&o).contains("a-file"), "{}", text(&o));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `job`'s output once it ends, at most `limit` from now (past it, the job is killed and the test
+/// fails: a hang is the failure these tests look for).
+fn finish_within(mut job: Child, limit: Duration, after: &str) -> Output {
+    let started = Instant::now();
+    while job.try_wait().unwrap().is_none() {
+        if started.elapsed() >= limit {
+            let _ = job.kill();
+            panic!("the job still runs {} s after {after}", limit.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    job.wait_with_output().unwrap()
 }
 
 /// The PIDs of `parent`'s children (the ranks that `mpirun` started on this machine).
@@ -279,17 +289,9 @@ fn a_killed_rank_ends_the_job_and_the_checkpoint_resumes() {
     }
     let ranks = children(job.id());
     assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
-    let killed = Instant::now();
     unsafe { libc::kill(ranks[1] as i32, libc::SIGKILL) };
-    let status = loop {
-        if let Some(s) = job.try_wait().unwrap() {
-            break s;
-        }
-        assert!(killed.elapsed() < Duration::from_secs(60), "the job still runs 60 s after a rank was killed");
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let o = job.wait_with_output().unwrap();
-    assert!(!status.success(), "exit status {status:?}");
+    let o = finish_within(job, Duration::from_secs(60), "a rank was killed");
+    assert!(!o.status.success(), "exit status {:?}", o.status);
     assert!(text(&o).contains("signal 9") || text(&o).contains("Killed"), "{}", text(&o));
 
     // The last checkpoint loads and the run resumes from it with the same number of ranks.

@@ -22,11 +22,14 @@ pub struct ParallelConfig {
     pub vocab: usize,
     /// Compare a hash of the weights across ranks every this many GRPO / SFT steps (0: never).
     pub check_weights_every: usize,
+    /// Sum each layer's gradients over the ranks while the backward computes the layers below
+    /// (on a second thread), rather than all of them after it.
+    pub overlap_grad_sum: bool,
 }
 
 impl Default for ParallelConfig {
     fn default() -> Self {
-        Self { data: None, vocab: 1, check_weights_every: 50 }
+        Self { data: None, vocab: 1, check_weights_every: 50, overlap_grad_sum: true }
     }
 }
 
@@ -61,6 +64,8 @@ pub struct Mesh<'a> {
     data: Option<Box<dyn Collective>>,
     /// The ranks of this rank's data group; `None`: this process alone.
     vocab: Option<Box<dyn Collective>>,
+    /// Sum the layers' gradients while the backward runs (several processes only).
+    pub overlap_grad_sum: bool,
 }
 
 static ALONE: SingleProcess = SingleProcess;
@@ -68,20 +73,20 @@ static ALONE: SingleProcess = SingleProcess;
 impl<'a> Mesh<'a> {
     /// One process.
     pub fn single() -> Mesh<'static> {
-        Mesh { world: &ALONE, data: None, vocab: None }
+        Mesh { world: &ALONE, data: None, vocab: None, overlap_grad_sum: false }
     }
 
     /// The mesh `config` asks for over `world` (every rank calls it: the splits are collective).
     pub fn new(world: &'a dyn Collective, config: &ParallelConfig) -> Result<Self> {
         config.validate(world.size())?;
-        let v = config.vocab;
+        let (v, overlap_grad_sum) = (config.vocab, config.overlap_grad_sum && world.size() > 1);
         if v == 1 {
-            return Ok(Self { world, data: None, vocab: None });
+            return Ok(Self { world, data: None, vocab: None, overlap_grad_sum });
         }
         let (d, r) = (world.rank() / v, world.rank() % v);
         let data = world.split(r, d)?;
         let vocab = world.split(d, r)?;
-        Ok(Self { world, data: Some(data), vocab: Some(vocab) })
+        Ok(Self { world, data: Some(data), vocab: Some(vocab), overlap_grad_sum })
     }
 
     /// The data-parallel group: batch shares, normalisers, metrics.

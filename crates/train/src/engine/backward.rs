@@ -54,6 +54,21 @@ pub fn backward(
     d_hidden: &[f32],
     grads: &mut GradBuffers,
 ) {
+    backward_then(w, packing, ws, bufs, d_hidden, grads, &mut |_, _| {});
+}
+
+/// [`backward`], calling `after_layer(l, grads)` as soon as layer `l`'s gradients are complete
+/// (layers in reverse order): a data-parallel update starts summing them over the ranks while
+/// the layers below are still computed.
+pub fn backward_then(
+    w: &Weights<'_>,
+    packing: &Packing,
+    ws: &mut Workspace,
+    bufs: &mut BackwardBuffers,
+    d_hidden: &[f32],
+    grads: &mut GradBuffers,
+    after_layer: &mut dyn FnMut(usize, &mut GradBuffers),
+) {
     let d = &w.dims;
     let n = ws.rows;
     assert_eq!(ws.layers.len(), d.layers, "the forward must be a Pass::Train");
@@ -70,6 +85,7 @@ pub fn backward(
     );
     for l in (0..d.layers).rev() {
         layer_backward(&w.layers[l], d, w, &ws.layers[l], &ws.residual[l], packing, bufs, grads);
+        after_layer(l, grads);
     }
     ops::embed_backward(grads.get_mut(w.embed.index), &packing.tokens, &bufs.dx, d.hidden);
 }

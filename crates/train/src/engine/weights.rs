@@ -112,6 +112,29 @@ pub struct LayerWeights<'m> {
     pub down: Param<'m>,
 }
 
+impl LayerWeights<'_> {
+    /// The indices of the layer's parameters (in [`crate::model::Params`] and `GradBuffers`).
+    pub fn indices(&self) -> Vec<usize> {
+        [
+            &self.input_norm,
+            &self.q,
+            &self.q_bias,
+            &self.k,
+            &self.k_bias,
+            &self.v,
+            &self.v_bias,
+            &self.o,
+            &self.post_norm,
+            &self.gate,
+            &self.up,
+            &self.down,
+        ]
+        .iter()
+        .map(|p| p.index)
+        .collect()
+    }
+}
+
 /// Every parameter of a Qwen2 model, as the engine reads them.
 pub struct Weights<'m> {
     pub dims: Dims,

@@ -14,10 +14,11 @@ use flashgrpo_kernels::{BatchShard, LossOptions, LossOutput};
 
 use super::batch::MicroBatch;
 use crate::engine::packing::{gather_rows, scatter_rows};
-use crate::engine::{backward, forward, BackwardBuffers, Head, HeadGradients, Pass, Weights, Workspace};
+use crate::engine::{backward, backward_then, forward, BackwardBuffers, Head, HeadGradients, Pass, Weights, Workspace};
 use crate::error::Result;
 use crate::head_loss::LossConfig;
 use crate::model::Qwen2;
+use crate::optim::overlap::{overlapped, HandOver};
 use crate::optim::{GradBuffers, StepReport, Updater};
 use crate::parallel::Mesh;
 use crate::rollout::Rollout;
@@ -226,6 +227,8 @@ impl UpdateInputs<'_> {
 /// by vocabulary rows among them ([`Head::loss_vocab_parallel`]); they hold the same sequences,
 /// so only the group's first rank runs the layers' backward (the others would add the same
 /// gradient again to the world's sum): the others contribute their rows of the lm_head's gradient.
+/// With `after_layer`, the last micro-batch's backward hands each completed layer over to be
+/// summed over the ranks ([`overlapped`]).
 fn accumulate(
     model: &Qwen2,
     u: &UpdateInputs<'_>,
@@ -233,7 +236,9 @@ fn accumulate(
     engine: &mut EngineBuffers,
     mut record: impl FnMut(f64),
     vocab: &dyn Collective,
+    mut after_layer: Option<&mut HandOver<'_>>,
 ) -> Result<(f64, TokenSums)> {
+    let last = u.batch.batches.len().saturating_sub(1);
     let h = model.config.hidden_size;
     let w = Weights::of(model)?;
     let (mut total, mut sums) = (0.0, TokenSums::default());
@@ -254,7 +259,15 @@ fn accumulate(
         sums.add(out.as_ref(), &inputs);
         if vocab.rank() == 0 {
             let d_slots = scatter_rows(&slots, &d_rows, h, mb.packing.slots());
-            backward(&w, &mb.packing, &mut engine.workspace, &mut engine.backward, &d_slots, grads);
+            let (ws, bufs) = (&mut engine.workspace, &mut engine.backward);
+            match after_layer.as_mut() {
+                // The last micro-batch completes each layer's gradient: hand it over to be summed.
+                Some(hand_over) if k == last => {
+                    let layers = w.dims.layers;
+                    backward_then(&w, &mb.packing, ws, bufs, &d_slots, grads, &mut |l, g| hand_over(layers - 1 - l, g))
+                }
+                _ => backward(&w, &mb.packing, ws, bufs, &d_slots, grads),
+            }
         }
     }
     Ok((total, sums))
@@ -281,7 +294,7 @@ pub fn batch_loss(model: &Qwen2, u: &UpdateInputs<'_>, workspace: &mut Workspace
 pub fn batch_gradients(model: &Qwen2, u: &UpdateInputs<'_>) -> Result<(f64, GradBuffers)> {
     let mut grads = GradBuffers::new(&model.params);
     let (loss, _) = crate::engine::on_workers(|| {
-        accumulate(model, u, &mut grads, &mut EngineBuffers::default(), |_| {}, &SingleProcess)
+        accumulate(model, u, &mut grads, &mut EngineBuffers::default(), |_| {}, &SingleProcess, None)
     })?;
     Ok((loss, grads))
 }
@@ -289,7 +302,7 @@ pub fn batch_gradients(model: &Qwen2, u: &UpdateInputs<'_>) -> Result<(f64, Grad
 /// The update: `epochs` times, every micro-batch into the optimiser's buffers, the gradients
 /// summed over every rank of `mesh`, then one optimiser step. Returns each epoch's loss (over
 /// every rank), the first epoch's per-token sums, and the last step's report (its `comm_s`:
-/// the epochs' time in collectives).
+/// the epochs' time in collectives that the overlap with the backward did not hide).
 pub fn update(
     model: &Qwen2,
     u: &UpdateInputs<'_>,
@@ -300,13 +313,26 @@ pub fn update(
 ) -> Result<(Vec<f64>, TokenSums, StepReport)> {
     let (mut losses, mut first, mut report, mut comm_s) = (Vec::new(), None, None, 0.0);
     let vocab = mesh.vocab();
+    // Each layer's parameters, in the order the backward completes them (the last layer first).
+    let groups: Vec<Vec<usize>> = if mesh.overlap_grad_sum {
+        let w = Weights::of(model)?;
+        w.layers.iter().rev().map(|l| l.indices()).collect()
+    } else {
+        Vec::new()
+    };
     for _ in 0..epochs {
         let (grads, record) = updater.grads_and_recorder();
-        let (mut loss, mut sums) = crate::engine::on_workers(|| accumulate(model, u, grads, engine, record, vocab))?;
+        let ((mut loss, mut sums), done, waited) = if mesh.overlap_grad_sum {
+            overlapped(grads, &groups, mesh.world, |grads, hand_over| {
+                crate::engine::on_workers(|| accumulate(model, u, grads, engine, record, vocab, Some(hand_over)))
+            })?
+        } else {
+            (crate::engine::on_workers(|| accumulate(model, u, grads, engine, record, vocab, None))?, Vec::new(), 0.0)
+        };
         let started = std::time::Instant::now();
         sums.all_reduce(&mut loss, mesh.data())?;
-        updater.reduce(mesh.world)?;
-        comm_s += started.elapsed().as_secs_f64();
+        updater.reduce(mesh.world, &done)?;
+        comm_s += waited + started.elapsed().as_secs_f64();
         losses.push(loss);
         first.get_or_insert(sums);
         report = Some(updater.step(&model.params)?);

@@ -63,10 +63,24 @@ impl GradBuffers {
         norm
     }
 
+    /// Moves buffer `index` out (an empty one stays in its place until [`GradBuffers::put`]).
+    pub fn take(&mut self, index: usize) -> Vec<f32> {
+        std::mem::take(&mut self.buffers[index])
+    }
+
+    pub fn put(&mut self, index: usize, buffer: Vec<f32>) {
+        self.buffers[index] = buffer;
+    }
+
     /// Sums every buffer over the ranks of `comm`, in buckets of at most [`BUCKET_FLOATS`]
     /// (small parameters share a bucket, so a step makes a few large all-reduces rather than one
     /// per parameter; a large one goes by itself, in place).
     pub fn all_reduce(&mut self, comm: &dyn Collective) -> crate::error::Result<()> {
+        self.all_reduce_except(comm, &[])
+    }
+
+    /// [`GradBuffers::all_reduce`] of every buffer but those of `done` (summed already).
+    pub fn all_reduce_except(&mut self, comm: &dyn Collective, done: &[usize]) -> crate::error::Result<()> {
         if comm.size() == 1 {
             return Ok(());
         }
@@ -87,7 +101,7 @@ impl GradBuffers {
             members.clear();
             Ok(())
         };
-        for i in 0..self.buffers.len() {
+        for i in (0..self.buffers.len()).filter(|i| !done.contains(i)) {
             let n = self.buffers[i].len();
             if n >= BUCKET_FLOATS {
                 comm.all_reduce_f32(&mut self.buffers[i], ReduceOp::Sum)?;

@@ -3,6 +3,7 @@
 
 pub mod adamw;
 pub mod grads;
+pub mod overlap;
 pub mod schedule;
 pub mod updater;
 

@@ -145,14 +145,15 @@ impl Updater {
 
     /// Sums the window's gradients over the data-parallel ranks (and whether every rank's loss
     /// was finite), so that each rank's step below is the same step.
-    pub fn reduce(&mut self, comm: &dyn flashgrpo_collective::Collective) -> Result<()> {
+    /// Buffers listed in `done` were summed already (while the backward ran).
+    pub fn reduce(&mut self, comm: &dyn flashgrpo_collective::Collective, done: &[usize]) -> Result<()> {
         if comm.size() == 1 {
             return Ok(());
         }
         let mut not_finite = [f64::from(u8::from(!self.finite))];
         comm.all_reduce_f64(&mut not_finite, flashgrpo_collective::ReduceOp::Max)?;
         self.finite = not_finite[0] == 0.0;
-        self.grads.all_reduce(comm)
+        self.grads.all_reduce_except(comm, done)
     }
 
     /// Ends the window: clip, update (unless something was not finite), zero.
