@@ -21,6 +21,8 @@ for r in $(seq 1 "$rounds"); do
     mpirun --oversubscribe --bind-to none -np 2 "$bin" --threads 1 train "${sets[@]}" --out "$out/two-r$r" > /dev/null
     mpirun --oversubscribe --bind-to none -np 2 "$bin" --threads 1 train "${sets[@]}" --set parallel.vocab=2 \
         --out "$out/vocab-r$r" > /dev/null
+    mpirun --oversubscribe --bind-to none -np 2 "$bin" --threads 1 train "${sets[@]}" \
+        --set parallel.overlap_grad_sum=false --out "$out/after-r$r" > /dev/null
 done
 python3 - "$out" "$rounds" <<'PY'
 import json, statistics, sys
@@ -29,6 +31,7 @@ keys = ["time/step_s", "time/rollout_s", "time/update_s", "time/comm_s"]
 print(f"| per GRPO step (median) | {' | '.join(keys)} |")
 print("|---|" + "---|" * len(keys))
 for arm, label in [("one", "1 process x 2 threads"), ("two", "2 ranks x 1 thread (MPI), data 2"),
+                   ("after", "2 ranks x 1 thread (MPI), data 2, sum after the backward"),
                    ("vocab", "2 ranks x 1 thread (MPI), vocab 2")]:
     rows = []
     for r in range(1, rounds + 1):
