@@ -127,14 +127,18 @@ fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
     out
 }
 
-/// Every tensor of the two models within `rel` of its largest magnitude.
-fn assert_same_weights(a: &Path, b: &Path, rel: f64) {
+/// Every tensor of the two models within 1e-5 relative in norm (`|a - b| / |a|`), and each
+/// element within `elementwise` of the tensor's largest magnitude.
+fn assert_same_weights(a: &Path, b: &Path, elementwise: f64) {
     let (wa, wb) = (weights(a), weights(b));
     assert_eq!(wa.len(), wb.len());
     for ((name, p), (_, q)) in wa.iter().zip(&wb) {
+        let norm = p.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+        let diff = p.iter().zip(q).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum::<f64>().sqrt();
+        assert!(diff <= 1e-5 * norm + 1e-7, "{}/{name}: |a - b| / |a| = {}", a.display(), diff / norm);
         let scale = p.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
         let worst = p.iter().zip(q).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max) as f64;
-        assert!(worst <= rel * scale + 1e-7, "{}/{name}: max difference {worst} (scale {scale})", a.display());
+        assert!(worst <= elementwise * scale + 1e-7, "{}/{name}: max difference {worst} (scale {scale})", a.display());
     }
 }
 
@@ -159,8 +163,8 @@ fn run_two(args: &[String]) {
 }
 
 /// Two GRPO runs give the same completions (rewards, lengths, accuracies bit for bit), losses
-/// within 1e-5 and weights within `weights_rel`.
-fn assert_same_grpo_run(one: &Path, other: &Path, weights_rel: f64) {
+/// within 1e-5 and weights within 1e-5 (in norm; each element within `elementwise`).
+fn assert_same_grpo_run(one: &Path, other: &Path, elementwise: f64) {
     let (a, b) = (records(one), records(other));
     assert_eq!(a.len(), b.len(), "records: {} vs {}", a.len(), b.len());
     let signal = a.iter().filter_map(|r| r.get("train/reward_std")?.as_f64()).any(|s| s > 0.0);
@@ -177,7 +181,7 @@ fn assert_same_grpo_run(one: &Path, other: &Path, weights_rel: f64) {
             }
         }
     }
-    assert_same_weights(&one.join("model"), &other.join("model"), weights_rel);
+    assert_same_weights(&one.join("model"), &other.join("model"), elementwise);
 }
 
 #[test]
@@ -212,13 +216,15 @@ fn data_parallel_sft_and_grpo_over_2_ranks_equal_one_process() {
     assert_same_grpo_run(&one_b, &two_b, 1e-5);
     // The head's vocabulary split inside data-parallel training: data x vocab = 1 x 2 and 2 x 2.
     // `grad_hidden` is then a sum over the vocabulary halves, another f32 association than one
-    // product over the whole vocabulary (~1e-7 relative); six AdamW steps, which divide each
-    // gradient by its own running scale, carry that to ~2e-5 of the weights' scale.
+    // product over the whole vocabulary (~1e-7 relative). AdamW divides each gradient element by
+    // its own running scale, so on an element whose gradient is at rounding level the steps
+    // differ by up to the learning rate: one element of 2,048 (of a k_proj) is off by 2e-5 of the
+    // tensor's scale; in norm every tensor is within 2e-6.
     for (ranks, data) in [(2, 1), (4, 2)] {
         let mesh = dir.join(format!("grpo-{data}x2"));
         let sets = [from_warm.to_vec(), vec!["parallel.vocab=2".into(), format!("parallel.data={data}")]].concat();
         run_many(ranks, &tiny_args(&mesh, &sets));
-        assert_same_grpo_run(&one, &mesh, 5e-5);
+        assert_same_grpo_run(&one, &mesh, 1e-4);
     }
     // Only rank 0 wrote; a resume must use as many ranks as wrote the checkpoint.
     assert!(two.join("plots/reward.png").exists() && two.join("checkpoint/trainer_state.json").exists());
