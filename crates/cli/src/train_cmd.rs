@@ -8,6 +8,7 @@ use flashgrpo_train::grpo_job::{run_grpo_job, GrpoJobSummary, JobOptions};
 use std::sync::Arc;
 
 use flashgrpo_collective::Collective;
+use flashgrpo_train::sft::SftSummary;
 use flashgrpo_train::sft_job::run_sft_job;
 use flashgrpo_train::{Algo, TrainConfig};
 use serde_json::Value;
@@ -115,11 +116,9 @@ pub fn main(args: TrainArgs) -> Result<()> {
         return Ok(());
     }
     let comm: Arc<dyn Collective> = Arc::from(flashgrpo_collective::from_environment(false)?);
-    if !comm.is_root() {
-        // Rank 0 prints; the others compute.
-        return run_quietly(&config, &args, comm);
-    }
-    if comm.size() > 1 {
+    // Every rank runs the job; rank 0 prints.
+    let root = comm.is_root();
+    if root && comm.size() > 1 {
         let vocab = config.parallel.vocab.max(1);
         eprintln!(
             "flashgrpo train: {}: {} data-parallel x {vocab} vocabulary-parallel",
@@ -130,51 +129,44 @@ pub fn main(args: TrainArgs) -> Result<()> {
     match config.algo {
         Algo::Sft => {
             let s = run_sft_job(&config, &config.out, comm.as_ref())?;
-            let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
-            println!("sft: {} steps, loss.impl = {}", config.sft.steps, config.loss.implementation.name());
-            println!("  train/loss first {:.4}, last 10 {:.4}", s.first_loss, s.last_loss);
-            println!("  eval/loss  before {}, after {}", opt(s.eval_before), opt(s.eval_after));
-            println!("  time/step_s mean {:.4} (first step excluded)", s.step_s_mean);
-            println!(
-                "  mem/peak_rss_bytes {} ({:.1} MiB above the {:.1} MiB resident when the steps began)",
-                s.peak_rss_bytes,
-                s.peak_rss_bytes.saturating_sub(s.rss_before_steps) as f64 / 1048576.0,
-                s.rss_before_steps as f64 / 1048576.0
-            );
-            if let (Some(peak), Some(before)) = (s.peak_heap_bytes, s.heap_before_steps) {
-                println!(
-                    "  mem/peak_heap_bytes {peak} ({:.1} MiB above the {:.1} MiB live when the steps began)",
-                    peak.saturating_sub(before) as f64 / 1048576.0,
-                    before as f64 / 1048576.0
-                );
+            if root {
+                print_sft_summary(&config, &s);
             }
-            if s.skipped_steps > 0 {
-                println!("  skipped steps (non-finite): {}", s.skipped_steps);
-            }
-            println!("  model, tokenizer, metrics.jsonl and config.json in {}", config.out.display());
-            Ok(())
         }
         Algo::Grpo => {
             let resume = args.resume.as_deref().map(resume_dirs).transpose()?.map(|(c, _)| c);
             let s = run_grpo_job(&config, &JobOptions { resume, comm, ..Default::default() })?;
-            print_grpo_summary(&config, &s);
-            Ok(())
-        }
-    }
-}
-
-/// A rank other than 0: the same job, nothing printed.
-fn run_quietly(config: &TrainConfig, args: &TrainArgs, comm: Arc<dyn Collective>) -> Result<()> {
-    match config.algo {
-        Algo::Sft => {
-            run_sft_job(config, &config.out, comm.as_ref())?;
-        }
-        Algo::Grpo => {
-            let resume = args.resume.as_deref().map(resume_dirs).transpose()?.map(|(c, _)| c);
-            run_grpo_job(config, &JobOptions { resume, comm, ..Default::default() })?;
+            if root {
+                print_grpo_summary(&config, &s);
+            }
         }
     }
     Ok(())
+}
+
+fn print_sft_summary(config: &TrainConfig, s: &SftSummary) {
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+    println!("sft: {} steps, loss.impl = {}", config.sft.steps, config.loss.implementation.name());
+    println!("  train/loss first {:.4}, last 10 {:.4}", s.first_loss, s.last_loss);
+    println!("  eval/loss  before {}, after {}", opt(s.eval_before), opt(s.eval_after));
+    println!("  time/step_s mean {:.4} (first step excluded)", s.step_s_mean);
+    println!(
+        "  mem/peak_rss_bytes {} ({:.1} MiB above the {:.1} MiB resident when the steps began)",
+        s.peak_rss_bytes,
+        s.peak_rss_bytes.saturating_sub(s.rss_before_steps) as f64 / 1048576.0,
+        s.rss_before_steps as f64 / 1048576.0
+    );
+    if let (Some(peak), Some(before)) = (s.peak_heap_bytes, s.heap_before_steps) {
+        println!(
+            "  mem/peak_heap_bytes {peak} ({:.1} MiB above the {:.1} MiB live when the steps began)",
+            peak.saturating_sub(before) as f64 / 1048576.0,
+            before as f64 / 1048576.0
+        );
+    }
+    if s.skipped_steps > 0 {
+        println!("  skipped steps (non-finite): {}", s.skipped_steps);
+    }
+    println!("  model, tokenizer, metrics.jsonl and config.json in {}", config.out.display());
 }
 
 fn print_grpo_summary(config: &TrainConfig, s: &GrpoJobSummary) {

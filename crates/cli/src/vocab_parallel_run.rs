@@ -54,6 +54,18 @@ fn gather_columns(comm: &dyn Collective, local: &[f32], rows: usize, vocab: usiz
     Ok(full)
 }
 
+/// Each rank's rows `[its rows of vocab, width]` of a `[vocab, width]` matrix (the lm_head's
+/// gradient, or the bias's with width 1), put together (one all-gather, padded to the most rows).
+fn gather_rows(comm: &dyn Collective, local: &[f32], vocab: usize, width: usize) -> Result<Vec<f32>> {
+    let k = comm.size();
+    let most = share(vocab, k, 0).len() * width;
+    let mut padded = local.to_vec();
+    padded.resize(most, 0.0);
+    let mut all = vec![0.0f32; most * k];
+    comm.all_gather_f32(&padded, &mut all)?;
+    Ok((0..k).flat_map(|r| all[r * most..r * most + share(vocab, k, r).len() * width].iter().copied()).collect())
+}
+
 struct LogitsSlice<'a> {
     comm: &'a dyn Collective,
     batch: &'a Batch,
@@ -110,15 +122,13 @@ impl FloatVisitor for LinearSlice<'_> {
             accumulate: false,
         };
         let output = linear_loss(self.comm, spec, shard, Some(grads), self.budget)?;
-        // The weight's rows are the columns of its transpose: gather `[h, V]` column blocks.
-        let gw_t = transpose(&gw, cols.len(), h);
-        let full_w = transpose(&gather_columns(self.comm, &gw_t, h, v)?, h, v);
+        let full_w = gather_rows(self.comm, &gw, v, h)?;
         let mut named = vec![
             Grad { name: "grad_hidden", shape: vec![b, t, h], data: T::wrap_f32(&gh) },
             Grad { name: "grad_weight", shape: vec![v, h], data: T::wrap_f32(&full_w) },
         ];
         if bias.is_some() {
-            let full_b = gather_columns(self.comm, &gb, 1, v)?;
+            let full_b = gather_rows(self.comm, &gb, v, 1)?;
             named.push(Grad { name: "grad_bias", shape: vec![v], data: T::wrap_f32(&full_b) });
         }
         Ok(Results { output, grads: named })
@@ -128,15 +138,4 @@ impl FloatVisitor for LinearSlice<'_> {
 /// The weight or bias in the hidden states' dtype (`Batch::read` gives them one dtype).
 fn typed<T: FloatElement>(data: &FloatData) -> &[T] {
     T::slice_of(data).expect("the hidden states, weight and bias share one dtype")
-}
-
-/// `[rows, cols]` -> `[cols, rows]`.
-fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; m.len()];
-    for i in 0..rows {
-        for j in 0..cols {
-            out[j * rows + i] = m[i * cols + j];
-        }
-    }
-    out
 }

@@ -227,3 +227,18 @@ fn plot_bench_rollout_and_update_grads_on_a_tiny_run() {
     assert!(!grads.exists());
     let _ = std::fs::remove_dir_all(&out);
 }
+
+#[test]
+fn multi_process_settings_that_cannot_work_are_named() {
+    // A launcher's world of 2 for a binary built without MPI: refused, with the way to build one.
+    let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo"))
+        .current_dir(root())
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .args(["train", "--set", "sft.steps=1", "--set", "grpo.steps=1"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && text(&o).contains("--features mpi"), "{}", text(&o));
+    // A mesh that is not the world.
+    let o = train(&["--set", "parallel.vocab=3", "--set", "sft.steps=1", "--set", "grpo.steps=1"]);
+    assert!(!o.status.success() && text(&o).contains("parallel.vocab (3)"), "{}", text(&o));
+}

@@ -63,12 +63,9 @@ pub fn combined_statistics(
     let mine = encode(local);
     let mut all = vec![0.0f32; mine.len() * comm.size()];
     comm.all_gather_f32(&mine, &mut all)?;
-    let shards: Vec<(Range<usize>, Vec<PartialRowStats>)> = all
-        .chunks(mine.len().max(1))
-        .take(comm.size())
-        .enumerate()
-        .map(|(r, v)| (share(vocab, comm.size(), r), decode(if mine.is_empty() { &[] } else { v })))
-        .collect();
+    let n = mine.len();
+    let shards: Vec<(Range<usize>, Vec<PartialRowStats>)> =
+        (0..comm.size()).map(|r| (share(vocab, comm.size(), r), decode(&all[r * n..(r + 1) * n]))).collect();
     Ok(combine_shards(vocab, &shards)?)
 }
 

@@ -11,7 +11,8 @@ use flashgrpo_collective::{Collective, ReduceOp};
 use crate::model::Params;
 
 /// The largest all-reduce bucket of small gradients: 4 Mi floats (16 MiB), large enough that
-/// the per-call latency is paid a few times per step, small enough to stay a modest copy.
+/// the per-call latency is paid a few times per step, small enough to stay a modest copy (a
+/// larger parameter goes alone, in place).
 pub const BUCKET_FLOATS: usize = 4 << 20;
 
 /// One f32 buffer per parameter, in the parameters' order.
@@ -84,36 +85,28 @@ impl GradBuffers {
         if comm.size() == 1 {
             return Ok(());
         }
-        let mut bucket: Vec<f32> = Vec::with_capacity(BUCKET_FLOATS);
-        let mut members: Vec<usize> = Vec::new();
-        let flush = |bucket: &mut Vec<f32>, members: &mut Vec<usize>, buffers: &mut [Vec<f32>]| {
-            if bucket.is_empty() {
-                return Ok::<(), crate::error::TrainError>(());
-            }
-            comm.all_reduce_f32(bucket, ReduceOp::Sum)?;
-            let mut at = 0;
-            for &i in members.iter() {
-                let n = buffers[i].len();
-                buffers[i].copy_from_slice(&bucket[at..at + n]);
-                at += n;
-            }
-            bucket.clear();
-            members.clear();
-            Ok(())
-        };
+        let mut bucket: Vec<usize> = Vec::new();
+        let mut floats = 0;
         for i in (0..self.buffers.len()).filter(|i| !done.contains(i)) {
             let n = self.buffers[i].len();
-            if n >= BUCKET_FLOATS {
-                comm.all_reduce_f32(&mut self.buffers[i], ReduceOp::Sum)?;
-                continue;
+            if !bucket.is_empty() && floats + n > BUCKET_FLOATS {
+                self.sum_bucket(comm, &std::mem::take(&mut bucket))?;
+                floats = 0;
             }
-            if bucket.len() + n > BUCKET_FLOATS {
-                flush(&mut bucket, &mut members, &mut self.buffers)?;
-            }
-            bucket.extend_from_slice(&self.buffers[i]);
-            members.push(i);
+            bucket.push(i);
+            floats += n;
         }
-        flush(&mut bucket, &mut members, &mut self.buffers)
+        self.sum_bucket(comm, &bucket)
+    }
+
+    /// Sums buffers `indices` over the ranks in one all-reduce.
+    fn sum_bucket(&mut self, comm: &dyn Collective, indices: &[usize]) -> crate::error::Result<()> {
+        let mut buffers: Vec<Vec<f32>> = indices.iter().map(|&i| self.take(i)).collect();
+        let summed = sum_together(comm, &mut buffers);
+        for (&i, b) in indices.iter().zip(buffers) {
+            self.put(i, b);
+        }
+        summed
     }
 
     pub fn zero(&mut self) {
@@ -130,6 +123,26 @@ impl GradBuffers {
     /// them in place.
     pub fn get_mut(&mut self, index: usize) -> &mut [f32] {
         &mut self.buffers[index]
+    }
+}
+
+/// Sums `buffers` over the ranks of `comm` in one all-reduce: a single buffer in place, several
+/// laid end to end (one call's latency instead of one per buffer).
+pub(crate) fn sum_together(comm: &dyn Collective, buffers: &mut [Vec<f32>]) -> crate::error::Result<()> {
+    match buffers {
+        [] => Ok(()),
+        [one] => Ok(comm.all_reduce_f32(one, ReduceOp::Sum)?),
+        _ => {
+            let mut flat: Vec<f32> = buffers.iter().flatten().copied().collect();
+            comm.all_reduce_f32(&mut flat, ReduceOp::Sum)?;
+            let mut at = 0;
+            for b in buffers.iter_mut() {
+                let n = b.len();
+                b.copy_from_slice(&flat[at..at + n]);
+                at += n;
+            }
+            Ok(())
+        }
     }
 }
 

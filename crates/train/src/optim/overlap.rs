@@ -12,26 +12,14 @@
 use std::sync::mpsc;
 use std::time::Instant;
 
-use flashgrpo_collective::{Collective, ReduceOp};
+use flashgrpo_collective::Collective;
 
+use super::grads::sum_together;
 use super::GradBuffers;
 use crate::error::{Result, TrainError};
 
 /// Hands group `g` (and every group before it not handed yet) to the summing thread.
 pub type HandOver<'a> = dyn FnMut(usize, &mut GradBuffers) + Send + 'a;
-
-/// One all-reduce of a group's buffers, laid end to end.
-fn sum_group(comm: &dyn Collective, buffers: &mut [Vec<f32>]) -> Result<()> {
-    let mut flat: Vec<f32> = buffers.iter().flatten().copied().collect();
-    comm.all_reduce_f32(&mut flat, ReduceOp::Sum)?;
-    let mut at = 0;
-    for b in buffers.iter_mut() {
-        let n = b.len();
-        b.copy_from_slice(&flat[at..at + n]);
-        at += n;
-    }
-    Ok(())
-}
 
 /// Runs `body(grads, hand_over)` while a second thread sums each group of `groups` (parameter
 /// indices) over `comm` once handed over; then sums the groups never handed over and puts every
@@ -48,7 +36,7 @@ pub fn overlapped<R>(
         let (to_return, summed) = mpsc::channel::<Result<(usize, Vec<Vec<f32>>)>>();
         scope.spawn(move || {
             for (g, mut buffers) in inbox {
-                let result = sum_group(comm, &mut buffers).map(|_| (g, buffers));
+                let result = sum_together(comm, &mut buffers).map(|_| (g, buffers));
                 let failed = result.is_err();
                 if to_return.send(result).is_err() || failed {
                     break;
