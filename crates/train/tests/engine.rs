@@ -154,7 +154,7 @@ fn engine_update(
     let head = Head { weights: &w, lm_head: m.lm_head(), implementation };
     let (value, _) = head.loss(&rows, &inputs, Some(HeadGradients { rows: &mut d_rows, grads: &mut grads })).unwrap();
     let d_slots = packing.scatter(&d_rows, h);
-    backward(&w, &packing, &mut ws, &mut bufs, &d_slots, &mut grads);
+    backward(&w, &packing, &mut ws, &mut bufs, &d_slots, &mut grads, &mut |_, _| {});
     Update { loss: value, grads }
 }
 

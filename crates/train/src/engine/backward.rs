@@ -45,22 +45,11 @@ impl BackwardBuffers {
 }
 
 /// Adds the gradients of the parameters to `grads`, given `d_hidden [slots, H]`, the gradient of
-/// the loss with respect to `ws.hidden` (the forward's final hidden states over `packing`).
+/// the loss with respect to `ws.hidden` (the forward's final hidden states over `packing`), and
+/// calls `after_layer(l, grads)` as soon as layer `l`'s gradients are complete (layers in reverse
+/// order): a data-parallel update starts summing them over the ranks while the layers below are
+/// still computed (`&mut |_, _| {}` when nothing waits for them).
 pub fn backward(
-    w: &Weights<'_>,
-    packing: &Packing,
-    ws: &mut Workspace,
-    bufs: &mut BackwardBuffers,
-    d_hidden: &[f32],
-    grads: &mut GradBuffers,
-) {
-    backward_then(w, packing, ws, bufs, d_hidden, grads, &mut |_, _| {});
-}
-
-/// [`backward`], calling `after_layer(l, grads)` as soon as layer `l`'s gradients are complete
-/// (layers in reverse order): a data-parallel update starts summing them over the ranks while
-/// the layers below are still computed.
-pub fn backward_then(
     w: &Weights<'_>,
     packing: &Packing,
     ws: &mut Workspace,

@@ -33,7 +33,7 @@ pub fn on_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 }
 
 pub use attention::Query;
-pub use backward::{backward, backward_then, BackwardBuffers};
+pub use backward::{backward, BackwardBuffers};
 pub use forward::{forward, Input, KvCache, Pass, Workspace};
 pub use head::{Head, HeadGradients};
 pub use packing::Packing;

@@ -14,7 +14,7 @@ use flashgrpo_kernels::{BatchShard, LossOptions, LossOutput};
 
 use super::batch::MicroBatch;
 use crate::engine::packing::{gather_rows, scatter_rows};
-use crate::engine::{backward, backward_then, forward, BackwardBuffers, Head, HeadGradients, Pass, Weights, Workspace};
+use crate::engine::{backward, forward, BackwardBuffers, Head, HeadGradients, Pass, Weights, Workspace};
 use crate::error::Result;
 use crate::head_loss::LossConfig;
 use crate::model::Qwen2;
@@ -264,9 +264,9 @@ fn accumulate(
                 // The last micro-batch completes each layer's gradient: hand it over to be summed.
                 Some(hand_over) if k == last => {
                     let layers = w.dims.layers;
-                    backward_then(&w, &mb.packing, ws, bufs, &d_slots, grads, &mut |l, g| hand_over(layers - 1 - l, g))
+                    backward(&w, &mb.packing, ws, bufs, &d_slots, grads, &mut |l, g| hand_over(layers - 1 - l, g))
                 }
-                _ => backward(&w, &mb.packing, ws, bufs, &d_slots, grads),
+                _ => backward(&w, &mb.packing, ws, bufs, &d_slots, grads, &mut |_, _| {}),
             }
         }
     }
