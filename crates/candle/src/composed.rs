@@ -3,7 +3,7 @@
 //! of the benches and of the training A/B; it materialises several `[N, V]` tensors.
 
 use candle_core::{bail, DType, Device, Result, Tensor, D};
-use flashgrpo_kernels::{ImportanceSamplingLevel, LossOptions, LossType, Reduction};
+use flashgrpo_kernels::{ImportanceSamplingLevel, KlEstimator, LossOptions, LossType, Reduction};
 
 use crate::loss::{LossInputs, LossKind};
 
@@ -43,9 +43,21 @@ impl ComposedLoss {
         let targets: Vec<u32> =
             targets_i64.iter().map(|&y| if (0..vocab as i64).contains(&y) { y as u32 } else { 0 }).collect();
         let kind = match &inputs.kind {
-            LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio } => {
-                if !o.loss_type.is_ppo_family() || o.importance_sampling_level == ImportanceSamplingLevel::Sequence {
-                    bail!("the composed baseline does not implement cispo, sapo or sequence-level importance sampling");
+            LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio, sampling_logp } => {
+                if !o.loss_type.is_ppo_family()
+                    || o.loss_type == LossType::Luspo
+                    || o.importance_sampling_level == ImportanceSamplingLevel::Sequence
+                {
+                    bail!("the composed baseline implements grpo, bnpo, dr_grpo and dapo at token level only");
+                }
+                let additions = o.loss_agg_mode.is_some()
+                    || o.off_policy_mask_threshold.is_some()
+                    || o.top_entropy_quantile < 1.0
+                    || o.clip_ratio_c.is_some()
+                    || o.kl_loss_type != KlEstimator::K3
+                    || sampling_logp.is_some();
+                if additions {
+                    bail!("the composed baseline implements none of LOSSES.md's additions (TRL 1.16, verl)");
                 }
                 if o.entropy_coef != 0.0 {
                     bail!("the composed baseline does not implement the entropy bonus");

@@ -32,6 +32,8 @@ pub enum LossKind {
         ref_logp: Option<Vec<f32>>,
         /// `[B*T]` (or `[B]` with `per_sequence`).
         is_ratio: Option<(Vec<f32>, bool)>,
+        /// `[B*T]`: the sampler's own log-probabilities (rollout correction, off-policy mask).
+        sampling_logp: Option<Vec<f32>>,
     },
     CrossEntropy,
     Entropy,
@@ -68,6 +70,7 @@ impl LossInputs {
                     IsRatio::PerToken(v) => (v.to_vec(), false),
                     IsRatio::PerSequence(v) => (v.to_vec(), true),
                 }),
+                sampling_logp: p.sampling_logp.map(<[f32]>::to_vec),
             },
             Loss::CrossEntropy => LossKind::CrossEntropy,
             Loss::Entropy => LossKind::Entropy,
@@ -88,7 +91,7 @@ impl LossInputs {
     /// The kernels' description of this loss over a vocabulary of `vocab` columns.
     pub fn spec(&self, vocab: usize) -> LossSpec<'_> {
         let loss = match &self.kind {
-            LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio } => Loss::Grpo(PolicyInputs {
+            LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio, sampling_logp } => Loss::Grpo(PolicyInputs {
                 advantages,
                 old_logp: old_logp.as_deref(),
                 ref_logp: ref_logp.as_deref(),
@@ -99,6 +102,7 @@ impl LossInputs {
                         IsRatio::PerToken(v)
                     }
                 }),
+                sampling_logp: sampling_logp.as_deref(),
             }),
             LossKind::CrossEntropy => Loss::CrossEntropy,
             LossKind::Entropy => Loss::Entropy,

@@ -25,6 +25,7 @@ fn inputs(kind_grpo: bool) -> (Arc<LossInputs>, flashgrpo_kernels::synthetic::Sy
             old_logp: Some(data.old_logp.clone()),
             ref_logp: Some(data.ref_logp.clone()),
             is_ratio: None,
+            sampling_logp: None,
         }
     } else {
         LossKind::CrossEntropy
@@ -50,6 +51,7 @@ fn spec<'a>(i: &'a LossInputs, data: &'a flashgrpo_kernels::synthetic::Synthetic
             old_logp: Some(&data.old_logp),
             ref_logp: Some(&data.ref_logp),
             is_ratio: None,
+            sampling_logp: None,
         }),
         _ => Loss::CrossEntropy,
     };

@@ -117,6 +117,7 @@ mod tests {
                 old_logp: Some(&data.old_logp),
                 ref_logp: Some(&data.ref_logp),
                 is_ratio: None,
+                sampling_logp: None,
             })
         };
         let cases: Vec<(Loss, LossOptions)> = vec![

@@ -21,8 +21,19 @@ pub enum OpName {
 }
 
 /// Every tensor name `flashgrpo loss` reads; others are reported and ignored.
-pub const INPUT_NAMES: &[&str] =
-    &["logits", "hidden", "weight", "bias", "targets", "mask", "advantages", "old_logp", "ref_logp", "is_ratio"];
+pub const INPUT_NAMES: &[&str] = &[
+    "logits",
+    "hidden",
+    "weight",
+    "bias",
+    "targets",
+    "mask",
+    "advantages",
+    "old_logp",
+    "ref_logp",
+    "is_ratio",
+    "sampling_logp",
+];
 
 /// What the loss is computed on: the logits, or the hidden states and lm_head they come from.
 pub enum Scores {
@@ -77,6 +88,8 @@ pub struct Batch {
     pub old_logp: Option<Vec<f32>>,
     pub ref_logp: Option<Vec<f32>>,
     pub is_ratio: Option<(Vec<f32>, bool)>,
+    /// The sampler's per-token log-probabilities (TRL's `sampling_per_token_logps`).
+    pub sampling_logp: Option<Vec<f32>>,
 }
 
 impl Batch {
@@ -104,6 +117,7 @@ impl Batch {
             old_logp: None,
             ref_logp: None,
             is_ratio: None,
+            sampling_logp: None,
         };
         if op != OpName::Entropy || file.shape("targets").is_some() {
             let (targets, s) = file.ids("targets", "the chosen token of each row, [B, T]")?;
@@ -122,7 +136,9 @@ impl Batch {
                 expect_shape("advantages", &s, &[batch], &format!("{per_row} (one advantage per sequence)"))?;
             }
             b.advantages = adv;
-            for (name, slot) in [("old_logp", &mut b.old_logp), ("ref_logp", &mut b.ref_logp)] {
+            for (name, slot) in
+                [("old_logp", &mut b.old_logp), ("ref_logp", &mut b.ref_logp), ("sampling_logp", &mut b.sampling_logp)]
+            {
                 if let Some((v, s)) = file.floats(name)? {
                     expect_shape(name, &s, &bt, &per_row)?;
                     *slot = Some(v);
@@ -152,6 +168,7 @@ impl Batch {
                         IsRatio::PerToken(v)
                     }
                 }),
+                sampling_logp: self.sampling_logp.as_deref(),
             }),
             OpName::CrossEntropy => Loss::CrossEntropy,
             OpName::Entropy => Loss::Entropy,

@@ -42,6 +42,8 @@ pub struct InputSpec {
     pub ignore_fraction: f64,
     /// GRPO: pass `old_logp` (off-policy) rather than none (on-policy).
     pub with_old_logp: bool,
+    /// GRPO: pass `sampling_logp` (the rollout engine's log-probabilities).
+    pub with_sampling_logp: bool,
     /// GRPO: pass `ref_logp` (required when beta != 0).
     pub with_ref_logp: bool,
     /// Read `logits [B,T,V]` (and any other inputs present) from this safetensors file instead;
@@ -69,6 +71,7 @@ impl Default for InputSpec {
             mask_fraction: 0.1,
             ignore_fraction: 0.0,
             with_old_logp: true,
+            with_sampling_logp: false,
             with_ref_logp: true,
             logits_file: None,
             hidden_size: None,
@@ -141,6 +144,9 @@ impl InputSpec {
             }
         }
         let grpo = self.op == OpName::Grpo;
+        // The sampler's log-probabilities: the old ones with a small deterministic mismatch.
+        let sampling_logp = (grpo && self.with_sampling_logp)
+            .then(|| old_ref.0.iter().enumerate().map(|(i, &x)| x + 0.05 * (i as f32 * 0.37).sin()).collect());
         let mut batch = Batch {
             op: self.op,
             scores,
@@ -153,6 +159,7 @@ impl InputSpec {
             old_logp: (grpo && self.with_old_logp).then_some(old_ref.0),
             ref_logp: (grpo && self.with_ref_logp).then_some(old_ref.1),
             is_ratio: None,
+            sampling_logp,
         };
         if let Some(file) = file {
             overlay_file_inputs(&mut batch, &file)?;

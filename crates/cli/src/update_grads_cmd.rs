@@ -108,8 +108,9 @@ pub fn main(args: UpdateGradsArgs) -> Result<()> {
         advantages: &advantages,
         old_logp: old.map(|o| batch.per_micro_batch(&o)),
         ref_logp: reference.map(|r| batch.per_micro_batch(&r)),
+        sampling_logp: None,
     };
-    let inputs = UpdateInputs { batch: &batch, objective, options: &options, loss: &loss };
+    let inputs = UpdateInputs { batch: &batch, objective, options: &options, loss: &loss, recorded_logp: None };
     let (value, grads) = batch_gradients(&model, &inputs)?;
     let mut outputs = vec![Output::f32("loss", vec![1], &[value as f32])];
     for (i, (name, var)) in model.params.iter().enumerate() {

@@ -126,6 +126,7 @@ fn grpo_outputs_match_the_reference_in_every_impl_and_dtype() {
                 old_logp: Some(&data.old_logp),
                 ref_logp: Some(&data.ref_logp),
                 is_ratio: None,
+                sampling_logp: None,
             }),
             rows: Rows { batch: B, seq_len: L, vocab: V, targets: Some(&data.targets), mask: Some(&data.mask) },
             options: &options,
@@ -296,7 +297,7 @@ fn fused_linear_inputs_give_the_linear_gradients() {
     let to64 = |x: &[f32]| -> Vec<f64> { x.iter().map(|&v| v as f64).collect() };
     let options = LossOptions { loss_type: flashgrpo_kernels::LossType::Grpo, ..Default::default() };
     let spec = LossSpec {
-        loss: Loss::Grpo(PolicyInputs { advantages: &data.advantages, old_logp: None, ref_logp: None, is_ratio: None }),
+        loss: Loss::Grpo(PolicyInputs::new(&data.advantages)),
         rows: Rows { batch: B, seq_len: L, vocab: v, targets: Some(&data.targets), mask: Some(&data.mask) },
         options: &options,
         batch_shard: None,

@@ -2,6 +2,11 @@
 //! `bench/peers/setup.sh`; set `FLASHGRPO_PEERS_VENV` to use another location):
 //! - `tests/peers/crosscheck.py`: `flashgrpo loss` against `F.cross_entropy`, Liger-Kernel's
 //!   `LigerFusedLinearGRPOLoss` and TRL-style float64 autograd;
+//! - `tests/peers/trl_losses.py`: `flashgrpo loss` against TRL 1.16's own `_compute_loss` and
+//!   rollout-correction code, for every option TRL 1.16 added (luspo, vespo, rollout correction,
+//!   off-policy mask, top-entropy quantile, its entropy bonus);
+//! - `tests/peers/verl_losses.py`: the verl additions (aggregation modes, dual clip, gpg,
+//!   geo_mean, the KL estimators) against verl's formulas, re-implemented from its source;
 //! - `tests/peers/hf_forward.py`: `flashgrpo forward` against Hugging Face transformers' Qwen2;
 //! - `tests/peers/trl_oracle.py`: the GRPO trainer's update (`flashgrpo update-grads`) against
 //!   TRL's `GRPOTrainer.compute_loss`, loss and every parameter's gradient;
@@ -59,6 +64,11 @@ fn run_script(script: &str, args: &[&str]) {
 #[test]
 fn flashgrpo_loss_matches_pytorch_and_liger_kernel() {
     run_script("tests/peers/crosscheck.py", &["--bin", env!("CARGO_BIN_EXE_flashgrpo")]);
+}
+
+#[test]
+fn grpo_losses_match_trl_1_16_loss_code() {
+    run_script("tests/peers/trl_losses.py", &["--bin", env!("CARGO_BIN_EXE_flashgrpo")]);
 }
 
 #[test]

@@ -242,3 +242,52 @@ fn multi_process_settings_that_cannot_work_are_named() {
     let o = train(&["--set", "parallel.vocab=3", "--set", "sft.steps=1", "--set", "grpo.steps=1"]);
     assert!(!o.status.success() && text(&o).contains("parallel.vocab (3)"), "{}", text(&o));
 }
+
+/// GRPO with LOSSES.md's additions switched on through the config (TRL 1.16's names): the
+/// sampler's log-probabilities handed to the loss with a token-level rollout correction and the
+/// off-policy mask, the top-entropy tokens with TRL's masked-mean entropy bonus under the adaptive
+/// coefficient, truncated completions masked; the recorded-vs-update metric is logged every step.
+#[test]
+fn grpo_with_the_trl_1_16_options_logs_their_metrics() {
+    let out = std::env::temp_dir().join(format!("flashgrpo-grpo-options-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut args = vec!["--set", "grpo.steps=3", "--out", out.to_str().unwrap()];
+    args.extend(TINY_GRPO);
+    args.extend([
+        "--set",
+        "grpo.sampling_logp=true",
+        "--set",
+        "loss.vllm_importance_sampling_mode=token_mask",
+        "--set",
+        "loss.off_policy_mask_threshold=0.5",
+        "--set",
+        "loss.top_entropy_quantile=0.5",
+        "--set",
+        "loss.entropy_coef=0.01",
+        "--set",
+        "loss.entropy_bonus=masked_mean",
+        "--set",
+        "grpo.use_adaptive_entropy=true",
+        "--set",
+        "grpo.entropy_target=100",
+        "--set",
+        "grpo.mask_truncated_completions=true",
+    ]);
+    let o = train(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r.get("train/loss").is_some())
+        .collect();
+    assert_eq!(steps.len(), 3, "{metrics}");
+    let coef: Vec<f64> = steps.iter().map(|r| r["train/entropy_coef"].as_f64().unwrap()).collect();
+    // The entropy is below the target every step: the coefficient grows by entropy_coef_delta.
+    assert!((coef[1] - coef[0] - 0.005).abs() < 1e-12 && (coef[2] - coef[1] - 0.005).abs() < 1e-12, "{coef:?}");
+    for r in &steps {
+        let d = r["train/rollout_logp_max_abs_diff"].as_f64().unwrap();
+        assert!((0.0..1e-4).contains(&d), "{r}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

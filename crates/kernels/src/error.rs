@@ -14,6 +14,9 @@ pub enum LossError {
     #[error("missing input `{tensor}`: {why}")]
     MissingInput { tensor: &'static str, why: String },
 
+    #[error("`{tensor}` and `{other}` were both given: {why}")]
+    ConflictingInputs { tensor: &'static str, other: &'static str, why: String },
+
     #[error(
         "targets[{b}, {t}] (row {row}) = {value} is outside the vocabulary [0, {vocab}) on an unmasked row; \
          mask the row or fix the target"

@@ -2,7 +2,7 @@
 //! and the checks every implementation runs before touching the logits.
 
 use crate::error::LossError;
-use crate::options::LossOptions;
+use crate::options::{LossOptions, LossType};
 
 /// Shapes and per-row inputs shared by every op. Row `i = b * seq_len + t` is one token.
 #[derive(Debug, Clone, Copy)]
@@ -62,6 +62,17 @@ pub struct PolicyInputs<'a> {
     /// `[B*T]`; required when `beta != 0`.
     pub ref_logp: Option<&'a [f32]>,
     pub is_ratio: Option<IsRatio<'a>>,
+    /// `[B*T]`: the sampler's own log-probabilities of the chosen tokens (TRL's
+    /// `sampling_per_token_logps`), for rollout correction and the off-policy mask. NaN marks a
+    /// token the sampler could not score (its log-ratio counts as 0, as in TRL).
+    pub sampling_logp: Option<&'a [f32]>,
+}
+
+impl<'a> PolicyInputs<'a> {
+    /// Advantages only: on-policy, no reference, no correction.
+    pub fn new(advantages: &'a [f32]) -> Self {
+        Self { advantages, old_logp: None, ref_logp: None, is_ratio: None, sampling_logp: None }
+    }
 }
 
 /// Which loss, with the inputs only it needs.
@@ -101,6 +112,19 @@ pub struct BatchShard {
     /// Unmasked rows in the whole batch (`bnpo`, cross-entropy `mean`, and `dapo`/`cispo` unless
     /// `num_items` is set, in which case `num_items` is taken as the global count).
     pub global_valid_rows: f64,
+    /// With `top_entropy_quantile < 1`: the entropy threshold computed over the whole batch
+    /// (every shard's unmasked rows); `None` computes it from this shard's rows.
+    pub entropy_threshold: Option<f64>,
+    /// With `entropy_bonus: masked_mean`: the number of rows the bonus averages over in the whole
+    /// batch (unmasked rows at or above the entropy threshold); `None` counts this shard's rows.
+    pub global_bonus_rows: Option<f64>,
+}
+
+impl BatchShard {
+    /// A shard with the batch's sequence and row counts and nothing else global.
+    pub fn counts(global_batch: usize, global_valid_rows: f64) -> Self {
+        Self { global_batch, global_valid_rows, entropy_threshold: None, global_bonus_rows: None }
+    }
 }
 
 /// The normalisers a reduction divides by, resolved from the shard (if any) or the local rows.
@@ -222,6 +246,36 @@ fn validate_policy_inputs(
     }
     if let Some(old) = p.old_logp {
         per_row("old_logp", old)?;
+    }
+    if let Some(sampling) = p.sampling_logp {
+        if sampling.len() != n {
+            return Err(LossError::Shape {
+                tensor: "sampling_logp",
+                got: vec![sampling.len()],
+                expected: format!("it must be [B, T] = [{}, {}] like `targets`", rows.batch, rows.seq_len),
+            });
+        }
+        // NaN marks a token the sampler could not score (TRL); an infinity is a bug upstream.
+        if let Some(row) = sampling.iter().zip(active).position(|(x, &a)| a && x.is_infinite()) {
+            let (b, t) = rows.position(row);
+            return Err(LossError::NonFiniteInput { tensor: "sampling_logp", row, b, t, value: sampling[row] });
+        }
+        let corrects = options.vllm_importance_sampling_correction;
+        if corrects && p.is_ratio.is_some() {
+            return Err(LossError::ConflictingInputs {
+                tensor: "is_ratio",
+                other: "sampling_logp",
+                why: "with vllm_importance_sampling_correction = true the correction computes is_ratio from \
+                      sampling_logp; pass one of them, or set the correction to false"
+                    .into(),
+            });
+        }
+        if corrects && options.loss_type == LossType::Vespo && options.vllm_importance_sampling_mode.per_sequence() {
+            return Err(LossError::InvalidOption {
+                name: "vllm_importance_sampling_mode",
+                message: "vespo needs a token-level correction (token_truncate or token_mask), as in TRL".into(),
+            });
+        }
     }
     match p.ref_logp {
         Some(r) => per_row("ref_logp", r)?,

@@ -25,7 +25,7 @@
 //! let mut grad = vec![0.0f32; b * t * v];
 //! let options = LossOptions { beta: 0.0, ..Default::default() };
 //! let spec = LossSpec {
-//!     loss: Loss::Grpo(PolicyInputs { advantages: &[1.0], old_logp: None, ref_logp: None, is_ratio: None }),
+//!     loss: Loss::Grpo(PolicyInputs::new(&[1.0])),
 //!     rows: Rows { batch: b, seq_len: t, vocab: v, targets: Some(&[1, 3]), mask: None },
 //!     options: &options,
 //!     batch_shard: None,
@@ -58,6 +58,9 @@ pub use inputs::{BatchShard, IsRatio, Loss, PolicyInputs, Rows};
 pub use linear::{
     linear_forward, linear_forward_backward, ChunkBudget, LinearGradients, LinearInputs, PreparedLinearLoss,
 };
-pub use objective::{LossOutput, RowGradient};
-pub use options::{ImportanceSamplingLevel, LossOptions, LossType, Reduction};
+pub use objective::{quantile, LossOutput, RowGradient};
+pub use options::{
+    Aggregation, EntropyBonus, ImportanceSamplingLevel, KlEstimator, LossOptions, LossType, Reduction,
+    RolloutCorrection,
+};
 pub use stats::{PartialRowStats, RowStats};

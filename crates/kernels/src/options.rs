@@ -26,16 +26,118 @@ pub enum LossType {
     Cispo,
     /// Soft adaptive policy optimisation (sigmoid gate instead of a hard clip), reduced like `grpo`.
     Sapo,
+    /// Length-unbiased sequence policy optimisation (TRL 1.16): the PPO surrogate, each sequence's
+    /// token sum averaged over sequences (verl's `seq-mean-token-sum`).
+    Luspo,
+    /// Variance-controlled sequence policy optimisation (TRL 1.16): `-phi(w) * A * logp` with a
+    /// detached gamma weight `phi` of the sequence's importance ratio, reduced like `dapo`.
+    Vespo,
+    /// verl's `gpg`: the plain policy gradient `-A * logp` (no ratio, no clip), reduced like `bnpo`.
+    Gpg,
+    /// verl's `geo_mean` (GMPO): `-A * exp(mean of the sequence's clipped log-ratios)`, one term
+    /// per sequence, averaged over sequences.
+    #[serde(alias = "gmpo")]
+    GeoMean,
 }
 
 impl LossType {
     /// Every accepted name, for error messages.
-    pub const NAMES: &'static [&'static str] = &["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"];
+    pub const NAMES: &'static [&'static str] =
+        &["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "gpg", "geo_mean"];
 
     /// The PPO family shares the clipped surrogate `-min(r*A, clip(r)*A)`.
     pub fn is_ppo_family(self) -> bool {
-        matches!(self, Self::Grpo | Self::Bnpo | Self::DrGrpo | Self::Dapo)
+        matches!(self, Self::Grpo | Self::Bnpo | Self::DrGrpo | Self::Dapo | Self::Luspo)
     }
+
+    /// The reduction each loss type uses unless `loss_agg_mode` overrides it.
+    pub fn default_aggregation(self) -> Aggregation {
+        match self {
+            Self::Grpo | Self::Sapo | Self::GeoMean => Aggregation::SeqMeanTokenMean,
+            Self::Bnpo | Self::Gpg => Aggregation::TokenMean,
+            Self::DrGrpo => Aggregation::SeqMeanTokenSumNorm,
+            Self::Dapo | Self::Cispo | Self::Vespo => Aggregation::NumItems,
+            Self::Luspo => Aggregation::SeqMeanTokenSum,
+        }
+    }
+}
+
+/// How per-token losses are reduced to one number (verl's `loss_agg_mode`, plus TRL's `num_items`
+/// normaliser). Every mode divides by a whole-batch count, so micro-batches and ranks that use the
+/// global normalisers sum to the one-batch loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Aggregation {
+    /// Sum over all unmasked tokens / their number (`bnpo`).
+    #[serde(rename = "token-mean")]
+    TokenMean,
+    /// Mean over sequences of each sequence's token sum (`luspo`).
+    #[serde(rename = "seq-mean-token-sum")]
+    SeqMeanTokenSum,
+    /// Mean over sequences of each sequence's token mean (`grpo`).
+    #[serde(rename = "seq-mean-token-mean")]
+    SeqMeanTokenMean,
+    /// Sum over all tokens / (B * `max_completion_length`) (`dr_grpo`; verl's `loss_scale_factor`).
+    #[serde(rename = "seq-mean-token-sum-norm")]
+    SeqMeanTokenSumNorm,
+    /// Sum over all tokens / `num_items` (default: the unmasked tokens) (`dapo`, TRL's
+    /// `num_items_in_batch`); not a verl mode.
+    #[serde(rename = "num-items")]
+    NumItems,
+}
+
+/// Rollout correction (TRL's `vllm_importance_sampling_mode`): how the ratio between the training
+/// policy's and the sampler's log-probabilities weights the policy term.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum RolloutCorrection {
+    /// Per token, clamped to `[clip_min, clip_max]`.
+    TokenTruncate,
+    /// Per token, 0 outside `[clip_min, clip_max]`.
+    TokenMask,
+    /// Per sequence (the product over its tokens), clamped.
+    SequenceTruncate,
+    /// Per sequence, 0 outside the bounds (TRL's default).
+    #[default]
+    SequenceMask,
+}
+
+impl RolloutCorrection {
+    pub fn per_sequence(self) -> bool {
+        matches!(self, Self::SequenceTruncate | Self::SequenceMask)
+    }
+
+    pub fn masks(self) -> bool {
+        matches!(self, Self::TokenMask | Self::SequenceMask)
+    }
+}
+
+/// The KL estimator of the `beta` penalty, with `d = ref_logp - logp` (verl's `kl_loss_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum KlEstimator {
+    /// `exp(d) - d - 1`, unclamped (TRL, LOSSES.md).
+    #[default]
+    K3,
+    /// verl's `low_var_kl` (its `k3`): `d` clamped to [-20, 20], the result to [-10, 10].
+    LowVarKl,
+    /// `logp - ref_logp` (verl's `kl`).
+    K1,
+    /// `(logp - ref_logp)^2 / 2` (verl's `mse`).
+    K2,
+    /// `|logp - ref_logp|`.
+    Abs,
+}
+
+/// Where the entropy bonus sits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum EntropyBonus {
+    /// `- entropy_coef * H` per token, inside the loss type's reduction (LOSSES.md).
+    #[default]
+    Token,
+    /// `- entropy_coef * (masked mean of H)` outside the loss type's normaliser, over the tokens
+    /// the policy term trains on (TRL 1.16).
+    MaskedMean,
 }
 
 /// Whether the importance ratio is taken per token or per sequence (GSPO).
@@ -95,6 +197,28 @@ pub struct LossOptions {
     /// Cross-entropy: weight of `lse^2` (z-loss, PaLM / Liger's `lse_square_scale`).
     pub z_loss: f64,
     pub reduction: Reduction,
+    /// Overrides the loss type's reduction (verl's `loss_agg_mode`).
+    pub loss_agg_mode: Option<Aggregation>,
+    /// `vespo`: the gamma weight's shape `k` and rate `lambda` for `A >= 0` and `A < 0`.
+    pub vespo_k_pos: f64,
+    pub vespo_lambda_pos: f64,
+    pub vespo_k_neg: f64,
+    pub vespo_lambda_neg: f64,
+    /// DeepSeek-V3.2's off-policy sequence mask: a sequence with `A < 0` whose mean
+    /// `sampling_logp - logp` exceeds this takes no part in the policy term.
+    pub off_policy_mask_threshold: Option<f64>,
+    /// Train the policy term only on tokens whose entropy is at or above this quantile from the top
+    /// of the batch's (1 = every token; 0.2 keeps the top 20%).
+    pub top_entropy_quantile: f64,
+    /// Rollout correction from `sampling_logp`, when that tensor is given.
+    pub vllm_importance_sampling_correction: bool,
+    pub vllm_importance_sampling_mode: RolloutCorrection,
+    pub vllm_importance_sampling_clip_min: Option<f64>,
+    pub vllm_importance_sampling_clip_max: Option<f64>,
+    /// Dual-clip PPO (verl's `clip_ratio_c`): for `A < 0` the surrogate is at most `-c * A`.
+    pub clip_ratio_c: Option<f64>,
+    pub kl_loss_type: KlEstimator,
+    pub entropy_bonus: EntropyBonus,
 }
 
 impl Default for LossOptions {
@@ -117,6 +241,20 @@ impl Default for LossOptions {
             label_smoothing: 0.0,
             z_loss: 0.0,
             reduction: Reduction::Mean,
+            loss_agg_mode: None,
+            vespo_k_pos: 2.0,
+            vespo_lambda_pos: 3.0,
+            vespo_k_neg: 3.0,
+            vespo_lambda_neg: 2.0,
+            off_policy_mask_threshold: None,
+            top_entropy_quantile: 1.0,
+            vllm_importance_sampling_correction: true,
+            vllm_importance_sampling_mode: RolloutCorrection::SequenceMask,
+            vllm_importance_sampling_clip_min: None,
+            vllm_importance_sampling_clip_max: Some(3.0),
+            clip_ratio_c: None,
+            kl_loss_type: KlEstimator::K3,
+            entropy_bonus: EntropyBonus::Token,
         }
     }
 }
@@ -141,11 +279,30 @@ impl LossOptions {
         "label_smoothing",
         "z_loss",
         "reduction",
+        "loss_agg_mode",
+        "vespo_k_pos",
+        "vespo_lambda_pos",
+        "vespo_k_neg",
+        "vespo_lambda_neg",
+        "off_policy_mask_threshold",
+        "top_entropy_quantile",
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max",
+        "clip_ratio_c",
+        "kl_loss_type",
+        "entropy_bonus",
     ];
 
     /// `epsilon_high`, or `epsilon_low` when unset.
     pub fn epsilon_high(&self) -> f64 {
         self.epsilon_high.unwrap_or(self.epsilon_low)
+    }
+
+    /// The reduction in use: `loss_agg_mode`, or the loss type's own.
+    pub fn aggregation(&self) -> Aggregation {
+        self.loss_agg_mode.unwrap_or(self.loss_type.default_aggregation())
     }
 
     /// Rejects values that would silently produce nonsense (NaN losses, sign flips).
@@ -191,6 +348,34 @@ impl LossOptions {
             return Err(bad("label_smoothing", self.label_smoothing, "in [0, 1]"));
         }
         non_negative("z_loss", self.z_loss)?;
+        non_negative("vespo_k_pos", self.vespo_k_pos)?;
+        non_negative("vespo_k_neg", self.vespo_k_neg)?;
+        non_negative("vespo_lambda_pos", self.vespo_lambda_pos)?;
+        non_negative("vespo_lambda_neg", self.vespo_lambda_neg)?;
+        if let Some(t) = self.off_policy_mask_threshold {
+            if !t.is_finite() {
+                return Err(bad("off_policy_mask_threshold", t, "finite"));
+            }
+        }
+        if !(self.top_entropy_quantile > 0.0 && self.top_entropy_quantile <= 1.0) {
+            return Err(bad("top_entropy_quantile", self.top_entropy_quantile, "in (0, 1]"));
+        }
+        if let Some(v) = self.vllm_importance_sampling_clip_min {
+            non_negative("vllm_importance_sampling_clip_min", v)?;
+        }
+        if let Some(v) = self.vllm_importance_sampling_clip_max {
+            positive("vllm_importance_sampling_clip_max", v)?;
+        }
+        if let (Some(lo), Some(hi)) = (self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max) {
+            if lo > hi {
+                return Err(bad("vllm_importance_sampling_clip_min", lo, "<= vllm_importance_sampling_clip_max"));
+            }
+        }
+        if let Some(c) = self.clip_ratio_c {
+            if !(c.is_finite() && c > 1.0) {
+                return Err(bad("clip_ratio_c", c, "a finite number > 1 (verl asserts it)"));
+            }
+        }
         Ok(())
     }
 }

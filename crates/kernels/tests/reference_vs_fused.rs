@@ -4,7 +4,9 @@
 mod common;
 
 use common::{assert_matches_reference, Case, IsRatioKind, MaskKind, Op};
-use flashgrpo_kernels::{ImportanceSamplingLevel, LossType, Reduction};
+use flashgrpo_kernels::{
+    Aggregation, EntropyBonus, ImportanceSamplingLevel, KlEstimator, LossType, Reduction, RolloutCorrection,
+};
 use half::{bf16, f16};
 
 /// Shapes: V = 1 and 2, V not a multiple of the 16 lanes nor of the 2048-element tile,
@@ -85,7 +87,18 @@ fn grpo_variants() -> Vec<(&'static str, Case)> {
         }),
     ];
     for level in [ImportanceSamplingLevel::Token, ImportanceSamplingLevel::Sequence] {
-        for lt in [LossType::Grpo, LossType::Bnpo, LossType::DrGrpo, LossType::Dapo, LossType::Cispo, LossType::Sapo] {
+        for lt in [
+            LossType::Grpo,
+            LossType::Bnpo,
+            LossType::DrGrpo,
+            LossType::Dapo,
+            LossType::Cispo,
+            LossType::Sapo,
+            LossType::Luspo,
+            LossType::Vespo,
+            LossType::Gpg,
+            LossType::GeoMean,
+        ] {
             cases.push((
                 "loss type x level",
                 base(3, 7, 45).with(|o| {
@@ -97,6 +110,108 @@ fn grpo_variants() -> Vec<(&'static str, Case)> {
             ));
         }
     }
+    cases.extend(newer_options());
+    cases
+}
+
+/// The options of TRL 1.16 and verl (docs/LOSSES.md, "Additions").
+fn newer_options() -> Vec<(&'static str, Case)> {
+    let base = |b, t, v| Case::new(Op::Grpo, b, t, v).with(|o| o.beta = 0.04);
+    let sampled = |c: Case, with_old: bool| Case { with_sampling: true, with_old, ..c };
+    let mut cases = Vec::new();
+    for mode in [
+        RolloutCorrection::TokenTruncate,
+        RolloutCorrection::TokenMask,
+        RolloutCorrection::SequenceTruncate,
+        RolloutCorrection::SequenceMask,
+    ] {
+        for with_old in [true, false] {
+            cases.push((
+                "rollout correction",
+                sampled(
+                    base(3, 6, 37).with(|o| {
+                        o.vllm_importance_sampling_mode = mode;
+                        o.vllm_importance_sampling_clip_min = Some(0.9);
+                        o.vllm_importance_sampling_clip_max = Some(1.05);
+                    }),
+                    with_old,
+                ),
+            ));
+        }
+    }
+    for (is_ratio, with_sampling) in
+        [(IsRatioKind::PerToken, false), (IsRatioKind::PerSequence, false), (IsRatioKind::None, true)]
+    {
+        let mut c = base(3, 6, 37).with(|o| {
+            o.loss_type = LossType::Vespo;
+            o.vllm_importance_sampling_mode = RolloutCorrection::TokenMask;
+            o.vllm_importance_sampling_clip_min = Some(0.9);
+        });
+        c.is_ratio = is_ratio;
+        c.with_sampling = with_sampling;
+        cases.push(("vespo with importance ratios", c));
+    }
+    for with_sampling in [true, false] {
+        cases.push((
+            "off-policy mask",
+            Case { with_sampling, ..base(4, 6, 37).with(|o| o.off_policy_mask_threshold = Some(0.0)) },
+        ));
+    }
+    for bonus in [EntropyBonus::Token, EntropyBonus::MaskedMean] {
+        cases.push((
+            "top entropy quantile + entropy bonus",
+            base(3, 7, 41).with(|o| {
+                o.top_entropy_quantile = 0.3;
+                o.entropy_coef = 0.05;
+                o.entropy_bonus = bonus;
+            }),
+        ));
+    }
+    cases.push((
+        "masked-mean entropy bonus",
+        base(3, 7, 41).with(|o| {
+            o.entropy_coef = 0.05;
+            o.entropy_bonus = EntropyBonus::MaskedMean;
+        }),
+    ));
+    for mode in [
+        Aggregation::TokenMean,
+        Aggregation::SeqMeanTokenSum,
+        Aggregation::SeqMeanTokenMean,
+        Aggregation::SeqMeanTokenSumNorm,
+        Aggregation::NumItems,
+    ] {
+        cases.push(("loss_agg_mode", base(3, 6, 29).with(|o| o.loss_agg_mode = Some(mode))));
+    }
+    cases.push(("dual clip", base(4, 8, 29).with(|o| o.clip_ratio_c = Some(1.1))));
+    for kl in [KlEstimator::LowVarKl, KlEstimator::K1, KlEstimator::K2, KlEstimator::Abs] {
+        for bias in [false, true] {
+            cases.push((
+                "kl estimator",
+                base(3, 5, 29).with(|o| {
+                    o.kl_loss_type = kl;
+                    o.use_bias_correction_kl = bias;
+                }),
+            ));
+        }
+    }
+    cases.push((
+        "everything at once, sequence level",
+        sampled(
+            base(4, 7, 53).with(|o| {
+                o.loss_type = LossType::Luspo;
+                o.importance_sampling_level = ImportanceSamplingLevel::Sequence;
+                o.off_policy_mask_threshold = Some(0.05);
+                o.top_entropy_quantile = 0.5;
+                o.entropy_coef = 0.02;
+                o.entropy_bonus = EntropyBonus::MaskedMean;
+                o.vllm_importance_sampling_mode = RolloutCorrection::TokenTruncate;
+                o.use_bias_correction_kl = true;
+                o.kl_loss_type = KlEstimator::LowVarKl;
+            }),
+            true,
+        ),
+    ));
     cases
 }
 

@@ -4,8 +4,8 @@ mod common;
 
 use common::{relative_norm_error, Case, Data, Op};
 use flashgrpo_kernels::{
-    combine_shards, forward_backward, BatchShard, GradientTarget, ImportanceSamplingLevel, LossSpec, LossType,
-    PreparedLoss, Reduction, Rows,
+    combine_shards, forward_backward, quantile, Aggregation, BatchShard, EntropyBonus, GradientTarget,
+    ImportanceSamplingLevel, LossSpec, LossType, PreparedLoss, Reduction, RolloutCorrection, Rows,
 };
 
 /// Runs the three steps over `bounds.len() - 1` vocabulary shards, as separate devices would.
@@ -103,6 +103,26 @@ fn batch_shards_sum_to_unsharded() {
                 })
             })
             .collect();
+    for lt in [LossType::Luspo, LossType::Vespo, LossType::Gpg, LossType::GeoMean] {
+        cases.push(Case::new(Op::Grpo, 6, 5, 23).with(|o| {
+            o.loss_type = lt;
+            o.beta = 0.04;
+        }));
+    }
+    for mode in [Aggregation::TokenMean, Aggregation::SeqMeanTokenSum, Aggregation::SeqMeanTokenSumNorm] {
+        cases.push(Case::new(Op::Grpo, 6, 5, 23).with(|o| o.loss_agg_mode = Some(mode)));
+    }
+    // Whole-batch quantities: the entropy threshold and the bonus's row count come with the shard.
+    cases.push(Case {
+        with_sampling: true,
+        ..Case::new(Op::Grpo, 6, 5, 23).with(|o| {
+            o.top_entropy_quantile = 0.4;
+            o.entropy_coef = 0.05;
+            o.entropy_bonus = EntropyBonus::MaskedMean;
+            o.off_policy_mask_threshold = Some(0.0);
+            o.vllm_importance_sampling_mode = RolloutCorrection::SequenceTruncate;
+        })
+    });
     cases.push(Case::new(Op::CrossEntropy, 6, 5, 23).with(|o| o.label_smoothing = 0.1));
     cases.push(Case::new(Op::CrossEntropy, 6, 5, 23).with(|o| o.reduction = Reduction::Sum));
     for case in cases {
@@ -111,10 +131,15 @@ fn batch_shards_sum_to_unsharded() {
         let mut full_grad = vec![0.0f32; data.logits.len()];
         let full = forward_backward(data.spec(), &data.logits, &mut full_grad).unwrap();
         let prepared = PreparedLoss::new(data.spec()).unwrap();
-        let global = BatchShard {
-            global_batch: case.batch,
-            global_valid_rows: prepared.active_rows().iter().filter(|&&a| a).count() as f64,
-        };
+        let active = prepared.active_rows();
+        let mut global = BatchShard::counts(case.batch, active.iter().filter(|&&a| a).count() as f64);
+        if case.options.top_entropy_quantile < 1.0 {
+            let mut h: Vec<f64> = full.entropy.iter().zip(active).filter(|(_, &a)| a).map(|(&h, _)| h as f64).collect();
+            h.sort_by(f64::total_cmp);
+            let threshold = quantile(&h, 1.0 - case.options.top_entropy_quantile);
+            global.entropy_threshold = Some(threshold);
+            global.global_bonus_rows = Some(h.iter().filter(|&&x| x >= threshold).count() as f64);
+        }
         for split in [vec![0, 6], vec![0, 1, 6], vec![0, 2, 4, 6], vec![0, 1, 2, 3, 4, 5, 6]] {
             let mut loss = 0.0;
             let mut grad = Vec::new();
@@ -158,6 +183,7 @@ fn slice_loss<'a>(
             old_logp: p.old_logp.map(|x| &x[rows.clone()]),
             ref_logp: p.ref_logp.map(|x| &x[rows.clone()]),
             is_ratio: None,
+            sampling_logp: p.sampling_logp.map(|x| &x[rows.clone()]),
         }),
         other => other,
     }

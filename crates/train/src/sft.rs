@@ -149,7 +149,13 @@ pub fn evaluate_shared(
     let refs: Vec<&Encoded> = data[share(data.len(), comm.size(), comm.rank())].iter().collect();
     let mut batch = update_batch(&refs, batch_size, pad)?;
     batch.share_normalisers(comm)?;
-    let inputs = UpdateInputs { batch: &batch, objective: Objective::CrossEntropy, options: &loss.options, loss };
+    let inputs = UpdateInputs {
+        batch: &batch,
+        objective: Objective::CrossEntropy,
+        options: &loss.options,
+        loss,
+        recorded_logp: None,
+    };
     let mut total = [batch_loss(model, &inputs, &mut Workspace::default())?];
     comm.all_reduce_f64(&mut total, ReduceOp::Sum)?;
     Ok(total[0])
@@ -245,7 +251,13 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
         let mut batch = update_batch(&examples[mine], config.batch_size, pad)?;
         batch.share_normalisers(comm)?;
         let window = batch.valid_tokens();
-        let inputs = UpdateInputs { batch: &batch, objective: Objective::CrossEntropy, options: &loss.options, loss };
+        let inputs = UpdateInputs {
+            batch: &batch,
+            objective: Objective::CrossEntropy,
+            options: &loss.options,
+            loss,
+            recorded_logp: None,
+        };
         let (losses_, _, report) = update(model, &inputs, 1, &mut updater, &mut engine, mesh)?;
         let total = losses_[0];
         let step_s = started.elapsed().as_secs_f64();

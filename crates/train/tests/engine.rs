@@ -107,9 +107,14 @@ fn grpo_inputs(mb: &MicroBatch, options: &LossOptions, loss: &LossConfig, s: usi
     let advantages: Vec<f32> = (0..s).map(|_| rng.normal() as f32).collect();
     // Old and reference log-probabilities near the model's (about -4.6 for 97 tokens).
     let near = |rng: &mut Rng| -> Vec<f32> { (0..n).map(|_| (-4.6 + 0.3 * rng.normal()) as f32).collect() };
-    let kind =
-        LossKind::Grpo { advantages, old_logp: Some(near(&mut rng)), ref_logp: Some(near(&mut rng)), is_ratio: None };
-    let shard = BatchShard { global_batch: s + 3, global_valid_rows: mb.valid() as f64 + 11.0 };
+    let kind = LossKind::Grpo {
+        advantages,
+        old_logp: Some(near(&mut rng)),
+        ref_logp: Some(near(&mut rng)),
+        is_ratio: None,
+        sampling_logp: None,
+    };
+    let shard = BatchShard::counts(s + 3, mb.valid() as f64 + 11.0);
     mb.inputs(kind, options, loss, Some(shard))
 }
 
@@ -260,4 +265,56 @@ fn bad_rows_are_errors() {
     let long = Sampling { temperature: 0.0, max_new_tokens: 62, ..Default::default() };
     let e = Rollout::default().generate(&m, &[vec![1, 2, 3]], &long, &[0], &mut Rng::new(1)).unwrap_err().to_string();
     assert!(e.contains("max_position_embeddings"), "{e}");
+}
+
+/// The log-probabilities and entropies the sampler records are the kernels' `logprob` op on the
+/// decode step's logits: the update's scoring pass of the same tokens with the same weights gives
+/// them again up to the rounding of two different forward paths (the KV-cached decode against
+/// the packed forward of whole sequences), and `mask_sequences` drops the truncated ones.
+#[test]
+fn recorded_log_probabilities_match_the_update() {
+    use flashgrpo_train::grpo::update::UpdateBatch;
+    let m = model(false, DType::F32, 11);
+    let prompts: Vec<Vec<u32>> = vec![vec![3, 5, 7], vec![3, 5, 7], vec![11, 2], vec![11, 2], vec![4]];
+    let s = Sampling { temperature: 0.9, max_new_tokens: 6, ..Default::default() };
+    let generated = Rollout::default().generate(&m, &prompts, &s, &[0], &mut Rng::new(7)).unwrap();
+    for (c, (lp, h)) in generated.completions.iter().zip(generated.logp.iter().zip(&generated.entropy)) {
+        assert_eq!((lp.len(), h.len()), (c.len(), c.len()));
+        assert!(lp.iter().all(|&x| x <= 0.0 && x.is_finite()) && h.iter().all(|&x| x >= 0.0));
+    }
+    let mut batch = UpdateBatch::new(&prompts, &generated.completions, 2, 0).unwrap();
+    let options = LossOptions { temperature: 0.9, ..LossOptions::default() };
+    let scored = batch.logprobs(&m, &mut Workspace::default(), &options, &LossConfig::default()).unwrap();
+    let recorded = batch.per_micro_batch(&generated.logp);
+    let worst =
+        scored.iter().flatten().zip(recorded.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    println!("sampler vs update log-probabilities: max |diff| = {worst:e}");
+    assert!(worst < 1e-5, "{worst}");
+    // Greedy decoding records nothing.
+    let greedy = Sampling { temperature: 0.0, ..s };
+    let g = Rollout::default().generate(&m, &prompts, &greedy, &[0], &mut Rng::new(7)).unwrap();
+    assert!(g.logp.iter().all(Vec::is_empty));
+    // TRL's mask_truncated_completions: the dropped sequences leave the loss and the count.
+    let before = batch.valid_tokens();
+    let drop: Vec<bool> = generated.finished.iter().map(|f| !f).collect();
+    batch.mask_sequences(&drop);
+    let kept: usize = generated.completions.iter().zip(&drop).filter(|(_, &d)| !d).map(|(c, _)| c.len()).sum();
+    assert_eq!(batch.valid_tokens(), kept);
+    assert!(kept <= before);
+    // The top-entropy threshold of the whole batch, from the recorded entropies of kept tokens.
+    batch.share_entropy_threshold(&generated.entropy, 0.5, &flashgrpo_collective::SingleProcess).unwrap();
+    let mut h: Vec<f64> = generated
+        .entropy
+        .iter()
+        .zip(&drop)
+        .filter(|(_, &d)| !d)
+        .flat_map(|(e, _)| e.iter().map(|&x| x as f64))
+        .collect();
+    h.sort_by(f64::total_cmp);
+    if let Some(&top) = h.last() {
+        let want = flashgrpo_kernels::quantile(&h, 0.5);
+        assert_eq!(batch.shard.entropy_threshold, Some(want));
+        assert_eq!(batch.shard.global_bonus_rows, Some(h.iter().filter(|&&x| x >= want).count() as f64));
+        assert!(want <= top);
+    }
 }

@@ -1,14 +1,23 @@
 //! The GRPO / PPO-family token objective (TRL's `GRPOTrainer._compute_loss`, Liger's
-//! `LigerFusedLinearGRPOFunction.ppo_loss_fn`), with the gradient of each term written out.
+//! `LigerFusedLinearGRPOFunction.ppo_loss_fn`, verl's `core_algos`), with the gradient of each
+//! term written out.
 //!
-//! Each row's loss depends on `logp` directly (cispo, KL) and through the log importance weight
-//! `log_w` (PPO surrogate, sapo, bias-corrected KL). At token level `log_w = logp - old`; at
-//! sequence level it is the masked mean over the sequence, so its gradient is shared evenly by
-//! the sequence's unmasked rows.
+//! Each row's loss depends on `logp` directly (cispo, vespo, gpg, KL) and through the log
+//! importance weight `log_w` (PPO surrogate, sapo, bias-corrected KL). At token level
+//! `log_w = logp - old`; at sequence level it is the masked mean over the sequence, so its
+//! gradient is shared evenly by the sequence's unmasked rows.
+//!
+//! Some options need quantities of a whole sequence or of the whole batch (GSPO's mean log-ratio,
+//! vespo's gamma weight, the off-policy mask, the entropy quantile): they are gathered in a
+//! [`SequenceContext`] per sequence and a [`BatchContext`] before the rows' terms. When none of
+//! them depends on the rows' statistics the objective is row-local and the context is built once,
+//! from the inputs alone, so the kernels keep their one sweep.
 
 use super::{ordered_sum, GradTerms, RowGradient, RowOutcome};
-use crate::inputs::{Normalisers, PolicyInputs, Rows};
-use crate::options::{ImportanceSamplingLevel, LossOptions, LossType};
+use crate::inputs::{BatchShard, IsRatio, Normalisers, PolicyInputs, Rows};
+use crate::options::{
+    Aggregation, EntropyBonus, ImportanceSamplingLevel, KlEstimator, LossOptions, LossType, RolloutCorrection,
+};
 use crate::stats::RowStats;
 
 /// One row's loss and its partial derivatives, before the reduction weight.
@@ -22,8 +31,35 @@ struct TokenTerms {
     d_log_w: f64,
 }
 
+/// What a row's terms need from its sequence.
+#[derive(Debug, Clone, Copy)]
+struct SequenceContext {
+    /// GSPO: the sequence's log importance weight (`None` at token level).
+    log_w: Option<f64>,
+    /// The off-policy mask: 0 drops the sequence's policy term.
+    keep: f64,
+    /// Sequence-level rollout correction weight.
+    rollout: Option<f64>,
+    /// vespo's detached gamma weight `phi(w)`.
+    phi: f64,
+}
+
+impl SequenceContext {
+    const PLAIN: Self = Self { log_w: None, keep: 1.0, rollout: None, phi: 1.0 };
+}
+
+/// What a row's terms need from the whole batch.
+#[derive(Debug, Clone)]
+struct BatchContext {
+    /// `top_entropy_quantile < 1`: rows below this entropy take no part in the policy term.
+    entropy_threshold: Option<f64>,
+    /// `entropy_bonus: masked_mean`: the number of rows the bonus averages over (at least 1).
+    bonus_rows: f64,
+    sequences: Vec<SequenceContext>,
+}
+
 /// The policy term of one token: `(loss, d/dlogp, d/dlog_w, is_clipped)`.
-fn policy_term(options: &LossOptions, logp: f64, log_w: f64, advantage: f64) -> (f64, f64, f64, bool) {
+fn policy_term(options: &LossOptions, logp: f64, log_w: f64, advantage: f64, phi: f64) -> (f64, f64, f64, bool) {
     let r = log_w.exp();
     let (lo, hi) = (1.0 - options.epsilon_low, 1.0 + options.epsilon_high());
     let ppo_clipped = (r < lo && advantage < 0.0) || (r > hi && advantage > 0.0);
@@ -40,7 +76,13 @@ fn policy_term(options: &LossOptions, logp: f64, log_w: f64, advantage: f64) -> 
             let loss = -advantage * (4.0 / tau) * sig;
             (loss, 0.0, -advantage * 4.0 * sig * (1.0 - sig) * r, ppo_clipped)
         }
-        LossType::Grpo | LossType::Bnpo | LossType::DrGrpo | LossType::Dapo => {
+        // -stop_grad(phi(w)) * A * logp
+        LossType::Vespo => (-phi * advantage * logp, -phi * advantage, 0.0, false),
+        LossType::Gpg => (-advantage * logp, -advantage, 0.0, false),
+        // The sequence's geometric-mean term is added by `Grpo::geo_mean`; per token only the KL
+        // and the entropy bonus remain.
+        LossType::GeoMean => (0.0, 0.0, 0.0, false),
+        LossType::Grpo | LossType::Bnpo | LossType::DrGrpo | LossType::Dapo | LossType::Luspo => {
             // -min(r1*A, clip(r)*A) with r1 = min(r, delta). Each branch passes d/dlog_w = r*A
             // where its clamp is not active (closed interval, as torch.clamp); the smaller branch
             // wins, and a tie splits the gradient evenly (torch.min). The clipped branch can carry
@@ -51,66 +93,132 @@ fn policy_term(options: &LossOptions, logp: f64, log_w: f64, advantage: f64) -> 
             let through = |passes: bool| if passes { -advantage * r } else { 0.0 };
             let d_unclipped = through(options.delta.is_none_or(|d| r <= d));
             let d_clipped = through(lo <= r && r <= hi);
-            let d_log_w = if unclipped < clipped {
-                d_unclipped
-            } else if clipped < unclipped {
-                d_clipped
+            let d_log_w = tie_split(unclipped, clipped, d_unclipped, d_clipped);
+            let loss = -unclipped.min(clipped);
+            match options.clip_ratio_c {
+                // verl's dual clip: for A < 0, min(-A*c, loss), torch.min's gradient.
+                Some(c) if advantage < 0.0 => {
+                    let bound = -advantage * c;
+                    (loss.min(bound), 0.0, tie_split(loss, bound, d_log_w, 0.0), ppo_clipped)
+                }
+                _ => (loss, 0.0, d_log_w, ppo_clipped),
+            }
+        }
+    }
+}
+
+/// The gradient of `min(x, y)` as torch gives it: the smaller one's, half each on a tie.
+fn tie_split(x: f64, y: f64, dx: f64, dy: f64) -> f64 {
+    if x < y {
+        dx
+    } else if y < x {
+        dy
+    } else {
+        0.5 * (dx + dy)
+    }
+}
+
+/// The KL estimator of `logp` against `ref_logp`: `(value, d value / d logp)`.
+pub(crate) fn kl_estimate(estimator: KlEstimator, logp: f64, ref_logp: f64) -> (f64, f64) {
+    let d = ref_logp - logp;
+    match estimator {
+        KlEstimator::K3 => (d.exp() - d - 1.0, 1.0 - d.exp()),
+        KlEstimator::LowVarKl => {
+            // torch.clamp passes the gradient on the closed interval.
+            let dc = d.clamp(-20.0, 20.0);
+            let pass_d = (-20.0..=20.0).contains(&d);
+            let k = dc.exp() - dc - 1.0;
+            let kc = k.clamp(-10.0, 10.0);
+            let pass_k = (-10.0..=10.0).contains(&k);
+            let grad = if pass_d && pass_k { 1.0 - dc.exp() } else { 0.0 };
+            (kc, grad)
+        }
+        KlEstimator::K1 => (-d, 1.0),
+        KlEstimator::K2 => (0.5 * d * d, -d),
+        // torch.abs has gradient sign(x), 0 at 0.
+        KlEstimator::Abs => (
+            d.abs(),
+            if d > 0.0 {
+                -1.0
+            } else if d < 0.0 {
+                1.0
             } else {
-                0.5 * (d_unclipped + d_clipped)
-            };
-            (-unclipped.min(clipped), 0.0, d_log_w, ppo_clipped)
-        }
+                0.0
+            },
+        ),
     }
 }
 
-fn token_terms(
-    options: &LossOptions,
-    inputs: &PolicyInputs,
-    rows: &Rows,
-    row: usize,
-    logp: f64,
-    log_w: f64,
-    entropy: f64,
-) -> TokenTerms {
-    let b = row / rows.seq_len;
-    let advantage = inputs.advantages[b] as f64;
-    let (mut loss, mut d_logp, mut d_log_w, clipped) = policy_term(options, logp, log_w, advantage);
-    if let Some(is_ratio) = inputs.is_ratio {
-        let k = is_ratio.at(row, rows.seq_len) as f64;
-        loss *= k;
-        d_logp *= k;
-        d_log_w *= k;
-    }
-    let mut kl = 0.0;
-    if let Some(ref_logp) = inputs.ref_logp {
-        let diff = ref_logp[row] as f64 - logp;
-        let k3 = diff.exp() - diff - 1.0;
-        let dk3 = 1.0 - diff.exp();
-        let (k3, dk3_logp, dk3_log_w) = if options.use_bias_correction_kl {
-            let r = log_w.exp();
-            (k3 * r, dk3 * r, k3 * r)
+/// Rollout correction: clamps (`*_truncate`) or zeroes (`*_mask`) the ratio outside the bounds.
+pub(crate) fn bound_ratio(options: &LossOptions, ratio: f64) -> f64 {
+    let (lo, hi) = (options.vllm_importance_sampling_clip_min, options.vllm_importance_sampling_clip_max);
+    if options.vllm_importance_sampling_mode.masks() {
+        let outside = lo.is_some_and(|l| ratio < l) || hi.is_some_and(|h| ratio > h);
+        if outside {
+            0.0
         } else {
-            (k3, dk3, 0.0)
-        };
-        kl = k3;
-        if options.beta != 0.0 {
-            loss += options.beta * k3;
-            d_logp += options.beta * dk3_logp;
-            d_log_w += options.beta * dk3_log_w;
+            ratio
         }
+    } else {
+        let r = lo.map_or(ratio, |l| ratio.max(l));
+        hi.map_or(r, |h| r.min(h))
     }
-    loss -= options.entropy_coef * entropy;
-    TokenTerms { loss, kl, clipped, d_logp, d_log_w }
 }
 
-/// GRPO prepared for a batch: normalisers and per-sequence counts resolved.
+/// The entropy the top-entropy mask ranks and compares: the per-token output's f32 value. TRL
+/// takes its threshold over f32 entropies (`entropies[mask].float()`), so a token at the quantile
+/// itself is kept exactly when TRL keeps it.
+pub(crate) fn ranked_entropy(h: f64) -> f64 {
+    h as f32 as f64
+}
+
+/// Whether a token of entropy `h` trains the policy term under `threshold` (`None`: every token).
+pub(crate) fn trains(threshold: Option<f64>, h: f64) -> bool {
+    threshold.is_none_or(|t| ranked_entropy(h) >= t)
+}
+
+/// `torch.quantile(values, q)` (linear interpolation, torch's `lerp`); `values` sorted, not empty.
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let pos = q * (sorted.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    let (a, b, w) = (sorted[lo], sorted[hi], pos - pos.floor());
+    if w < 0.5 {
+        a + w * (b - a)
+    } else {
+        b - (b - a) * (1.0 - w)
+    }
+}
+
+/// vespo's gamma weight `phi(w) = exp(lambda + k log w - lambda w)` from the sequence's summed
+/// log-ratio (TRL's `get_gamma_weights`, in log space, non-finite -> 0).
+pub(crate) fn vespo_phi(options: &LossOptions, seq_log_ratio: f64, advantage: f64) -> f64 {
+    let lower = 1e-8f64.ln();
+    let log_w = seq_log_ratio.clamp(lower, 20.0);
+    let (k, lambda) = if advantage >= 0.0 {
+        (options.vespo_k_pos, options.vespo_lambda_pos)
+    } else {
+        (options.vespo_k_neg, options.vespo_lambda_neg)
+    };
+    let lambda = lambda.max(1e-4);
+    let phi = (lambda + k * log_w - lambda * log_w.exp()).exp();
+    if phi.is_finite() {
+        phi
+    } else {
+        0.0
+    }
+}
+
+/// GRPO prepared for a batch: normalisers, per-sequence counts and (when row-local) the context.
 pub(crate) struct Grpo<'a> {
     inputs: PolicyInputs<'a>,
     rows: Rows<'a>,
     options: &'a LossOptions,
     norm: Normalisers,
+    shard: Option<BatchShard>,
     /// Unmasked rows per sequence, at least 1.
     counts: Vec<f64>,
+    /// The context, when it needs no row statistics.
+    fixed: Option<BatchContext>,
 }
 
 impl<'a> Grpo<'a> {
@@ -119,27 +227,208 @@ impl<'a> Grpo<'a> {
         rows: Rows<'a>,
         options: &'a LossOptions,
         norm: Normalisers,
+        shard: Option<BatchShard>,
         active: &[bool],
     ) -> Self {
         let t = rows.seq_len;
         let counts =
             (0..rows.batch).map(|b| active[b * t..(b + 1) * t].iter().filter(|&&a| a).count().max(1) as f64).collect();
-        Self { inputs, rows, options, norm, counts }
+        let mut grpo = Self { inputs, rows, options, norm, shard, counts, fixed: None };
+        if grpo.is_row_local() {
+            grpo.fixed = Some(grpo.context(active, None));
+        }
+        grpo
     }
 
-    /// Token level: each row's loss depends on that row alone.
+    /// Whether every row's loss depends on that row's statistics alone.
     pub fn is_row_local(&self) -> bool {
-        self.options.importance_sampling_level == ImportanceSamplingLevel::Token
+        let o = self.options;
+        let threshold_known =
+            o.top_entropy_quantile >= 1.0 || self.shard.is_some_and(|s| s.entropy_threshold.is_some());
+        let bonus_known = o.entropy_bonus == EntropyBonus::Token
+            || o.entropy_coef == 0.0
+            || o.top_entropy_quantile >= 1.0
+            || self.shard.is_some_and(|s| s.global_bonus_rows.is_some());
+        let rollout_known =
+            self.rollout_correction().is_none_or(|mode| !mode.per_sequence()) || self.inputs.old_logp.is_some();
+        o.importance_sampling_level == ImportanceSamplingLevel::Token
+            && !matches!(o.loss_type, LossType::Vespo | LossType::GeoMean)
+            && o.off_policy_mask_threshold.is_none()
+            && threshold_known
+            && bonus_known
+            && rollout_known
+    }
+
+    /// The rollout correction's mode, when it applies (`sampling_logp` given, correction on).
+    fn rollout_correction(&self) -> Option<RolloutCorrection> {
+        (self.inputs.sampling_logp.is_some() && self.options.vllm_importance_sampling_correction)
+            .then_some(self.options.vllm_importance_sampling_mode)
+    }
+
+    /// The old policy's log-probability of a row (`logp` itself, detached, when on-policy).
+    fn old(&self, row: usize, logp: f64) -> f64 {
+        self.inputs.old_logp.map_or(logp, |old| old[row] as f64)
+    }
+
+    /// `old - sampling` of a row (0 where the sampler gave NaN), the rollout correction's log-ratio.
+    fn rollout_log_ratio(&self, row: usize, logp: f64) -> f64 {
+        let sampling = self.inputs.sampling_logp.map_or(f64::NAN, |s| s[row] as f64);
+        let diff = self.old(row, logp) - sampling;
+        if diff.is_nan() {
+            0.0
+        } else {
+            diff
+        }
+    }
+
+    /// The batch and sequence context. `stats` is `None` when only the inputs are needed
+    /// (row-local objectives); then `logp` stands in as its own detached old value.
+    fn context(&self, active: &[bool], stats: Option<&[RowStats]>) -> BatchContext {
+        let o = self.options;
+        let logp = |i: usize| stats.map_or(0.0, |s| s[i].logp.unwrap_or(0.0));
+        let entropy_threshold = (o.top_entropy_quantile < 1.0).then(|| {
+            self.shard.and_then(|s| s.entropy_threshold).unwrap_or_else(|| {
+                let stats = stats.expect("a batch-local entropy quantile needs the statistics");
+                let mut h: Vec<f64> =
+                    (0..active.len()).filter(|&i| active[i]).map(|i| ranked_entropy(stats[i].entropy)).collect();
+                h.sort_by(f64::total_cmp);
+                // No row takes part: every row is masked out (TRL returns an all-false mask).
+                if h.is_empty() {
+                    f64::INFINITY
+                } else {
+                    quantile(&h, 1.0 - o.top_entropy_quantile)
+                }
+            })
+        });
+        let bonus_rows = match (entropy_threshold, self.shard.and_then(|s| s.global_bonus_rows)) {
+            (None, _) => self.norm.valid_rows,
+            (Some(_), Some(n)) => n,
+            (Some(thr), None) => {
+                let stats = stats.expect("a batch-local bonus count needs the statistics");
+                (0..active.len()).filter(|&i| active[i] && trains(Some(thr), stats[i].entropy)).count() as f64
+            }
+        }
+        .max(1.0);
+        let t_len = self.rows.seq_len;
+        let sequences = (0..self.rows.batch)
+            .map(|b| {
+                let on: Vec<usize> = (b * t_len..(b + 1) * t_len).filter(|&i| active[i]).collect();
+                let advantage = self.inputs.advantages[b] as f64;
+                let log_ratio = |i: usize| logp(i) - self.old(i, logp(i));
+                let mut seq = SequenceContext::PLAIN;
+                if o.importance_sampling_level == ImportanceSamplingLevel::Sequence {
+                    seq.log_w = Some(ordered_sum(on.iter().map(|&i| log_ratio(i))) / self.counts[b]);
+                }
+                if let Some(threshold) = o.off_policy_mask_threshold {
+                    // Forward KL of the sampler against the current policy, detached.
+                    let kl = |i: usize| {
+                        let sampling = self.inputs.sampling_logp.map_or(self.old(i, logp(i)), |s| s[i] as f64);
+                        let d = sampling - logp(i);
+                        if d.is_nan() {
+                            0.0
+                        } else {
+                            d
+                        }
+                    };
+                    let mean_kl = ordered_sum(on.iter().map(|&i| kl(i))) / self.counts[b];
+                    seq.keep = if advantage >= 0.0 || mean_kl <= threshold { 1.0 } else { 0.0 };
+                }
+                if self.rollout_correction().is_some_and(RolloutCorrection::per_sequence) {
+                    let sum = ordered_sum(on.iter().map(|&i| self.rollout_log_ratio(i, logp(i))));
+                    seq.rollout = Some(bound_ratio(o, sum.exp()));
+                }
+                if o.loss_type == LossType::Vespo {
+                    let mut sum = ordered_sum(on.iter().map(|&i| log_ratio(i).clamp(-20.0, 20.0)));
+                    let lower = 1e-8f64.ln();
+                    match (self.inputs.is_ratio, self.rollout_correction()) {
+                        (Some(IsRatio::PerSequence(v)), _) => sum += (v[b] as f64).ln().clamp(lower, 20.0),
+                        (Some(IsRatio::PerToken(v)), _) => {
+                            sum += ordered_sum(on.iter().map(|&i| (v[i] as f64).ln().clamp(lower, 20.0)))
+                        }
+                        (None, Some(_)) => {
+                            let ratio = |i: usize| bound_ratio(o, self.rollout_log_ratio(i, logp(i)).exp());
+                            sum += ordered_sum(on.iter().map(|&i| ratio(i).ln().clamp(lower, 20.0)));
+                        }
+                        (None, None) => {}
+                    }
+                    seq.phi = vespo_phi(o, sum, advantage);
+                }
+                seq
+            })
+            .collect();
+        BatchContext { entropy_threshold, bonus_rows, sequences }
     }
 
     /// The reduction weight of an unmasked row.
     fn weight(&self, row: usize) -> f64 {
         let n = &self.norm;
-        match self.options.loss_type {
-            LossType::Grpo | LossType::Sapo => 1.0 / (n.batch * self.counts[row / self.rows.seq_len]),
-            LossType::Bnpo => 1.0 / n.valid_rows.max(1.0),
-            LossType::DrGrpo => 1.0 / (n.batch * n.max_completion_length),
-            LossType::Dapo | LossType::Cispo => 1.0 / n.num_items.max(1.0),
+        match self.options.aggregation() {
+            Aggregation::SeqMeanTokenMean => 1.0 / (n.batch * self.counts[row / self.rows.seq_len]),
+            Aggregation::TokenMean => 1.0 / n.valid_rows.max(1.0),
+            Aggregation::SeqMeanTokenSumNorm => 1.0 / (n.batch * n.max_completion_length),
+            Aggregation::NumItems => 1.0 / n.num_items.max(1.0),
+            Aggregation::SeqMeanTokenSum => 1.0 / n.batch,
+        }
+    }
+
+    /// The weight of a row's policy term from `is_ratio` or the rollout correction (vespo takes
+    /// them into `phi` instead).
+    fn policy_weight(&self, row: usize, logp: f64, seq: &SequenceContext) -> f64 {
+        if self.options.loss_type == LossType::Vespo {
+            return 1.0;
+        }
+        if let Some(is_ratio) = self.inputs.is_ratio {
+            return is_ratio.at(row, self.rows.seq_len) as f64;
+        }
+        match (self.rollout_correction(), seq.rollout) {
+            (_, Some(r)) => r,
+            (Some(_), None) => bound_ratio(self.options, self.rollout_log_ratio(row, logp).exp()),
+            (None, None) => 1.0,
+        }
+    }
+
+    fn token_terms(&self, row: usize, stats: &RowStats, ctx: &BatchContext, log_w: f64) -> TokenTerms {
+        let o = self.options;
+        let b = row / self.rows.seq_len;
+        let seq = &ctx.sequences[b];
+        let (logp, entropy) = (stats.logp.unwrap_or(0.0), stats.entropy);
+        let advantage = self.inputs.advantages[b] as f64;
+        let (mut loss, mut d_logp, mut d_log_w, clipped) = policy_term(o, logp, log_w, advantage, seq.phi);
+        let trained = trains(ctx.entropy_threshold, entropy);
+        let k = seq.keep * if trained { 1.0 } else { 0.0 } * self.policy_weight(row, logp, seq);
+        loss *= k;
+        d_logp *= k;
+        d_log_w *= k;
+        let mut kl = 0.0;
+        if let Some(ref_logp) = self.inputs.ref_logp {
+            let (value, d_value) = kl_estimate(o.kl_loss_type, logp, ref_logp[row] as f64);
+            let (value, d_value_logp, d_value_log_w) = if o.use_bias_correction_kl {
+                let r = log_w.exp();
+                (value * r, d_value * r, value * r)
+            } else {
+                (value, d_value, 0.0)
+            };
+            kl = value;
+            if o.beta != 0.0 {
+                loss += o.beta * value;
+                d_logp += o.beta * d_value_logp;
+                d_log_w += o.beta * d_value_log_w;
+            }
+        }
+        if o.entropy_bonus == EntropyBonus::Token {
+            loss -= o.entropy_coef * entropy;
+        }
+        TokenTerms { loss, kl, clipped, d_logp, d_log_w }
+    }
+
+    /// The masked-mean entropy bonus's `d total / d H` of a row (0 when the bonus is per token).
+    fn mean_bonus(&self, row_entropy: f64, ctx: &BatchContext) -> f64 {
+        let o = self.options;
+        let trained = trains(ctx.entropy_threshold, row_entropy);
+        if o.entropy_bonus == EntropyBonus::MaskedMean && trained {
+            -o.entropy_coef / ctx.bonus_rows
+        } else {
+            0.0
         }
     }
 
@@ -149,13 +438,13 @@ impl<'a> Grpo<'a> {
 
     /// One unmasked row, given its log importance weight; the gradient through `log_w` is
     /// returned separately (already weighted) so a sequence can share it.
-    fn row_with(&self, row: usize, stats: &RowStats, log_w: f64) -> (RowOutcome, f64, f64) {
-        let logp = stats.logp.unwrap_or(0.0);
-        let t = token_terms(self.options, &self.inputs, &self.rows, row, logp, log_w, stats.entropy);
+    fn row_with(&self, row: usize, stats: &RowStats, ctx: &BatchContext, log_w: f64) -> (RowOutcome, f64, f64) {
+        let t = self.token_terms(row, stats, ctx, log_w);
         let w = self.weight(row);
+        let bonus = self.mean_bonus(stats.entropy, ctx);
         let outcome = RowOutcome {
             loss: t.loss,
-            weighted_loss: w * t.loss,
+            weighted_loss: w * t.loss + bonus * stats.entropy,
             kl: t.kl,
             clipped: t.clipped,
             grad: RowGradient::ZERO,
@@ -163,21 +452,27 @@ impl<'a> Grpo<'a> {
         (outcome, w * t.d_logp, w * t.d_log_w)
     }
 
-    fn gradient(&self, row: usize, stats: &RowStats, d_logp: f64) -> RowGradient {
+    fn gradient(&self, row: usize, stats: &RowStats, ctx: &BatchContext, d_logp: f64) -> RowGradient {
         let mut terms = GradTerms::default();
         terms.logp(d_logp);
-        terms.entropy(-self.options.entropy_coef * self.weight(row), stats.entropy);
+        let token_bonus = if self.options.entropy_bonus == EntropyBonus::Token {
+            -self.options.entropy_coef * self.weight(row)
+        } else {
+            0.0
+        };
+        terms.entropy(token_bonus + self.mean_bonus(stats.entropy, ctx), stats.entropy);
         terms.finish(stats, self.options.temperature)
     }
 
-    /// Token level only.
+    /// Row-local objectives only.
     pub fn row(&self, row: usize, stats: &RowStats) -> RowOutcome {
-        let (mut outcome, d_logp, d_log_w) = self.row_with(row, stats, self.log_ratio(row, stats));
-        outcome.grad = self.gradient(row, stats, d_logp + d_log_w);
+        let ctx = self.fixed.as_ref().expect("row() is for row-local objectives");
+        let (mut outcome, d_logp, d_log_w) = self.row_with(row, stats, ctx, self.log_ratio(row, stats));
+        outcome.grad = self.gradient(row, stats, ctx, d_logp + d_log_w);
         outcome
     }
 
-    /// Every row; at sequence level (GSPO) the log-weight is the masked mean of the sequence's
+    /// Every row. At sequence level (GSPO) the log-weight is the masked mean of the sequence's
     /// log-ratios, and its gradient is shared evenly by the sequence's unmasked rows.
     pub fn all(&self, active: &[bool], stats: &[RowStats]) -> Vec<RowOutcome> {
         if self.is_row_local() {
@@ -185,22 +480,90 @@ impl<'a> Grpo<'a> {
                 .map(|i| if active[i] { self.row(i, &stats[i]) } else { RowOutcome::ZERO })
                 .collect();
         }
+        let ctx = self.context(active, Some(stats));
+        if self.options.loss_type == LossType::GeoMean {
+            return self.geo_mean(active, stats, &ctx);
+        }
         let t_len = self.rows.seq_len;
         let mut outcomes = vec![RowOutcome::ZERO; stats.len()];
         for b in 0..self.rows.batch {
             let on: Vec<usize> = (b * t_len..(b + 1) * t_len).filter(|&i| active[i]).collect();
-            let log_w = ordered_sum(on.iter().map(|&i| self.log_ratio(i, &stats[i]))) / self.counts[b];
+            let seq_log_w = ctx.sequences[b].log_w;
             let parts: Vec<(usize, RowOutcome, f64, f64)> = on
                 .iter()
                 .map(|&i| {
-                    let (o, d_logp, d_log_w) = self.row_with(i, &stats[i], log_w);
+                    let log_w = seq_log_w.unwrap_or_else(|| self.log_ratio(i, &stats[i]));
+                    let (o, d_logp, d_log_w) = self.row_with(i, &stats[i], &ctx, log_w);
                     (i, o, d_logp, d_log_w)
                 })
                 .collect();
-            let shared = ordered_sum(parts.iter().map(|p| p.3)) / self.counts[b];
-            for (i, mut o, d_logp, _) in parts {
-                o.grad = self.gradient(i, &stats[i], d_logp + shared);
+            // At token level each row keeps its own d/dlog_w; at sequence level it is shared.
+            let shared = seq_log_w.map(|_| ordered_sum(parts.iter().map(|p| p.3)) / self.counts[b]);
+            for (i, mut o, d_logp, d_log_w) in parts {
+                o.grad = self.gradient(i, &stats[i], &ctx, d_logp + shared.unwrap_or(d_log_w));
                 outcomes[i] = o;
+            }
+        }
+        outcomes
+    }
+
+    /// verl's `geo_mean` (GMPO): one term per sequence, `-A * exp(sum_t x_t / (n + 1e-8))` with
+    /// `x_t = sgn(A) * min(sgn(A) * l_t, sgn(A) * clamp(l_t, -epsilon_low, epsilon_high))` and
+    /// `l_t = logp_t - old_t`, over the `n` tokens the policy term trains on, averaged over the
+    /// batch's sequences; the KL and the entropy bonus stay per token.
+    fn geo_mean(&self, active: &[bool], stats: &[RowStats], ctx: &BatchContext) -> Vec<RowOutcome> {
+        let o = self.options;
+        let (t_len, batch) = (self.rows.seq_len, self.norm.batch);
+        let mut outcomes = vec![RowOutcome::ZERO; stats.len()];
+        for b in 0..self.rows.batch {
+            let on: Vec<usize> = (b * t_len..(b + 1) * t_len).filter(|&i| active[i]).collect();
+            let trained: Vec<usize> =
+                on.iter().copied().filter(|&i| trains(ctx.entropy_threshold, stats[i].entropy)).collect();
+            let seq = &ctx.sequences[b];
+            let advantage = self.inputs.advantages[b] as f64;
+            let sgn = if advantage > 0.0 {
+                1.0
+            } else if advantage < 0.0 {
+                -1.0
+            } else {
+                0.0
+            };
+            let denom = trained.len() as f64 + 1e-8;
+            // Each token's pessimistic log-ratio and its derivative, and whether the clamp won.
+            let terms: Vec<(f64, f64, bool)> = trained
+                .iter()
+                .map(|&i| {
+                    let l = self.log_ratio(i, &stats[i]);
+                    let clamped = l.clamp(-o.epsilon_low, o.epsilon_high());
+                    let passes = if (-o.epsilon_low..=o.epsilon_high()).contains(&l) { 1.0 } else { 0.0 };
+                    let (u, v) = (sgn * l, sgn * clamped);
+                    (sgn * u.min(v), sgn * tie_split(u, v, sgn, sgn * passes), v < u)
+                })
+                .collect();
+            let ratio = (ordered_sum(terms.iter().map(|t| t.0)) / denom).exp();
+            let mean_advantage = advantage * trained.len() as f64 / denom;
+            let log_weights =
+                trained.iter().map(|&i| (self.policy_weight(i, stats[i].logp.unwrap_or(0.0), seq) + 1e-10).ln());
+            let is_weight = if self.inputs.is_ratio.is_some() || self.rollout_correction().is_some() {
+                (ordered_sum(log_weights) / denom).exp()
+            } else {
+                1.0
+            };
+            let scale = seq.keep * is_weight;
+            let loss = -mean_advantage * ratio * scale;
+            let d_x = -mean_advantage * ratio * scale / denom / batch;
+            let mut d_seq = vec![(0.0, false); t_len];
+            for (&i, t) in trained.iter().zip(&terms) {
+                d_seq[i - b * t_len] = (d_x * t.1, t.2);
+            }
+            for &i in &on {
+                let (mut outcome, d_logp, d_log_w) = self.row_with(i, &stats[i], ctx, self.log_ratio(i, &stats[i]));
+                let (d_policy, clipped) = d_seq[i - b * t_len];
+                outcome.loss += loss;
+                outcome.weighted_loss += loss / (batch * on.len() as f64);
+                outcome.clipped = clipped;
+                outcome.grad = self.gradient(i, &stats[i], ctx, d_logp + d_log_w + d_policy);
+                outcomes[i] = outcome;
             }
         }
         outcomes

@@ -7,6 +7,9 @@
 
 mod cross_entropy;
 mod grpo;
+
+pub use grpo::quantile;
+pub(crate) use grpo::{bound_ratio, ranked_entropy, trains, vespo_phi};
 mod simple;
 
 use crate::inputs::{BatchShard, Loss, Normalisers, Rows};
@@ -109,7 +112,7 @@ impl RowOutcome {
 
 /// A loss's objective, prepared for one batch (normalisers resolved).
 pub(crate) enum Objective<'a> {
-    Grpo(grpo::Grpo<'a>),
+    Grpo(Box<grpo::Grpo<'a>>),
     CrossEntropy(cross_entropy::CrossEntropy<'a>),
     Entropy(Normalisers),
     Logprob(f64),
@@ -125,7 +128,9 @@ impl<'a> Objective<'a> {
     ) -> Self {
         let norm = Normalisers::resolve(rows, active, options, shard);
         match loss {
-            Loss::Grpo(inputs) => Objective::Grpo(grpo::Grpo::new(*inputs, *rows, options, norm, active)),
+            Loss::Grpo(inputs) => {
+                Objective::Grpo(Box::new(grpo::Grpo::new(*inputs, *rows, options, norm, shard, active)))
+            }
             Loss::CrossEntropy => Objective::CrossEntropy(cross_entropy::CrossEntropy::new(options, rows.vocab, &norm)),
             Loss::Entropy => Objective::Entropy(norm),
             Loss::Logprob => Objective::Logprob(options.temperature),

@@ -111,6 +111,17 @@ pub fn torch_min<S: Real>(a: S, b: S) -> S {
     }
 }
 
+/// `torch.abs(x)`: gradient `sign(x)`, 0 at 0.
+pub fn torch_abs<S: Real>(x: S) -> S {
+    if x.value() > 0.0 {
+        x
+    } else if x.value() < 0.0 {
+        -x
+    } else {
+        S::constant(0.0)
+    }
+}
+
 /// `torch.clamp(x, lo, hi)`: the gradient passes where `lo <= x <= hi`.
 pub fn clamp<S: Real>(x: S, lo: Option<f64>, hi: Option<f64>) -> S {
     match (lo, hi) {

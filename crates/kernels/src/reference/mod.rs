@@ -15,12 +15,15 @@
 
 pub mod dual;
 
-use dual::{clamp, torch_min, Dual, Real};
+use dual::{clamp, torch_abs, torch_min, Dual, Real};
 
 use crate::engine::LossSpec;
 use crate::error::LossError;
-use crate::inputs::{validate, Loss, Normalisers, PolicyInputs};
-use crate::options::{ImportanceSamplingLevel, LossOptions, LossType, Reduction};
+use crate::inputs::{validate, IsRatio, Loss, Normalisers, PolicyInputs};
+use crate::objective::{ranked_entropy, trains};
+use crate::options::{
+    Aggregation, EntropyBonus, ImportanceSamplingLevel, KlEstimator, LossOptions, LossType, Reduction,
+};
 
 /// The reference's results, in f64. Per-token outputs are 0 on rows that take no part.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -103,7 +106,8 @@ pub fn evaluate(spec: LossSpec<'_>, logits: &[f64]) -> Result<ReferenceOutput, L
     };
     let derivatives: Option<Vec<RowDerivatives>> = match &spec.loss {
         Loss::Grpo(inputs) => {
-            let g = Grpo { inputs, options, rows: spec.rows, active: &active, norm };
+            let (entropy_threshold, bonus_rows) = Grpo::batch_quantities(options, spec.batch_shard, &active, &q, &norm);
+            let g = Grpo { inputs, options, rows: spec.rows, active: &active, norm, entropy_threshold, bonus_rows };
             let mut per_token = vec![0.0; n];
             let mut kl = vec![0.0; n];
             let mut clipped = vec![0.0; n];
@@ -212,16 +216,49 @@ struct SequenceResult<S> {
     clipped: Vec<bool>,
 }
 
-/// GRPO, one sequence at a time: a sequence's rows only interact through its own sums.
+/// GRPO, one sequence at a time: a sequence's rows only interact through its own sums and the
+/// batch's detached quantities (the entropy threshold, the bonus's row count).
 struct Grpo<'a> {
     inputs: &'a PolicyInputs<'a>,
     options: &'a LossOptions,
     rows: crate::inputs::Rows<'a>,
     active: &'a [bool],
     norm: Normalisers,
+    /// `top_entropy_quantile < 1`: `torch.quantile` of the batch's unmasked entropies.
+    entropy_threshold: Option<f64>,
+    /// The masked-mean entropy bonus's divisor.
+    bonus_rows: f64,
 }
 
 impl Grpo<'_> {
+    /// The batch's detached quantities, as TRL computes them.
+    fn batch_quantities(
+        options: &LossOptions,
+        shard: Option<crate::inputs::BatchShard>,
+        active: &[bool],
+        q: &[RowQ<f64>],
+        norm: &Normalisers,
+    ) -> (Option<f64>, f64) {
+        let threshold = (options.top_entropy_quantile < 1.0).then(|| {
+            shard.and_then(|s| s.entropy_threshold).unwrap_or_else(|| {
+                let mut h: Vec<f64> =
+                    (0..q.len()).filter(|&i| active[i]).map(|i| ranked_entropy(q[i].entropy)).collect();
+                h.sort_by(f64::total_cmp);
+                if h.is_empty() {
+                    f64::INFINITY
+                } else {
+                    crate::objective::quantile(&h, 1.0 - options.top_entropy_quantile)
+                }
+            })
+        });
+        let bonus_rows = match (threshold, shard.and_then(|s| s.global_bonus_rows)) {
+            (None, _) => norm.valid_rows,
+            (Some(_), Some(n)) => n,
+            (Some(thr), None) => (0..q.len()).filter(|&i| active[i] && trains(Some(thr), q[i].entropy)).count() as f64,
+        };
+        (threshold, bonus_rows.max(1.0))
+    }
+
     /// Sequence `b`'s contribution to the loss, TRL's `compute_loss` restricted to one sequence.
     fn sequence<S: Real>(&self, b: usize, q: &[RowQ<S>]) -> SequenceResult<S> {
         let c = S::constant;
@@ -230,6 +267,7 @@ impl Grpo<'_> {
         let on: Vec<usize> = (0..t_len).filter(|&t| self.active[idx(t)]).collect();
         let count = (on.len() as f64).max(1.0);
         let advantage = self.inputs.advantages[b] as f64;
+        let nan_to_zero = |x: f64| if x.is_nan() { 0.0 } else { x };
 
         let old = |t: usize| self.inputs.old_logp.map_or(q[t].logp.detach(), |old| c(old[idx(t)] as f64));
         let log_ratio = |t: usize| q[t].logp - old(t);
@@ -239,6 +277,43 @@ impl Grpo<'_> {
             ImportanceSamplingLevel::Sequence => seq_log_w,
         };
 
+        // Detached per-sequence quantities: rollout correction, off-policy mask, vespo's phi.
+        let sampling = |t: usize| self.inputs.sampling_logp.map(|s| s[idx(t)] as f64);
+        let rollout_diff = |t: usize| nan_to_zero(old(t).value() - sampling(t).unwrap_or(f64::NAN));
+        let correction = self.inputs.sampling_logp.is_some() && o.vllm_importance_sampling_correction;
+        let bound = |r: f64| crate::objective::bound_ratio(o, r);
+        let seq_rollout = bound(on.iter().map(|&t| rollout_diff(t)).sum::<f64>().exp());
+        let is_weight = |t: usize| -> f64 {
+            if let Some(is_ratio) = self.inputs.is_ratio {
+                is_ratio.at(idx(t), t_len) as f64
+            } else if correction && o.vllm_importance_sampling_mode.per_sequence() {
+                seq_rollout
+            } else if correction {
+                bound(rollout_diff(t).exp())
+            } else {
+                1.0
+            }
+        };
+        let keep = o.off_policy_mask_threshold.map_or(1.0, |threshold| {
+            let kl = |t: usize| nan_to_zero(sampling(t).unwrap_or(old(t).value()) - q[t].logp.value());
+            let mean = on.iter().map(|&t| kl(t)).sum::<f64>() / count;
+            if advantage >= 0.0 || mean <= threshold {
+                1.0
+            } else {
+                0.0
+            }
+        });
+        let phi = {
+            let log_is = |x: f64| x.ln().clamp(1e-8f64.ln(), 20.0);
+            let log_ratios: f64 = on.iter().map(|&t| log_ratio(t).value().clamp(-20.0, 20.0)).sum();
+            let log_is_ratios = match (self.inputs.is_ratio, correction) {
+                (Some(IsRatio::PerSequence(v)), _) => log_is(v[b] as f64),
+                (Some(IsRatio::PerToken(_)), _) | (None, true) => on.iter().map(|&t| log_is(is_weight(t))).sum(),
+                (None, false) => 0.0,
+            };
+            crate::objective::vespo_phi(o, log_ratios + log_is_ratios, advantage)
+        };
+
         let mut result = SequenceResult {
             total: c(0.0),
             per_token: vec![0.0; t_len],
@@ -246,6 +321,7 @@ impl Grpo<'_> {
             clipped: vec![false; t_len],
         };
         let mut sum = c(0.0);
+        let mut bonus = c(0.0);
         for &t in &on {
             let coef_1 = log_w(t).exp();
             let a = c(advantage);
@@ -257,22 +333,32 @@ impl Grpo<'_> {
                     let tau = if advantage > 0.0 { o.sapo_temperature_pos } else { o.sapo_temperature_neg };
                     -((c(tau) * (coef_1 - c(1.0))).sigmoid() * c(4.0 / tau)) * a
                 }
+                LossType::Vespo => -c(phi) * a * q[t].logp,
+                LossType::Gpg => -a * q[t].logp,
+                // The sequence's term is added after the tokens' loop.
+                LossType::GeoMean => c(0.0),
                 _ => {
                     let coef_2 = clamp(coef_1, Some(lo), Some(hi));
                     let coef_1 = clamp(coef_1, None, o.delta);
-                    -torch_min(coef_1 * a, coef_2 * a)
+                    let loss = -torch_min(coef_1 * a, coef_2 * a);
+                    match o.clip_ratio_c {
+                        Some(cc) if advantage < 0.0 => torch_min(loss, c(-advantage * cc)),
+                        _ => loss,
+                    }
                 }
             };
             result.clipped[t] = match o.loss_type {
                 LossType::Cispo => r > o.epsilon_high() && advantage > 0.0,
+                LossType::Vespo | LossType::Gpg | LossType::GeoMean => false,
                 _ => (r < lo && advantage < 0.0) || (r > hi && advantage > 0.0),
             };
-            if let Some(is_ratio) = self.inputs.is_ratio {
-                per_token = per_token * c(is_ratio.at(idx(t), t_len) as f64);
+            let trained = trains(self.entropy_threshold, q[t].entropy.value());
+            per_token = per_token * c(keep) * c(if trained { 1.0 } else { 0.0 });
+            if o.loss_type != LossType::Vespo {
+                per_token = per_token * c(is_weight(t));
             }
             if let Some(ref_logp) = self.inputs.ref_logp {
-                let diff = c(ref_logp[idx(t)] as f64) - q[t].logp;
-                let mut kl = diff.exp() - diff - c(1.0);
+                let mut kl = kl_estimator(o.kl_loss_type, q[t].logp, c(ref_logp[idx(t)] as f64));
                 if o.use_bias_correction_kl {
                     kl = kl * coef_1;
                 }
@@ -281,17 +367,71 @@ impl Grpo<'_> {
                     per_token = per_token + c(o.beta) * kl;
                 }
             }
-            per_token = per_token - c(o.entropy_coef) * q[t].entropy;
+            match o.entropy_bonus {
+                EntropyBonus::Token => per_token = per_token - c(o.entropy_coef) * q[t].entropy,
+                EntropyBonus::MaskedMean if trained => bonus = bonus + q[t].entropy,
+                EntropyBonus::MaskedMean => {}
+            }
             result.per_token[t] = per_token.value();
             sum = sum + per_token;
         }
+        if o.loss_type == LossType::GeoMean {
+            // verl's compute_policy_loss_geo_mean, over the tokens the policy term trains on.
+            let trained: Vec<usize> =
+                on.iter().copied().filter(|&t| trains(self.entropy_threshold, q[t].entropy.value())).collect();
+            let denom = trained.len() as f64 + 1e-8;
+            let sgn = c(if advantage > 0.0 {
+                1.0
+            } else if advantage < 0.0 {
+                -1.0
+            } else {
+                0.0
+            });
+            let mut sum_min = c(0.0);
+            for &t in &trained {
+                let l = log_ratio(t);
+                let l_clamp = clamp(l, Some(-o.epsilon_low), Some(o.epsilon_high()));
+                let (u, v) = (sgn * l, sgn * l_clamp);
+                result.clipped[t] = v.value() < u.value();
+                sum_min = sum_min + sgn * torch_min(u, v);
+            }
+            let ratio = (sum_min / c(denom)).exp();
+            let mean_advantage = c(advantage * trained.len() as f64 / denom);
+            let mut seq_loss = -mean_advantage * ratio * c(keep);
+            if self.inputs.is_ratio.is_some() || correction {
+                let log_w: f64 = trained.iter().map(|&t| (is_weight(t) + 1e-10).ln()).sum();
+                seq_loss = seq_loss * c((log_w / denom).exp());
+            }
+            for &t in &on {
+                result.per_token[t] += seq_loss.value();
+            }
+            result.total = seq_loss / c(self.norm.batch);
+        }
         let n = &self.norm;
-        result.total = match o.loss_type {
-            LossType::Grpo | LossType::Sapo => sum / c(count) / c(n.batch),
-            LossType::Bnpo => sum / c(n.valid_rows.max(1.0)),
-            LossType::DrGrpo => sum / c(n.batch * n.max_completion_length),
-            LossType::Dapo | LossType::Cispo => sum / c(n.num_items.max(1.0)),
+        let policy = match o.aggregation() {
+            Aggregation::SeqMeanTokenMean => sum / c(count) / c(n.batch),
+            Aggregation::TokenMean => sum / c(n.valid_rows.max(1.0)),
+            Aggregation::SeqMeanTokenSumNorm => sum / c(n.batch * n.max_completion_length),
+            Aggregation::NumItems => sum / c(n.num_items.max(1.0)),
+            Aggregation::SeqMeanTokenSum => sum / c(n.batch),
         };
+        result.total = result.total + policy - c(o.entropy_coef) * bonus / c(self.bonus_rows);
         result
+    }
+}
+
+/// The KL estimators, in verl's code shape (`kl_penalty_forward`), with `kl = ref - logp`.
+fn kl_estimator<S: Real>(estimator: KlEstimator, logp: S, ref_logp: S) -> S {
+    let c = S::constant;
+    match estimator {
+        KlEstimator::K3 => (ref_logp - logp).exp() - (ref_logp - logp) - c(1.0),
+        KlEstimator::LowVarKl => {
+            let kl = clamp(ref_logp - logp, Some(-20.0), Some(20.0));
+            let kld = kl.exp() - kl - c(1.0);
+            clamp(kld, Some(-10.0), Some(10.0))
+        }
+        KlEstimator::K1 => logp - ref_logp,
+        KlEstimator::K2 => c(0.5) * (logp - ref_logp) * (logp - ref_logp),
+        KlEstimator::Abs => torch_abs(logp - ref_logp),
     }
 }

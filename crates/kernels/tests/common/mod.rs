@@ -41,6 +41,8 @@ pub struct Case {
     pub with_old: bool,
     pub with_ref: bool,
     pub is_ratio: IsRatioKind,
+    /// GRPO: pass the sampler's log-probabilities (`sampling_logp`, near the true ones, a few NaN).
+    pub with_sampling: bool,
     /// Cross-entropy: the fraction of targets replaced by `ignore_index`.
     pub ignored: f64,
     pub logit_std: f64,
@@ -59,6 +61,7 @@ impl Case {
             with_old: true,
             with_ref: true,
             is_ratio: IsRatioKind::None,
+            with_sampling: false,
             ignored: 0.0,
             logit_std: 2.5,
         }
@@ -101,6 +104,13 @@ impl Case {
             IsRatioKind::PerToken => Some((0..n).map(|_| 0.5 + rng.uniform() as f32).collect()),
             IsRatioKind::PerSequence => Some((0..self.batch).map(|_| 0.5 + rng.uniform() as f32).collect()),
         };
+        let sampling_logp = self.with_sampling.then(|| {
+            batch
+                .old_logp
+                .iter()
+                .map(|&o| if rng.uniform() < 0.05 { f32::NAN } else { o + 0.2 * (rng.uniform() as f32 - 0.5) })
+                .collect()
+        });
         Data {
             logits: batch.logits,
             targets,
@@ -110,6 +120,7 @@ impl Case {
             ref_logp: self.with_ref.then_some(batch.ref_logp),
             is_ratio,
             is_ratio_kind: self.is_ratio,
+            sampling_logp,
             case: self.clone(),
         }
     }
@@ -125,6 +136,7 @@ pub struct Data {
     pub ref_logp: Option<Vec<f32>>,
     pub is_ratio: Option<Vec<f32>>,
     pub is_ratio_kind: IsRatioKind,
+    pub sampling_logp: Option<Vec<f32>>,
     pub case: Case,
 }
 
@@ -149,6 +161,7 @@ impl Data {
                     IsRatioKind::PerSequence => IsRatio::PerSequence(v),
                     _ => IsRatio::PerToken(v),
                 }),
+                sampling_logp: self.sampling_logp.as_deref(),
             }),
             Op::CrossEntropy => Loss::CrossEntropy,
             Op::Entropy => Loss::Entropy,

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
 
+use super::adaptive_entropy::AdaptiveEntropy;
 use crate::error::{io, Result, TrainError};
 use crate::model::{load_model, save_model, Qwen2};
 use crate::optim::Updater;
@@ -31,6 +32,9 @@ pub struct TrainerState {
     /// The data-parallel ranks that trained it (a resumed run must use as many).
     #[serde(default = "one")]
     pub world_size: usize,
+    /// `grpo.use_adaptive_entropy`: the coefficient and the last step's entropy.
+    #[serde(default)]
+    pub adaptive_entropy: Option<AdaptiveEntropy>,
 }
 
 fn one() -> usize {

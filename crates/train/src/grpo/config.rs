@@ -54,6 +54,22 @@ pub struct GrpoConfig {
     /// Save model, optimiser, RNG and step every this many steps to `out/checkpoint` (0: never).
     pub checkpoint_every: usize,
     pub optim: OptimConfig,
+    /// Hand the log-probabilities the sampler recorded to the loss as `sampling_logp` (TRL with
+    /// vLLM): rollout correction (`loss.vllm_importance_sampling_*`) and the off-policy mask then
+    /// compare against the sampler. Off: the update is on-policy as before.
+    pub sampling_logp: bool,
+    /// TRL's `mask_truncated_completions`: completions that reached `max_new_tokens` without an
+    /// end-of-sequence token take no part in the loss.
+    pub mask_truncated_completions: bool,
+    /// TRL's adaptive entropy coefficient: after each step, `loss.entropy_coef` moves by
+    /// `entropy_coef_delta` towards more bonus when the step's entropy is at or below
+    /// `entropy_target` and towards less otherwise (within `[entropy_coef_min, entropy_coef_max]`),
+    /// and the bonus applies only while the entropy is at or below the target.
+    pub use_adaptive_entropy: bool,
+    pub entropy_coef_min: f64,
+    pub entropy_coef_max: f64,
+    pub entropy_coef_delta: f64,
+    pub entropy_target: f64,
 }
 
 impl Default for GrpoConfig {
@@ -79,6 +95,13 @@ impl Default for GrpoConfig {
             eval_batch_size: 128,
             checkpoint_every: 50,
             optim: OptimConfig { lr: 1e-4, warmup_steps: 5, min_lr_ratio: 1.0, ..OptimConfig::default() },
+            sampling_logp: false,
+            mask_truncated_completions: false,
+            use_adaptive_entropy: false,
+            entropy_coef_min: 0.0,
+            entropy_coef_max: 1.0,
+            entropy_coef_delta: 0.005,
+            entropy_target: 0.2,
         }
     }
 }
@@ -128,6 +151,13 @@ impl GrpoConfig {
         }
         if !(self.eval_temperature >= 0.0 && self.eval_temperature.is_finite()) {
             return bad(format!("grpo.eval_temperature must be >= 0, got {}", self.eval_temperature));
+        }
+        let (lo, hi) = (self.entropy_coef_min, self.entropy_coef_max);
+        if !(lo.is_finite() && hi.is_finite() && lo <= hi && self.entropy_coef_delta >= 0.0) {
+            return bad(format!(
+                "grpo.entropy_coef_min ({lo}) <= grpo.entropy_coef_max ({hi}) and grpo.entropy_coef_delta ({}) >= 0 are required",
+                self.entropy_coef_delta
+            ));
         }
         if self.advantage_eps.is_nan() || self.advantage_eps < 0.0 {
             return bad(format!("grpo.advantage_eps must be >= 0, got {}", self.advantage_eps));

@@ -1,5 +1,6 @@
 //! GRPO: configuration, the update's micro-batch layout, checkpoints, and the training loop.
 
+pub mod adaptive_entropy;
 pub mod batch;
 pub mod checkpoint;
 pub mod config;

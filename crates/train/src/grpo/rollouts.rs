@@ -35,6 +35,12 @@ pub struct Groups {
     pub prompts: Vec<Vec<u32>>,
     pub completions: Vec<Vec<u32>>,
     pub advantages: Vec<f64>,
+    /// Per kept completion, what the sampler recorded: `log p` of each token and the sampling
+    /// distribution's entropy ([`crate::model::Generated`]), and whether it stopped at
+    /// `max_new_tokens` rather than at end-of-sequence.
+    pub sampling_logp: Vec<Vec<f32>>,
+    pub sampling_entropy: Vec<Vec<f32>>,
+    pub truncated: Vec<bool>,
     /// Every completion generated in the step by any rank, kept or not (the policy's own
     /// statistics): the three rewards, the weighted reward, the length.
     pub scores: Vec<[f64; 3]>,
@@ -51,6 +57,25 @@ pub struct Groups {
     pub generated_groups: usize,
     pub rollout_s: f64,
     pub reward_s: f64,
+}
+
+/// What the sampler recorded of one generation's completions.
+#[derive(Debug, Default)]
+struct Recorded {
+    logp: Vec<Vec<f32>>,
+    entropy: Vec<Vec<f32>>,
+    truncated: Vec<bool>,
+}
+
+impl Recorded {
+    fn append_to(&self, out: &mut Groups, rows: std::ops::Range<usize>) {
+        // Greedy generation records no log-probabilities.
+        if !self.logp.is_empty() {
+            out.sampling_logp.extend_from_slice(&self.logp[rows.clone()]);
+            out.sampling_entropy.extend_from_slice(&self.entropy[rows.clone()]);
+        }
+        out.truncated.extend_from_slice(&self.truncated[rows]);
+    }
 }
 
 /// Everything a rollout reads besides the model.
@@ -82,7 +107,7 @@ impl RolloutSetup<'_> {
         // Every rank's kept groups' rewards (global order), and which kept groups are this rank's:
         // advantages scaled over the batch (`scale_rewards: batch`) need the whole batch.
         let (mut kept_rewards, mut kept_here) = (Vec::new(), Vec::new());
-        let mut last_round = (Vec::new(), Vec::new(), Vec::new());
+        let mut last_round = (Vec::new(), Vec::new(), Vec::new(), Recorded::default());
         let rounds = if c.dynamic_sampling { c.max_rollout_rounds.max(1) } else { 1 };
         while out.rounds < rounds && out.kept_groups < target {
             out.rounds += 1;
@@ -94,6 +119,11 @@ impl RolloutSetup<'_> {
             let generated = rollout.generate_rows(model, &prompts, &c.sampling(), self.eos, &mut streams)?;
             // Every completion has a token: `max_new_tokens >= 1` (validated).
             let completions = generated.completions;
+            let recorded = Recorded {
+                logp: generated.logp,
+                entropy: generated.entropy,
+                truncated: generated.finished.iter().map(|f| !f).collect(),
+            };
             out.rollout_s += started.elapsed().as_secs_f64();
 
             let started = Instant::now();
@@ -120,16 +150,20 @@ impl RolloutSetup<'_> {
                 }
                 let local = (k - mine.start) * g..(k - mine.start + 1) * g;
                 out.prompts.extend_from_slice(&prompts[local.clone()]);
-                out.completions.extend_from_slice(&completions[local]);
+                out.completions.extend_from_slice(&completions[local.clone()]);
+                recorded.append_to(&mut out, local);
             }
             out.lengths.extend(self.gather_lengths(&completions)?);
             out.scores.extend_from_slice(&scores);
             out.rewards.extend_from_slice(&rewards);
             out.reward_s += started.elapsed().as_secs_f64();
-            last_round = (prompts, completions, rewards);
+            last_round = (prompts, completions, rewards, recorded);
         }
         if out.kept_groups == 0 {
-            (out.prompts, out.completions, kept_rewards) = last_round;
+            let recorded;
+            (out.prompts, out.completions, kept_rewards, recorded) = last_round;
+            let rows = 0..out.completions.len();
+            recorded.append_to(&mut out, rows);
             kept_here = (0..target).map(|k| mine.contains(&k)).collect();
             out.kept_groups = target;
         }

@@ -20,6 +20,7 @@ use flashgrpo_kernels::LossOptions;
 use serde_json::json;
 use tokenizers::Tokenizer;
 
+use super::adaptive_entropy::AdaptiveEntropy;
 use super::checkpoint::{checkpoint_dir, save_checkpoint, Resume, TrainerState};
 use super::config::GrpoConfig;
 use super::rollouts::{std_dev, RolloutSetup};
@@ -223,6 +224,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
                 eval_greedy_before: None,
                 recent_step_s: Vec::new(),
                 world_size: ranks,
+                adaptive_entropy: None,
             },
         ),
     };
@@ -262,6 +264,8 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         }
     }
     let mut rng = Rng::from_state(state.rng);
+    let mut adaptive =
+        config.use_adaptive_entropy.then(|| state.adaptive_entropy.unwrap_or_else(|| AdaptiveEntropy::start(&options)));
     let rollouts = RolloutSetup { config, train, tokenizer, eos, comm };
     let bar = progress_bar("grpo", config.steps, state.step, progress);
     let probe = metrics::heap_probe();
@@ -283,7 +287,17 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         // Micro-batches, and the log-probabilities the loss compares against.
         let logprob_started = Instant::now();
         let mut batch = UpdateBatch::new(&groups.prompts, &groups.completions, config.micro_batch_size, pad)?;
+        if config.mask_truncated_completions {
+            batch.mask_sequences(&groups.truncated);
+        }
         batch.share_normalisers(comm)?;
+        let recorded = !groups.sampling_logp.is_empty();
+        if options.top_entropy_quantile < 1.0 && recorded {
+            batch.share_entropy_threshold(&groups.sampling_entropy, options.top_entropy_quantile, comm)?;
+        }
+        let recorded_logp = recorded.then(|| batch.per_micro_batch(&groups.sampling_logp));
+        let sampling_logp = if config.sampling_logp { recorded_logp.clone() } else { None };
+        let step_options = adaptive.map_or_else(|| options.clone(), |a| a.options(&options, config));
         let valid_tokens = batch.valid_tokens();
         let old_logp =
             (config.ppo_epochs > 1).then(|| batch.logprobs(model, &mut engine.score, &options, loss)).transpose()?;
@@ -299,8 +313,8 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             (p.reset_peak)();
             (p.live)()
         });
-        let objective = Objective::Grpo { advantages: &groups.advantages, old_logp, ref_logp };
-        let inputs = UpdateInputs { batch: &batch, objective, options: &options, loss };
+        let objective = Objective::Grpo { advantages: &groups.advantages, old_logp, ref_logp, sampling_logp };
+        let inputs = UpdateInputs { batch: &batch, objective, options: &step_options, loss, recorded_logp };
         let (losses, sums, report) = update(model, &inputs, config.ppo_epochs, &mut updater, &mut engine, mesh)?;
         let update_s = update_started.elapsed().as_secs_f64();
         let step_peak = probe.map(|p| (p.peak)());
@@ -353,6 +367,14 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         }
         if let Some(c) = per_token(sums.have_clip, sums.clipped) {
             put("train/clip_ratio", json!(c));
+        }
+        if let Some(d) = sums.rollout_logp_max_abs_diff {
+            put("train/rollout_logp_max_abs_diff", json!(d));
+        }
+        if let Some(a) = adaptive.as_mut() {
+            put("train/entropy_coef", json!(a.coef));
+            a.observe(per_token(sums.have_entropy, sums.entropy), config);
+            state.adaptive_entropy = Some(*a);
         }
         put("train/completion_len_mean", json!(completion_len));
         put("train/grad_norm", json!(report.grad_norm));

@@ -61,7 +61,7 @@ impl UpdateBatch {
             })
             .collect::<Result<Vec<_>>>()?;
         let valid: usize = batches.iter().map(MicroBatch::valid).sum();
-        Ok(Self { batches, ranges, shard: BatchShard { global_batch: n, global_valid_rows: valid as f64 } })
+        Ok(Self { batches, ranges, shard: BatchShard::counts(n, valid as f64) })
     }
 
     /// Makes the normalisers those of the batch of every rank (each holding its share of the
@@ -70,7 +70,55 @@ impl UpdateBatch {
     pub fn share_normalisers(&mut self, comm: &dyn Collective) -> Result<()> {
         let mut counts = [self.shard.global_batch as f64, self.shard.global_valid_rows];
         comm.all_reduce_f64(&mut counts, ReduceOp::Sum)?;
-        self.shard = BatchShard { global_batch: counts[0] as usize, global_valid_rows: counts[1] };
+        (self.shard.global_batch, self.shard.global_valid_rows) = (counts[0] as usize, counts[1]);
+        Ok(())
+    }
+
+    /// TRL's `mask_truncated_completions`: the sequences marked in `drop` (one flag per sequence)
+    /// take no part in the loss or its normalisers. Call before [`UpdateBatch::share_normalisers`].
+    pub fn mask_sequences(&mut self, drop: &[bool]) {
+        for (mb, range) in self.batches.iter_mut().zip(&self.ranges) {
+            let c = mb.completion_len;
+            for (row, s) in range.clone().enumerate() {
+                if drop.get(s).copied().unwrap_or(false) {
+                    mb.mask[row * c..(row + 1) * c].fill(0.0);
+                }
+            }
+        }
+        self.shard.global_valid_rows = self.batches.iter().map(MicroBatch::valid).sum::<usize>() as f64;
+    }
+
+    /// `top_entropy_quantile < 1`: the entropy threshold over the whole batch of every rank, from
+    /// the entropies the sampler recorded (`entropy[s][j]`, the same weights as the update's first
+    /// epoch), and the number of tokens at or above it; the micro-batches then all mask by the one
+    /// threshold, and their losses still sum to the batch's. TRL takes the quantile per
+    /// micro-batch (over every rank) from the training forward's entropies.
+    pub fn share_entropy_threshold(
+        &mut self,
+        entropy: &[Vec<f32>],
+        quantile: f64,
+        comm: &dyn Collective,
+    ) -> Result<()> {
+        let mut local = Vec::new();
+        for (mb, range) in self.batches.iter().zip(&self.ranges) {
+            let c = mb.completion_len;
+            for (row, s) in range.clone().enumerate() {
+                let on = |j: usize| mb.mask[row * c + j] != 0.0;
+                local.extend(entropy[s].iter().take(c).enumerate().filter(|(j, _)| on(*j)).map(|(_, &h)| h as f64));
+            }
+        }
+        // Pad every rank's list to the longest with a value no entropy takes (TRL's sentinel).
+        const PAD: f64 = -1e9;
+        let mut longest = [local.len() as f64];
+        comm.all_reduce_f64(&mut longest, ReduceOp::Max)?;
+        local.resize(longest[0] as usize, PAD);
+        let mut all = vec![0.0; local.len() * comm.size()];
+        comm.all_gather_f64(&local, &mut all)?;
+        all.retain(|&h| h != PAD);
+        all.sort_by(f64::total_cmp);
+        let threshold = if all.is_empty() { f64::INFINITY } else { flashgrpo_kernels::quantile(&all, 1.0 - quantile) };
+        self.shard.entropy_threshold = Some(threshold);
+        self.shard.global_bonus_rows = Some(all.iter().filter(|&&h| h >= threshold).count() as f64);
         Ok(())
     }
 
@@ -121,6 +169,9 @@ pub struct TokenSums {
     pub have_entropy: bool,
     pub have_kl: bool,
     pub have_clip: bool,
+    /// The largest `|logp - sampling_logp|` over the completion tokens: the update's
+    /// log-probabilities against those the sampler recorded for the same tokens and weights.
+    pub rollout_logp_max_abs_diff: Option<f64>,
 }
 
 impl TokenSums {
@@ -144,11 +195,27 @@ impl TokenSums {
         *loss = v[0];
         (self.entropy, self.kl, self.clipped, self.tokens) = (v[1], v[2], v[3], v[4]);
         (self.have_entropy, self.have_kl, self.have_clip) = (v[5] > 0.0, v[6] > 0.0, v[7] > 0.0);
+        if let Some(d) = self.rollout_logp_max_abs_diff.as_mut() {
+            let mut m = [*d];
+            comm.all_reduce_f64(&mut m, ReduceOp::Max)?;
+            *d = m[0];
+        }
         Ok(())
     }
 
-    fn add(&mut self, out: Option<&LossOutput>, inputs: &LossInputs) {
+    fn add(&mut self, out: Option<&LossOutput>, inputs: &LossInputs, recorded: Option<&[f32]>) {
         let weight = |i: usize| inputs.mask.as_ref().map_or(1.0, |m| m[i] as f64);
+        if let (Some(logp), Some(recorded)) = (out.and_then(|o| o.logp.as_ref()), recorded) {
+            let worst = logp
+                .iter()
+                .zip(recorded)
+                .enumerate()
+                .filter(|&(i, (_, r))| weight(i) != 0.0 && !r.is_nan())
+                .map(|(_, (&l, &r))| (l as f64 - r as f64).abs())
+                .fold(0.0, f64::max);
+            let d = self.rollout_logp_max_abs_diff.get_or_insert(0.0);
+            *d = d.max(worst);
+        }
         let masked_sum = |v: &[f32]| -> f64 { v.iter().enumerate().map(|(i, x)| *x as f64 * weight(i)).sum() };
         if let Some(o) = out {
             self.entropy += masked_sum(&o.entropy);
@@ -176,6 +243,9 @@ pub enum Objective<'a> {
         old_logp: Option<Vec<Vec<f32>>>,
         /// Per micro-batch, `[S * C]`: the reference model's (`beta != 0`).
         ref_logp: Option<Vec<Vec<f32>>>,
+        /// Per micro-batch, `[S * C]`: the sampler's, handed to the loss as `sampling_logp`
+        /// (`grpo.sampling_logp`: rollout correction, the off-policy mask).
+        sampling_logp: Option<Vec<Vec<f32>>>,
     },
     /// Cross-entropy of the completion tokens (SFT).
     CrossEntropy,
@@ -187,6 +257,9 @@ pub struct UpdateInputs<'a> {
     pub objective: Objective<'a>,
     pub options: &'a LossOptions,
     pub loss: &'a LossConfig,
+    /// Per micro-batch, `[S * C]`: what the sampler recorded, compared with the update's own
+    /// log-probabilities (`train/rollout_logp_max_abs_diff`).
+    pub recorded_logp: Option<Vec<Vec<f32>>>,
 }
 
 impl UpdateInputs<'_> {
@@ -208,11 +281,12 @@ impl UpdateInputs<'_> {
     /// The loss of micro-batch `k`.
     fn kind(&self, k: usize) -> LossKind {
         match &self.objective {
-            Objective::Grpo { advantages, old_logp, ref_logp } => LossKind::Grpo {
+            Objective::Grpo { advantages, old_logp, ref_logp, sampling_logp } => LossKind::Grpo {
                 advantages: advantages[self.batch.ranges[k].clone()].iter().map(|&a| a as f32).collect(),
                 old_logp: old_logp.as_ref().map(|o| o[k].clone()),
                 ref_logp: ref_logp.as_ref().map(|r| r[k].clone()),
                 is_ratio: None,
+                sampling_logp: sampling_logp.as_ref().map(|s| s[k].clone()),
             },
             Objective::CrossEntropy => LossKind::CrossEntropy,
         }
@@ -256,7 +330,7 @@ fn accumulate(
         };
         record(value);
         total += value;
-        sums.add(out.as_ref(), &inputs);
+        sums.add(out.as_ref(), &inputs, u.recorded_logp.as_ref().map(|r| r[k].as_slice()));
         if vocab.rank() == 0 {
             let d_slots = scatter_rows(&slots, &d_rows, h, mb.packing.slots());
             let (ws, bufs) = (&mut engine.workspace, &mut engine.backward);

@@ -18,6 +18,12 @@ pub struct Generated {
     pub completions: Vec<Vec<u32>>,
     /// Whether each completion ended with end-of-sequence (rather than at `max_new_tokens`).
     pub finished: Vec<bool>,
+    /// Per completion token, `log p` of the drawn token under the sampling distribution
+    /// (`softmax(logits / temperature)` over the whole vocabulary, before top-k / top-p), by the
+    /// kernels' `logprob` op; empty when nothing records it (greedy decoding, this reference).
+    pub logp: Vec<Vec<f32>>,
+    /// The sampling distribution's entropy at each completion token, recorded with `logp`.
+    pub entropy: Vec<Vec<f32>>,
 }
 
 /// Generates a completion for each prompt (token ids), in one batch.
@@ -90,5 +96,5 @@ pub fn generate(
         let input = Tensor::from_vec(step, (b, 1), &Device::Cpu)?;
         hidden = model.forward(&input, Some(step_mask), positions, Some(&mut cache), false)?;
     }
-    Ok(Generated { completions, finished })
+    Ok(Generated { completions, finished, logp: Vec::new(), entropy: Vec::new() })
 }

@@ -18,6 +18,7 @@ pub mod sampler;
 
 use flashgrpo_kernels::matmul::{matmul_nt, Mat, MatMut};
 use flashgrpo_kernels::synthetic::Rng;
+use flashgrpo_kernels::{Loss, LossOptions, LossSpec, Rows};
 
 use crate::engine::{forward, on_workers, Input, KvCache, Packing, Pass, Query, Weights, Workspace};
 use crate::error::{Result, TrainError};
@@ -32,6 +33,8 @@ pub struct Rollout {
     cache: KvCache,
     sampler: Sampler,
     logits: Vec<f32>,
+    /// The first step's logits rows, one per completion (equal prompts share a prefill row).
+    gathered: Vec<f32>,
     /// The decode step's rows: tokens, positions, cache slots, keys.
     tokens: Vec<u32>,
     positions: Vec<u32>,
@@ -93,8 +96,10 @@ impl Rollout {
         let rows = prompts.len();
         let mut completions = vec![Vec::new(); rows];
         let mut finished = vec![false; rows];
+        let records = !s.greedy();
+        let (mut logp, mut entropy) = (vec![Vec::new(); rows], vec![Vec::new(); rows]);
         if rows == 0 || s.max_new_tokens == 0 {
-            return Ok(Generated { completions, finished });
+            return Ok(Generated { completions, finished, logp, entropy });
         }
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         if longest + s.max_new_tokens > model.max_positions() {
@@ -142,6 +147,13 @@ impl Rollout {
             uniforms.clear();
             uniforms.extend(active.iter().map(|&r| streams.uniform(r, s)));
             self.sampler.draw(s, &self.logits, vocab, &logit_rows, &uniforms, &mut drawn[..active.len()]);
+            if records {
+                let (lp, h) = self.scores(s, vocab, &logit_rows, &drawn[..active.len()])?;
+                for (k, &r) in active.iter().enumerate() {
+                    logp[r].push(lp[k]);
+                    entropy[r].push(h[k]);
+                }
+            }
             for (&r, &token) in active.iter().zip(&drawn) {
                 completions[r].push(token);
                 finished[r] = eos.contains(&token);
@@ -168,7 +180,38 @@ impl Rollout {
             logit_rows.clear();
             logit_rows.extend(0..active.len());
         }
-        Ok(Generated { completions, finished })
+        Ok(Generated { completions, finished, logp, entropy })
+    }
+
+    /// `log p` of each drawn token and the entropy of its row under `softmax(logits / T)`, by the
+    /// same kernel (the `logprob` op) the update's loss uses, so the two differ only where the
+    /// logits do.
+    fn scores(
+        &mut self,
+        s: &Sampling,
+        vocab: usize,
+        logit_rows: &[usize],
+        drawn: &[u32],
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let n = drawn.len();
+        let contiguous = logit_rows.iter().enumerate().all(|(k, &r)| k == r);
+        if !contiguous {
+            self.gathered.clear();
+            for &r in logit_rows {
+                self.gathered.extend_from_slice(&self.logits[r * vocab..(r + 1) * vocab]);
+            }
+        }
+        let logits = if contiguous { &self.logits[..n * vocab] } else { &self.gathered[..] };
+        let targets: Vec<i64> = drawn.iter().map(|&t| t as i64).collect();
+        let options = LossOptions { temperature: s.temperature, ..LossOptions::default() };
+        let spec = LossSpec {
+            loss: Loss::Logprob,
+            rows: Rows { batch: 1, seq_len: n, vocab, targets: Some(&targets), mask: None },
+            options: &options,
+            batch_shard: None,
+        };
+        let out = flashgrpo_kernels::forward(spec, logits)?;
+        Ok((out.logp.unwrap_or_default(), out.entropy))
     }
 }
 

@@ -31,7 +31,7 @@ impl Default for Sampling {
 }
 
 impl Sampling {
-    fn greedy(&self) -> bool {
+    pub(crate) fn greedy(&self) -> bool {
         self.temperature <= 0.0
     }
 
