@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use flashgrpo_candle::{loss_from_hidden, loss_from_logits, LossInputs, LossKind};
 use flashgrpo_kernels::linear::reference as linear_reference;
 use flashgrpo_kernels::synthetic::{normal_matrix, SyntheticSpec};
-use flashgrpo_kernels::{reference, ChunkBudget, Loss, LossOptions, LossSpec, PolicyInputs, Rows};
+use flashgrpo_kernels::{reference, ChunkBudget, Loss, LossOptions, LossSpec, PolicyInputs, RolloutCorrection, Rows};
 
 const B: usize = 2;
 const T: usize = 5;
@@ -25,12 +25,21 @@ fn inputs(kind_grpo: bool) -> (Arc<LossInputs>, flashgrpo_kernels::synthetic::Sy
             old_logp: Some(data.old_logp.clone()),
             ref_logp: Some(data.ref_logp.clone()),
             is_ratio: None,
-            sampling_logp: None,
+            // The sampler's log-probabilities, for a token-level rollout correction.
+            sampling_logp: Some(data.old_logp.iter().map(|x| x + 0.05).collect()),
         }
     } else {
         LossKind::CrossEntropy
     };
-    let options = LossOptions { beta: 0.04, label_smoothing: 0.1, ..Default::default() };
+    // GRPO with two of LOSSES.md's additions: a whole-batch one (the entropy quantile) and the
+    // rollout correction from `sampling_logp`.
+    let options = LossOptions {
+        beta: 0.04,
+        label_smoothing: 0.1,
+        top_entropy_quantile: 0.5,
+        vllm_importance_sampling_mode: RolloutCorrection::TokenTruncate,
+        ..Default::default()
+    };
     let inputs = LossInputs {
         kind,
         batch: B,
@@ -46,12 +55,12 @@ fn inputs(kind_grpo: bool) -> (Arc<LossInputs>, flashgrpo_kernels::synthetic::Sy
 
 fn spec<'a>(i: &'a LossInputs, data: &'a flashgrpo_kernels::synthetic::SyntheticBatch) -> LossSpec<'a> {
     let loss = match &i.kind {
-        LossKind::Grpo { .. } => Loss::Grpo(PolicyInputs {
+        LossKind::Grpo { sampling_logp, .. } => Loss::Grpo(PolicyInputs {
             advantages: &data.advantages,
             old_logp: Some(&data.old_logp),
             ref_logp: Some(&data.ref_logp),
             is_ratio: None,
-            sampling_logp: None,
+            sampling_logp: sampling_logp.as_deref(),
         }),
         _ => Loss::CrossEntropy,
     };

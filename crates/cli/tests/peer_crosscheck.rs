@@ -72,6 +72,11 @@ fn grpo_losses_match_trl_1_16_loss_code() {
 }
 
 #[test]
+fn grpo_losses_match_verl_formulas() {
+    run_script("tests/peers/verl_losses.py", &["--bin", env!("CARGO_BIN_EXE_flashgrpo")]);
+}
+
+#[test]
 fn flashgrpo_forward_matches_hugging_face_transformers() {
     run_script("tests/peers/hf_forward.py", &["--bin", env!("CARGO_BIN_EXE_flashgrpo")]);
 }

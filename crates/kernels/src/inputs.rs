@@ -118,12 +118,22 @@ pub struct BatchShard {
     /// With `entropy_bonus: masked_mean`: the number of rows the bonus averages over in the whole
     /// batch (unmasked rows at or above the entropy threshold); `None` counts this shard's rows.
     pub global_bonus_rows: Option<f64>,
+    /// Sequences with at least one unmasked row in the whole batch (verl's `seq-mean-*`
+    /// reductions average over them); `None` takes `global_batch`, right when no sequence is
+    /// empty.
+    pub global_sequences_with_tokens: Option<f64>,
 }
 
 impl BatchShard {
     /// A shard with the batch's sequence and row counts and nothing else global.
     pub fn counts(global_batch: usize, global_valid_rows: f64) -> Self {
-        Self { global_batch, global_valid_rows, entropy_threshold: None, global_bonus_rows: None }
+        Self {
+            global_batch,
+            global_valid_rows,
+            entropy_threshold: None,
+            global_bonus_rows: None,
+            global_sequences_with_tokens: None,
+        }
     }
 }
 
@@ -132,19 +142,31 @@ impl BatchShard {
 pub(crate) struct Normalisers {
     pub batch: f64,
     pub valid_rows: f64,
+    /// Sequences with at least one unmasked row.
+    pub sequences_with_tokens: f64,
     pub num_items: f64,
     pub max_completion_length: f64,
 }
 
 impl Normalisers {
     pub fn resolve(rows: &Rows, active: &[bool], options: &LossOptions, shard: Option<BatchShard>) -> Self {
-        let (batch, valid_rows) = match shard {
-            Some(s) => (s.global_batch as f64, s.global_valid_rows),
-            None => (rows.batch as f64, active.iter().filter(|&&a| a).count() as f64),
+        let t = rows.seq_len.max(1);
+        let (batch, valid_rows, sequences_with_tokens) = match shard {
+            Some(s) => (
+                s.global_batch as f64,
+                s.global_valid_rows,
+                s.global_sequences_with_tokens.unwrap_or(s.global_batch as f64),
+            ),
+            None => (
+                rows.batch as f64,
+                active.iter().filter(|&&a| a).count() as f64,
+                active.chunks(t).filter(|seq| seq.iter().any(|&a| a)).count() as f64,
+            ),
         };
         Self {
             batch,
             valid_rows,
+            sequences_with_tokens,
             num_items: options.num_items.unwrap_or(valid_rows),
             max_completion_length: options.max_completion_length.unwrap_or(rows.seq_len) as f64,
         }

@@ -38,51 +38,71 @@ pub enum LossType {
     /// per sequence, averaged over sequences.
     #[serde(alias = "gmpo")]
     GeoMean,
+    /// verl's `kl_cov`: `-A * r`, plus `ppo_kl_coef * |log r|` on the `kl_cov_ratio` share of the
+    /// batch's tokens with the largest covariance between advantage and `logp`; no clip.
+    KlCov,
+    /// verl's `clip_cov`: the PPO surrogate, with the gradient of a random `clip_cov_ratio` share
+    /// of the tokens whose covariance lies in `(clip_cov_lb, clip_cov_ub)` cut.
+    ClipCov,
 }
 
 impl LossType {
     /// Every accepted name, for error messages.
-    pub const NAMES: &'static [&'static str] =
-        &["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "gpg", "geo_mean"];
+    pub const NAMES: &'static [&'static str] = &[
+        "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "gpg", "geo_mean", "kl_cov", "clip_cov",
+    ];
 
     /// The PPO family shares the clipped surrogate `-min(r*A, clip(r)*A)`.
     pub fn is_ppo_family(self) -> bool {
-        matches!(self, Self::Grpo | Self::Bnpo | Self::DrGrpo | Self::Dapo | Self::Luspo)
+        matches!(self, Self::Grpo | Self::Bnpo | Self::DrGrpo | Self::Dapo | Self::Luspo | Self::ClipCov)
     }
 
     /// The reduction each loss type uses unless `loss_agg_mode` overrides it.
     pub fn default_aggregation(self) -> Aggregation {
         match self {
-            Self::Grpo | Self::Sapo | Self::GeoMean => Aggregation::SeqMeanTokenMean,
-            Self::Bnpo | Self::Gpg => Aggregation::TokenMean,
-            Self::DrGrpo => Aggregation::SeqMeanTokenSumNorm,
+            Self::Grpo | Self::Sapo | Self::GeoMean => Aggregation::SequenceMean,
+            Self::Bnpo | Self::Gpg | Self::KlCov | Self::ClipCov => Aggregation::TokenMean,
+            Self::DrGrpo => Aggregation::BatchTimesLength,
             Self::Dapo | Self::Cispo | Self::Vespo => Aggregation::NumItems,
-            Self::Luspo => Aggregation::SeqMeanTokenSum,
+            Self::Luspo => Aggregation::SequenceSum,
         }
     }
 }
 
-/// How per-token losses are reduced to one number (verl's `loss_agg_mode`, plus TRL's `num_items`
-/// normaliser). Every mode divides by a whole-batch count, so micro-batches and ranks that use the
-/// global normalisers sum to the one-batch loss.
+/// How per-token losses are reduced to one number: verl's `loss_agg_mode` values (what the option
+/// accepts), TRL's `num_items` normaliser, and the reductions of TRL's loss types, which differ from
+/// verl's in how they count sequences (TRL's `.mean()` counts every sequence, empty ones too; verl
+/// excludes sequences without a token). Every mode divides by whole-batch counts, so
+/// micro-batches and ranks that pass the global normalisers sum to the one-batch loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Aggregation {
-    /// Sum over all unmasked tokens / their number (`bnpo`).
+    /// verl, and TRL's `bnpo`: sum over the unmasked tokens / their number.
     #[serde(rename = "token-mean")]
     TokenMean,
-    /// Mean over sequences of each sequence's token sum (`luspo`).
+    /// verl: the token sums of the sequences that have tokens, averaged over those sequences.
     #[serde(rename = "seq-mean-token-sum")]
     SeqMeanTokenSum,
-    /// Mean over sequences of each sequence's token mean (`grpo`).
+    /// verl: each sequence's token sum / (its tokens + 1e-8), averaged over the sequences that
+    /// have tokens.
     #[serde(rename = "seq-mean-token-mean")]
     SeqMeanTokenMean,
-    /// Sum over all tokens / (B * `max_completion_length`) (`dr_grpo`; verl's `loss_scale_factor`).
+    /// verl: the sum over all tokens / `loss_scale_factor` (here `max_completion_length`, default
+    /// the batch's `T`); no division by the number of sequences.
     #[serde(rename = "seq-mean-token-sum-norm")]
     SeqMeanTokenSumNorm,
-    /// Sum over all tokens / `num_items` (default: the unmasked tokens) (`dapo`, TRL's
-    /// `num_items_in_batch`); not a verl mode.
+    /// TRL's `dapo` / `cispo` / `vespo`: the sum over all tokens / `max(1, num_items)` (default
+    /// the unmasked tokens).
     #[serde(rename = "num-items")]
     NumItems,
+    /// TRL's `grpo` / `sapo`: each sequence's token sum / max(1, its tokens), averaged over all `B`.
+    #[serde(skip)]
+    SequenceMean,
+    /// TRL's `luspo`: each sequence's token sum, averaged over all `B`.
+    #[serde(skip)]
+    SequenceSum,
+    /// TRL's `dr_grpo`: the sum over all tokens / (`B` * `max_completion_length`).
+    #[serde(skip)]
+    BatchTimesLength,
 }
 
 /// Rollout correction (TRL's `vllm_importance_sampling_mode`): how the ratio between the training
@@ -218,6 +238,15 @@ pub struct LossOptions {
     /// Dual-clip PPO (verl's `clip_ratio_c`): for `A < 0` the surrogate is at most `-c * A`.
     pub clip_ratio_c: Option<f64>,
     pub kl_loss_type: KlEstimator,
+    /// `kl_cov`: the share of tokens penalised, and the penalty's weight.
+    pub kl_cov_ratio: f64,
+    pub ppo_kl_coef: f64,
+    /// `clip_cov`: the share of tokens whose gradient is cut, the covariance window they are drawn
+    /// from, and the seed of the draw (verl draws with torch's global generator).
+    pub clip_cov_ratio: f64,
+    pub clip_cov_lb: f64,
+    pub clip_cov_ub: f64,
+    pub clip_cov_seed: u64,
     pub entropy_bonus: EntropyBonus,
 }
 
@@ -254,6 +283,12 @@ impl Default for LossOptions {
             vllm_importance_sampling_clip_max: Some(3.0),
             clip_ratio_c: None,
             kl_loss_type: KlEstimator::K3,
+            kl_cov_ratio: 0.0002,
+            ppo_kl_coef: 0.1,
+            clip_cov_ratio: 0.0002,
+            clip_cov_lb: 1.0,
+            clip_cov_ub: 5.0,
+            clip_cov_seed: 0,
             entropy_bonus: EntropyBonus::Token,
         }
     }
@@ -292,6 +327,12 @@ impl LossOptions {
         "vllm_importance_sampling_clip_max",
         "clip_ratio_c",
         "kl_loss_type",
+        "kl_cov_ratio",
+        "ppo_kl_coef",
+        "clip_cov_ratio",
+        "clip_cov_lb",
+        "clip_cov_ub",
+        "clip_cov_seed",
         "entropy_bonus",
     ];
 
@@ -370,6 +411,12 @@ impl LossOptions {
             if lo > hi {
                 return Err(bad("vllm_importance_sampling_clip_min", lo, "<= vllm_importance_sampling_clip_max"));
             }
+        }
+        positive("kl_cov_ratio", self.kl_cov_ratio)?;
+        positive("clip_cov_ratio", self.clip_cov_ratio)?;
+        non_negative("ppo_kl_coef", self.ppo_kl_coef)?;
+        if !(self.clip_cov_lb.is_finite() && self.clip_cov_ub.is_finite() && self.clip_cov_lb < self.clip_cov_ub) {
+            return Err(bad("clip_cov_lb", self.clip_cov_lb, "finite and < clip_cov_ub"));
         }
         if let Some(c) = self.clip_ratio_c {
             if !(c.is_finite() && c > 1.0) {

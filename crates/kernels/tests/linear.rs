@@ -7,8 +7,9 @@ mod common;
 use common::{linear_for, Case, Data, Linear, Op};
 use flashgrpo_kernels::linear::reference;
 use flashgrpo_kernels::{
-    combine_shards, linear_forward, linear_forward_backward, ChunkBudget, Element, ImportanceSamplingLevel,
-    LinearGradients, LinearInputs, LossOutput, LossType, PreparedLinearLoss, Reduction,
+    combine_shards, linear_forward, linear_forward_backward, Aggregation, ChunkBudget, Element, EntropyBonus,
+    ImportanceSamplingLevel, KlEstimator, LinearGradients, LinearInputs, LossOutput, LossType, PreparedLinearLoss,
+    Reduction, RolloutCorrection,
 };
 use half::bf16;
 
@@ -120,6 +121,28 @@ fn every_op_and_option_matches_the_reference() {
         Case::new(Op::Entropy, 2, 4, 40),
     ];
     cases[5].ignored = 0.2;
+    // LOSSES.md's additions: one row-local (luspo with a token-level correction) and the
+    // whole-batch ones (vespo, geo_mean, kl_cov, the entropy quantile, the off-policy mask).
+    let sampled = |c: Case| Case { with_sampling: true, ..c };
+    cases.extend([
+        sampled(grpo(LossType::Luspo, ImportanceSamplingLevel::Token).with(|o| {
+            o.vllm_importance_sampling_mode = RolloutCorrection::TokenMask;
+            o.vllm_importance_sampling_clip_max = Some(1.05);
+        })),
+        sampled(grpo(LossType::Vespo, ImportanceSamplingLevel::Token).with(|o| {
+            o.vllm_importance_sampling_mode = RolloutCorrection::TokenTruncate;
+            o.top_entropy_quantile = 0.4;
+            o.entropy_bonus = EntropyBonus::MaskedMean;
+        })),
+        sampled(
+            grpo(LossType::GeoMean, ImportanceSamplingLevel::Token).with(|o| o.off_policy_mask_threshold = Some(0.0)),
+        ),
+        grpo(LossType::KlCov, ImportanceSamplingLevel::Token).with(|o| {
+            o.kl_cov_ratio = 0.2;
+            o.loss_agg_mode = Some(Aggregation::SeqMeanTokenMean);
+            o.kl_loss_type = KlEstimator::LowVarKl;
+        }),
+    ]);
     for case in cases {
         let data = case.data();
         for (h, bias) in [(8, false), (13, true), (1, true)] {

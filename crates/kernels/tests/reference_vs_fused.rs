@@ -184,6 +184,27 @@ fn newer_options() -> Vec<(&'static str, Case)> {
         cases.push(("loss_agg_mode", base(3, 6, 29).with(|o| o.loss_agg_mode = Some(mode))));
     }
     cases.push(("dual clip", base(4, 8, 29).with(|o| o.clip_ratio_c = Some(1.1))));
+    for level in [ImportanceSamplingLevel::Token, ImportanceSamplingLevel::Sequence] {
+        cases.push((
+            "kl_cov",
+            base(4, 8, 29).with(|o| {
+                o.loss_type = LossType::KlCov;
+                o.kl_cov_ratio = 0.1;
+                o.ppo_kl_coef = 0.5;
+                o.importance_sampling_level = level;
+            }),
+        ));
+        cases.push((
+            "clip_cov",
+            base(4, 8, 29).with(|o| {
+                o.loss_type = LossType::ClipCov;
+                o.clip_cov_ratio = 0.2;
+                o.clip_cov_lb = -1.0;
+                o.clip_cov_ub = 1.0;
+                o.importance_sampling_level = level;
+            }),
+        ));
+    }
     for kl in [KlEstimator::LowVarKl, KlEstimator::K1, KlEstimator::K2, KlEstimator::Abs] {
         for bias in [false, true] {
             cases.push((

@@ -109,7 +109,12 @@ fn batch_shards_sum_to_unsharded() {
             o.beta = 0.04;
         }));
     }
-    for mode in [Aggregation::TokenMean, Aggregation::SeqMeanTokenSum, Aggregation::SeqMeanTokenSumNorm] {
+    for mode in [
+        Aggregation::TokenMean,
+        Aggregation::SeqMeanTokenSum,
+        Aggregation::SeqMeanTokenMean,
+        Aggregation::SeqMeanTokenSumNorm,
+    ] {
         cases.push(Case::new(Op::Grpo, 6, 5, 23).with(|o| o.loss_agg_mode = Some(mode)));
     }
     // Whole-batch quantities: the entropy threshold and the bonus's row count come with the shard.
@@ -133,6 +138,8 @@ fn batch_shards_sum_to_unsharded() {
         let prepared = PreparedLoss::new(data.spec()).unwrap();
         let active = prepared.active_rows();
         let mut global = BatchShard::counts(case.batch, active.iter().filter(|&&a| a).count() as f64);
+        global.global_sequences_with_tokens =
+            Some(active.chunks(t).filter(|seq| seq.iter().any(|&a| a)).count() as f64);
         if case.options.top_entropy_quantile < 1.0 {
             let mut h: Vec<f64> = full.entropy.iter().zip(active).filter(|(_, &a)| a).map(|(&h, _)| h as f64).collect();
             h.sort_by(f64::total_cmp);

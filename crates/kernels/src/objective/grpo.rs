@@ -56,10 +56,19 @@ struct BatchContext {
     /// `entropy_bonus: masked_mean`: the number of rows the bonus averages over (at least 1).
     bonus_rows: f64,
     sequences: Vec<SequenceContext>,
+    /// `kl_cov` / `clip_cov`: the rows the covariance selection picked.
+    selected: Vec<bool>,
 }
 
 /// The policy term of one token: `(loss, d/dlogp, d/dlog_w, is_clipped)`.
-fn policy_term(options: &LossOptions, logp: f64, log_w: f64, advantage: f64, phi: f64) -> (f64, f64, f64, bool) {
+fn policy_term(
+    options: &LossOptions,
+    logp: f64,
+    log_w: f64,
+    advantage: f64,
+    phi: f64,
+    selected: bool,
+) -> (f64, f64, f64, bool) {
     let r = log_w.exp();
     let (lo, hi) = (1.0 - options.epsilon_low, 1.0 + options.epsilon_high());
     let ppo_clipped = (r < lo && advantage < 0.0) || (r > hi && advantage > 0.0);
@@ -79,10 +88,26 @@ fn policy_term(options: &LossOptions, logp: f64, log_w: f64, advantage: f64, phi
         // -stop_grad(phi(w)) * A * logp
         LossType::Vespo => (-phi * advantage * logp, -phi * advantage, 0.0, false),
         LossType::Gpg => (-advantage * logp, -advantage, 0.0, false),
+        // -A r (no clip), + ppo_kl_coef |log r| on the selected rows (torch.abs: gradient sign, 0 at 0).
+        LossType::KlCov => {
+            let (mut loss, mut d_log_w) = (-advantage * r, -advantage * r);
+            if selected {
+                loss += options.ppo_kl_coef * log_w.abs();
+                d_log_w += options.ppo_kl_coef
+                    * if log_w > 0.0 {
+                        1.0
+                    } else if log_w < 0.0 {
+                        -1.0
+                    } else {
+                        0.0
+                    };
+            }
+            (loss, 0.0, d_log_w, selected)
+        }
         // The sequence's geometric-mean term is added by `Grpo::geo_mean`; per token only the KL
         // and the entropy bonus remain.
         LossType::GeoMean => (0.0, 0.0, 0.0, false),
-        LossType::Grpo | LossType::Bnpo | LossType::DrGrpo | LossType::Dapo | LossType::Luspo => {
+        LossType::Grpo | LossType::Bnpo | LossType::DrGrpo | LossType::Dapo | LossType::Luspo | LossType::ClipCov => {
             // -min(r1*A, clip(r)*A) with r1 = min(r, delta). Each branch passes d/dlog_w = r*A
             // where its clamp is not active (closed interval, as torch.clamp); the smaller branch
             // wins, and a tie splits the gradient evenly (torch.min). The clipped branch can carry
@@ -95,13 +120,20 @@ fn policy_term(options: &LossOptions, logp: f64, log_w: f64, advantage: f64, phi
             let d_clipped = through(lo <= r && r <= hi);
             let d_log_w = tie_split(unclipped, clipped, d_unclipped, d_clipped);
             let loss = -unclipped.min(clipped);
-            match options.clip_ratio_c {
+            let (loss, d_log_w) = match options.clip_ratio_c {
                 // verl's dual clip: for A < 0, min(-A*c, loss), torch.min's gradient.
                 Some(c) if advantage < 0.0 => {
                     let bound = -advantage * c;
-                    (loss.min(bound), 0.0, tie_split(loss, bound, d_log_w, 0.0), ppo_clipped)
+                    (loss.min(bound), tie_split(loss, bound, d_log_w, 0.0))
                 }
-                _ => (loss, 0.0, d_log_w, ppo_clipped),
+                _ => (loss, d_log_w),
+            };
+            // clip_cov: the selected rows' term is multiplied by 0.
+            if options.loss_type == LossType::ClipCov {
+                let keep = if selected { 0.0 } else { 1.0 };
+                (loss * keep, 0.0, d_log_w * keep, selected)
+            } else {
+                (loss, 0.0, d_log_w, ppo_clipped)
             }
         }
     }
@@ -189,6 +221,59 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     }
 }
 
+/// verl's `kl_cov` / `clip_cov` token selection, from the detached `logp` and log-ratios of every
+/// row: the covariance `(A_i - mean A)(logp_i - mean logp)` over the unmasked rows; `kl_cov` takes
+/// the `max(1, floor(kl_cov_ratio * n))` largest (ties: the lower row), `clip_cov` draws
+/// `min(max(1, floor(clip_cov_ratio * n)), candidates)` at random (a permutation seeded by
+/// `clip_cov_seed`) among the rows with `clip_cov_lb < cov < clip_cov_ub` that the PPO clip does
+/// not already clip.
+pub(crate) fn covariance_selection(
+    options: &LossOptions,
+    seq_len: usize,
+    active: &[bool],
+    advantages: &[f32],
+    logp: &[f64],
+    log_w: &[f64],
+) -> Vec<bool> {
+    let mut selected = vec![false; active.len()];
+    let valid: Vec<usize> = (0..active.len()).filter(|&i| active[i]).collect();
+    if valid.is_empty() {
+        return selected;
+    }
+    let n = valid.len() as f64;
+    let adv = |i: usize| advantages[i / seq_len] as f64;
+    let mean_a = ordered_sum(valid.iter().map(|&i| adv(i))) / n;
+    let mean_l = ordered_sum(valid.iter().map(|&i| logp[i])) / n;
+    let cov = |i: usize| (adv(i) - mean_a) * (logp[i] - mean_l);
+    if options.loss_type == LossType::KlCov {
+        let k = ((n * options.kl_cov_ratio) as usize).max(1);
+        let mut order = valid.clone();
+        order.sort_by(|&a, &b| cov(b).total_cmp(&cov(a)).then(a.cmp(&b)));
+        for &i in order.iter().take(k) {
+            selected[i] = true;
+        }
+        return selected;
+    }
+    let (lo, hi) = (1.0 - options.epsilon_low, 1.0 + options.epsilon_high());
+    let clipped_by_ppo = |i: usize| {
+        let (a, r) = (adv(i), log_w[i].exp());
+        -a * r.clamp(lo, hi) > -a * r
+    };
+    let mut candidates: Vec<usize> = valid
+        .iter()
+        .copied()
+        .filter(|&i| !clipped_by_ppo(i) && options.clip_cov_lb < cov(i) && cov(i) < options.clip_cov_ub)
+        .collect();
+    let k = ((n * options.clip_cov_ratio) as usize).max(1).min(candidates.len());
+    let mut rng = crate::synthetic::Rng::new(options.clip_cov_seed);
+    for j in 0..k {
+        let pick = j + rng.below(candidates.len() - j);
+        candidates.swap(j, pick);
+        selected[candidates[j]] = true;
+    }
+    selected
+}
+
 /// vespo's gamma weight `phi(w) = exp(lambda + k log w - lambda w)` from the sequence's summed
 /// log-ratio (TRL's `get_gamma_weights`, in log space, non-finite -> 0).
 pub(crate) fn vespo_phi(options: &LossOptions, seq_log_ratio: f64, advantage: f64) -> f64 {
@@ -252,7 +337,7 @@ impl<'a> Grpo<'a> {
         let rollout_known =
             self.rollout_correction().is_none_or(|mode| !mode.per_sequence()) || self.inputs.old_logp.is_some();
         o.importance_sampling_level == ImportanceSamplingLevel::Token
-            && !matches!(o.loss_type, LossType::Vespo | LossType::GeoMean)
+            && !matches!(o.loss_type, LossType::Vespo | LossType::GeoMean | LossType::KlCov | LossType::ClipCov)
             && o.off_policy_mask_threshold.is_none()
             && threshold_known
             && bonus_known
@@ -310,7 +395,7 @@ impl<'a> Grpo<'a> {
         }
         .max(1.0);
         let t_len = self.rows.seq_len;
-        let sequences = (0..self.rows.batch)
+        let sequences: Vec<SequenceContext> = (0..self.rows.batch)
             .map(|b| {
                 let on: Vec<usize> = (b * t_len..(b + 1) * t_len).filter(|&i| active[i]).collect();
                 let advantage = self.inputs.advantages[b] as f64;
@@ -356,18 +441,34 @@ impl<'a> Grpo<'a> {
                 seq
             })
             .collect();
-        BatchContext { entropy_threshold, bonus_rows, sequences }
+        let selected = match (o.loss_type, stats) {
+            (LossType::KlCov | LossType::ClipCov, Some(stats)) => {
+                let logp: Vec<f64> = stats.iter().map(|s| s.logp.unwrap_or(0.0)).collect();
+                let log_w: Vec<f64> = (0..active.len())
+                    .map(|i| sequences[i / t_len].log_w.unwrap_or_else(|| logp[i] - self.old(i, logp[i])))
+                    .collect();
+                covariance_selection(o, t_len, active, self.inputs.advantages, &logp, &log_w)
+            }
+            _ => Vec::new(),
+        };
+        BatchContext { entropy_threshold, bonus_rows, sequences, selected }
     }
 
     /// The reduction weight of an unmasked row.
     fn weight(&self, row: usize) -> f64 {
         let n = &self.norm;
         match self.options.aggregation() {
-            Aggregation::SeqMeanTokenMean => 1.0 / (n.batch * self.counts[row / self.rows.seq_len]),
+            Aggregation::SequenceMean => 1.0 / (n.batch * self.counts[row / self.rows.seq_len]),
+            Aggregation::SequenceSum => 1.0 / n.batch,
+            Aggregation::BatchTimesLength => 1.0 / (n.batch * n.max_completion_length),
             Aggregation::TokenMean => 1.0 / n.valid_rows.max(1.0),
-            Aggregation::SeqMeanTokenSumNorm => 1.0 / (n.batch * n.max_completion_length),
             Aggregation::NumItems => 1.0 / n.num_items.max(1.0),
-            Aggregation::SeqMeanTokenSum => 1.0 / n.batch,
+            // verl: a row belongs to a sequence with tokens, so the count is at least 1.
+            Aggregation::SeqMeanTokenMean => {
+                1.0 / ((self.counts[row / self.rows.seq_len] + 1e-8) * n.sequences_with_tokens.max(1.0))
+            }
+            Aggregation::SeqMeanTokenSum => 1.0 / n.sequences_with_tokens.max(1.0),
+            Aggregation::SeqMeanTokenSumNorm => 1.0 / n.max_completion_length,
         }
     }
 
@@ -393,7 +494,8 @@ impl<'a> Grpo<'a> {
         let seq = &ctx.sequences[b];
         let (logp, entropy) = (stats.logp.unwrap_or(0.0), stats.entropy);
         let advantage = self.inputs.advantages[b] as f64;
-        let (mut loss, mut d_logp, mut d_log_w, clipped) = policy_term(o, logp, log_w, advantage, seq.phi);
+        let selected = ctx.selected.get(row).copied().unwrap_or(false);
+        let (mut loss, mut d_logp, mut d_log_w, clipped) = policy_term(o, logp, log_w, advantage, seq.phi, selected);
         let trained = trains(ctx.entropy_threshold, entropy);
         let k = seq.keep * if trained { 1.0 } else { 0.0 } * self.policy_weight(row, logp, seq);
         loss *= k;
@@ -537,7 +639,8 @@ impl<'a> Grpo<'a> {
                     let clamped = l.clamp(-o.epsilon_low, o.epsilon_high());
                     let passes = if (-o.epsilon_low..=o.epsilon_high()).contains(&l) { 1.0 } else { 0.0 };
                     let (u, v) = (sgn * l, sgn * clamped);
-                    (sgn * u.min(v), sgn * tie_split(u, v, sgn, sgn * passes), v < u)
+                    // verl's clip fraction: the clamp is active on a row with a signal.
+                    (sgn * u.min(v), sgn * tie_split(u, v, sgn, sgn * passes), clamped != l && sgn != 0.0)
                 })
                 .collect();
             let ratio = (ordered_sum(terms.iter().map(|t| t.0)) / denom).exp();

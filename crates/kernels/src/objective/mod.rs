@@ -9,7 +9,7 @@ mod cross_entropy;
 mod grpo;
 
 pub use grpo::quantile;
-pub(crate) use grpo::{bound_ratio, ranked_entropy, trains, vespo_phi};
+pub(crate) use grpo::{bound_ratio, covariance_selection, ranked_entropy, trains, vespo_phi};
 mod simple;
 
 use crate::inputs::{BatchShard, Loss, Normalisers, Rows};

@@ -107,7 +107,17 @@ pub fn evaluate(spec: LossSpec<'_>, logits: &[f64]) -> Result<ReferenceOutput, L
     let derivatives: Option<Vec<RowDerivatives>> = match &spec.loss {
         Loss::Grpo(inputs) => {
             let (entropy_threshold, bonus_rows) = Grpo::batch_quantities(options, spec.batch_shard, &active, &q, &norm);
-            let g = Grpo { inputs, options, rows: spec.rows, active: &active, norm, entropy_threshold, bonus_rows };
+            let selected = Grpo::covariance_selected(inputs, options, &spec.rows, &active, &q);
+            let g = Grpo {
+                inputs,
+                options,
+                rows: spec.rows,
+                active: &active,
+                norm,
+                entropy_threshold,
+                bonus_rows,
+                selected,
+            };
             let mut per_token = vec![0.0; n];
             let mut kl = vec![0.0; n];
             let mut clipped = vec![0.0; n];
@@ -228,6 +238,8 @@ struct Grpo<'a> {
     entropy_threshold: Option<f64>,
     /// The masked-mean entropy bonus's divisor.
     bonus_rows: f64,
+    /// `kl_cov` / `clip_cov`: the rows verl's covariance selection picks (detached).
+    selected: Vec<bool>,
 }
 
 impl Grpo<'_> {
@@ -257,6 +269,33 @@ impl Grpo<'_> {
             (Some(thr), None) => (0..q.len()).filter(|&i| active[i] && trains(Some(thr), q[i].entropy)).count() as f64,
         };
         (threshold, bonus_rows.max(1.0))
+    }
+
+    /// verl's covariance selection on the detached log-probabilities and log-ratios.
+    fn covariance_selected(
+        inputs: &PolicyInputs,
+        options: &LossOptions,
+        rows: &crate::inputs::Rows,
+        active: &[bool],
+        q: &[RowQ<f64>],
+    ) -> Vec<bool> {
+        if !matches!(options.loss_type, LossType::KlCov | LossType::ClipCov) {
+            return vec![false; active.len()];
+        }
+        let t_len = rows.seq_len;
+        let logp: Vec<f64> = q.iter().map(|r| r.logp).collect();
+        let log_ratio = |i: usize| inputs.old_logp.map_or(0.0, |old| logp[i] - old[i] as f64);
+        let log_w: Vec<f64> = (0..q.len())
+            .map(|i| match options.importance_sampling_level {
+                ImportanceSamplingLevel::Token => log_ratio(i),
+                ImportanceSamplingLevel::Sequence => {
+                    let b = i / t_len;
+                    let on: Vec<usize> = (b * t_len..(b + 1) * t_len).filter(|&j| active[j]).collect();
+                    on.iter().map(|&j| log_ratio(j)).sum::<f64>() / (on.len() as f64).max(1.0)
+                }
+            })
+            .collect();
+        crate::objective::covariance_selection(options, t_len, active, inputs.advantages, &logp, &log_w)
     }
 
     /// Sequence `b`'s contribution to the loss, TRL's `compute_loss` restricted to one sequence.
@@ -334,6 +373,14 @@ impl Grpo<'_> {
                     -((c(tau) * (coef_1 - c(1.0))).sigmoid() * c(4.0 / tau)) * a
                 }
                 LossType::Vespo => -c(phi) * a * q[t].logp,
+                LossType::KlCov => {
+                    let pg = -coef_1 * a;
+                    if self.selected[idx(t)] {
+                        pg + c(o.ppo_kl_coef) * torch_abs(log_w(t))
+                    } else {
+                        pg
+                    }
+                }
                 LossType::Gpg => -a * q[t].logp,
                 // The sequence's term is added after the tokens' loop.
                 LossType::GeoMean => c(0.0),
@@ -341,14 +388,21 @@ impl Grpo<'_> {
                     let coef_2 = clamp(coef_1, Some(lo), Some(hi));
                     let coef_1 = clamp(coef_1, None, o.delta);
                     let loss = -torch_min(coef_1 * a, coef_2 * a);
-                    match o.clip_ratio_c {
+                    let loss = match o.clip_ratio_c {
                         Some(cc) if advantage < 0.0 => torch_min(loss, c(-advantage * cc)),
                         _ => loss,
+                    };
+                    // verl's clip_cov: `corr` is 0 on the selected rows.
+                    if o.loss_type == LossType::ClipCov && self.selected[idx(t)] {
+                        loss * c(0.0)
+                    } else {
+                        loss
                     }
                 }
             };
             result.clipped[t] = match o.loss_type {
                 LossType::Cispo => r > o.epsilon_high() && advantage > 0.0,
+                LossType::KlCov | LossType::ClipCov => self.selected[idx(t)],
                 LossType::Vespo | LossType::Gpg | LossType::GeoMean => false,
                 _ => (r < lo && advantage < 0.0) || (r > hi && advantage > 0.0),
             };
@@ -392,7 +446,7 @@ impl Grpo<'_> {
                 let l = log_ratio(t);
                 let l_clamp = clamp(l, Some(-o.epsilon_low), Some(o.epsilon_high()));
                 let (u, v) = (sgn * l, sgn * l_clamp);
-                result.clipped[t] = v.value() < u.value();
+                result.clipped[t] = l.value() != l_clamp.value() && advantage != 0.0;
                 sum_min = sum_min + sgn * torch_min(u, v);
             }
             let ratio = (sum_min / c(denom)).exp();
@@ -409,11 +463,15 @@ impl Grpo<'_> {
         }
         let n = &self.norm;
         let policy = match o.aggregation() {
-            Aggregation::SeqMeanTokenMean => sum / c(count) / c(n.batch),
+            Aggregation::SequenceMean => sum / c(count) / c(n.batch),
+            Aggregation::SequenceSum => sum / c(n.batch),
+            Aggregation::BatchTimesLength => sum / c(n.batch * n.max_completion_length),
             Aggregation::TokenMean => sum / c(n.valid_rows.max(1.0)),
-            Aggregation::SeqMeanTokenSumNorm => sum / c(n.batch * n.max_completion_length),
             Aggregation::NumItems => sum / c(n.num_items.max(1.0)),
-            Aggregation::SeqMeanTokenSum => sum / c(n.batch),
+            // verl's agg_loss: empty sequences are excluded from the mean (their sum is 0 anyway).
+            Aggregation::SeqMeanTokenMean => sum / c(on.len() as f64 + 1e-8) / c(n.sequences_with_tokens.max(1.0)),
+            Aggregation::SeqMeanTokenSum => sum / c(n.sequences_with_tokens.max(1.0)),
+            Aggregation::SeqMeanTokenSumNorm => sum / c(n.max_completion_length),
         };
         result.total = result.total + policy - c(o.entropy_coef) * bonus / c(self.bonus_rows);
         result

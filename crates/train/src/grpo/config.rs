@@ -58,6 +58,11 @@ pub struct GrpoConfig {
     /// vLLM): rollout correction (`loss.vllm_importance_sampling_*`) and the off-policy mask then
     /// compare against the sampler. Off: the update is on-policy as before.
     pub sampling_logp: bool,
+    /// Batch-invariant products: each row's matrix products (and so its logits) are the same
+    /// bits whatever the number of rows computed with it, so the log-probabilities the sampler
+    /// records equal the update's bit for bit (`train/rollout_logp_max_abs_diff` = 0). Costs
+    /// nothing at the trainer's batch sizes; off, decode steps of a few rows run faster.
+    pub batch_invariant: bool,
     /// TRL's `mask_truncated_completions`: completions that reached `max_new_tokens` without an
     /// end-of-sequence token take no part in the loss.
     pub mask_truncated_completions: bool,
@@ -96,6 +101,7 @@ impl Default for GrpoConfig {
             checkpoint_every: 50,
             optim: OptimConfig { lr: 1e-4, warmup_steps: 5, min_lr_ratio: 1.0, ..OptimConfig::default() },
             sampling_logp: false,
+            batch_invariant: true,
             mask_truncated_completions: false,
             use_adaptive_entropy: false,
             entropy_coef_min: 0.0,

@@ -178,6 +178,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
     let (comm, world) = (mesh.data(), mesh.world);
     config.validate()?;
     config.check_ranks(comm.size())?;
+    flashgrpo_kernels::matmul::set_batch_invariant(config.batch_invariant);
     let ranks = world.size();
     if let Some(r) = resume {
         if r.state.world_size != ranks {

@@ -60,17 +60,29 @@ impl UpdateBatch {
                 MicroBatch::new(&p, &c, pad)
             })
             .collect::<Result<Vec<_>>>()?;
-        let valid: usize = batches.iter().map(MicroBatch::valid).sum();
-        Ok(Self { batches, ranges, shard: BatchShard::counts(n, valid as f64) })
+        let mut batch = Self { batches, ranges, shard: BatchShard::counts(n, 0.0) };
+        batch.count_rows();
+        Ok(batch)
+    }
+
+    /// The local counts of unmasked rows and of sequences with at least one.
+    fn count_rows(&mut self) {
+        self.shard.global_valid_rows = self.batches.iter().map(MicroBatch::valid).sum::<usize>() as f64;
+        let with_tokens = |mb: &MicroBatch| {
+            mb.mask.chunks(mb.completion_len.max(1)).filter(|seq| seq.iter().any(|&m| m != 0.0)).count()
+        };
+        self.shard.global_sequences_with_tokens = Some(self.batches.iter().map(with_tokens).sum::<usize>() as f64);
     }
 
     /// Makes the normalisers those of the batch of every rank (each holding its share of the
-    /// sequences): one all-reduce of two numbers, after which the ranks' losses and gradients
+    /// sequences): one all-reduce of three numbers, after which the ranks' losses and gradients
     /// sum to the whole batch's.
     pub fn share_normalisers(&mut self, comm: &dyn Collective) -> Result<()> {
-        let mut counts = [self.shard.global_batch as f64, self.shard.global_valid_rows];
+        let with_tokens = self.shard.global_sequences_with_tokens.unwrap_or(self.shard.global_batch as f64);
+        let mut counts = [self.shard.global_batch as f64, self.shard.global_valid_rows, with_tokens];
         comm.all_reduce_f64(&mut counts, ReduceOp::Sum)?;
         (self.shard.global_batch, self.shard.global_valid_rows) = (counts[0] as usize, counts[1]);
+        self.shard.global_sequences_with_tokens = Some(counts[2]);
         Ok(())
     }
 
@@ -85,7 +97,7 @@ impl UpdateBatch {
                 }
             }
         }
-        self.shard.global_valid_rows = self.batches.iter().map(MicroBatch::valid).sum::<usize>() as f64;
+        self.count_rows();
     }
 
     /// `top_entropy_quantile < 1`: the entropy threshold over the whole batch of every rank, from
