@@ -16,8 +16,10 @@ declare -A arms=(
   [sequence_mask]="--set with_sampling_logp=true --set vllm_importance_sampling_mode=sequence_mask"
   [token_mask]="--set with_sampling_logp=true --set vllm_importance_sampling_mode=token_mask"
   [geo_mean]="--set loss_type=geo_mean"
+  [kl_cov]="--set loss_type=kl_cov"
+  [off_policy_mask]="--set with_sampling_logp=true --set off_policy_mask_threshold=0.5"
 )
-order=(dapo luspo vespo top_entropy_quantile=0.2 sequence_mask token_mask geo_mean)
+order=(dapo luspo vespo top_entropy_quantile=0.2 sequence_mask token_mask off_policy_mask geo_mean kl_cov)
 declare -A times
 for r in $(seq "$rounds"); do
   for arm in "${order[@]}"; do
