@@ -214,6 +214,28 @@ fn data_parallel_sft_and_grpo_over_2_ranks_equal_one_process() {
     run_one(&tiny_args(&one_b, &batch_scaled));
     run_two(&tiny_args(&two_b, &batch_scaled));
     assert_same_grpo_run(&one_b, &two_b, 1e-5);
+    // LOSSES.md's whole-batch additions: the entropy threshold, the masked-mean bonus's count and
+    // verl's count of sequences with tokens are the whole batch's on every rank; the sampler's
+    // log-probabilities with a sequence-level correction; truncated completions masked.
+    let additions = [
+        from_warm.to_vec(),
+        [
+            "loss.top_entropy_quantile=0.5",
+            "loss.entropy_coef=0.01",
+            "loss.entropy_bonus=masked_mean",
+            "loss.loss_agg_mode=seq-mean-token-mean",
+            "loss.vllm_importance_sampling_mode=sequence_mask",
+            "grpo.sampling_logp=true",
+            "grpo.mask_truncated_completions=true",
+        ]
+        .map(String::from)
+        .to_vec(),
+    ]
+    .concat();
+    let (one_a, two_a) = (dir.join("grpo-one-additions"), dir.join("grpo-two-additions"));
+    run_one(&tiny_args(&one_a, &additions));
+    run_two(&tiny_args(&two_a, &additions));
+    assert_same_grpo_run(&one_a, &two_a, 1e-5);
     // The head's vocabulary split inside data-parallel training: data x vocab = 1 x 2 and 2 x 2.
     // `grad_hidden` is then a sum over the vocabulary halves, another f32 association than one
     // product over the whole vocabulary (~1e-7 relative). AdamW divides each gradient element by

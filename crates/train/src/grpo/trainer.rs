@@ -292,10 +292,12 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             batch.mask_sequences(&groups.truncated);
         }
         batch.share_normalisers(comm)?;
-        let recorded = !groups.sampling_logp.is_empty();
-        if options.top_entropy_quantile < 1.0 && recorded {
+        // GRPO samples (temperature > 0), so the sampler recorded every kept completion; a rank
+        // that kept none still takes part in the collectives.
+        if options.top_entropy_quantile < 1.0 {
             batch.share_entropy_threshold(&groups.sampling_entropy, options.top_entropy_quantile, comm)?;
         }
+        let recorded = groups.sampling_logp.len() == groups.completions.len();
         let recorded_logp = recorded.then(|| batch.per_micro_batch(&groups.sampling_logp));
         let sampling_logp = if config.sampling_logp { recorded_logp.clone() } else { None };
         let step_options = adaptive.map_or_else(|| options.clone(), |a| a.options(&options, config));

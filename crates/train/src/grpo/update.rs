@@ -207,11 +207,10 @@ impl TokenSums {
         *loss = v[0];
         (self.entropy, self.kl, self.clipped, self.tokens) = (v[1], v[2], v[3], v[4]);
         (self.have_entropy, self.have_kl, self.have_clip) = (v[5] > 0.0, v[6] > 0.0, v[7] > 0.0);
-        if let Some(d) = self.rollout_logp_max_abs_diff.as_mut() {
-            let mut m = [*d];
-            comm.all_reduce_f64(&mut m, ReduceOp::Max)?;
-            *d = m[0];
-        }
+        // Every rank takes part, also one without sequences (dynamic sampling can leave it none).
+        let mut worst = [self.rollout_logp_max_abs_diff.unwrap_or(-1.0)];
+        comm.all_reduce_f64(&mut worst, ReduceOp::Max)?;
+        self.rollout_logp_max_abs_diff = (worst[0] >= 0.0).then_some(worst[0]);
         Ok(())
     }
 
