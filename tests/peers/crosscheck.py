@@ -25,48 +25,9 @@ import tempfile
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from loss_cli import CHECKS, FAILURES, close, close_norm, run_loss  # noqa: F401 (shared helpers)
 
 torch.manual_seed(0)
-FAILURES = []
-CHECKS = [0]
-
-
-def run_loss(binary, op, tensors, sets, impl="fused"):
-    with tempfile.TemporaryDirectory() as d:
-        inp, out = os.path.join(d, "in.safetensors"), os.path.join(d, "out.safetensors")
-        save_file({k: v.contiguous() for k, v in tensors.items() if v is not None}, inp)
-        cmd = [binary, "loss", "--op", op, "--inputs", inp, "--out", out, "--impl", impl]
-        for k, v in sets.items():
-            cmd += ["--set", f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)}\n{r.stderr}")
-        return load_file(out)
-
-
-def close(case, name, got, want, tol, mask=None):
-    """Elementwise |got - want| <= tol * max(1, |want|), on mask positions if given."""
-    CHECKS[0] += 1
-    got, want = got.double().reshape(want.shape), want.double()
-    err = (got - want).abs() / want.abs().clamp(min=1.0)
-    if mask is not None:
-        err = err[mask.bool()]
-    worst = err.max().item() if err.numel() else 0.0
-    if not worst <= tol:
-        FAILURES.append(f"{case}: {name} worst scaled error {worst:.3e} > {tol:.0e}")
-
-
-def close_norm(case, name, got, want, tol):
-    """||got - want|| / ||want|| <= tol."""
-    CHECKS[0] += 1
-    got, want = got.double().reshape(want.shape), want.double()
-    norm = want.norm().item()
-    err = (got - want).norm().item() / (norm if norm > 0 else 1.0)
-    if not err <= tol:
-        FAILURES.append(f"{case}: {name} relative norm error {err:.3e} > {tol:.0e}")
-
-
 def as_dtype(x, dtype):
     return x.to(torch.bfloat16) if dtype == "bf16" else x.float()
 

@@ -20,10 +20,7 @@ import functools
 import inspect
 import itertools
 import math
-import os
-import subprocess
 import sys
-import tempfile
 import textwrap
 import types
 import warnings
@@ -31,45 +28,11 @@ import warnings
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from loss_cli import close, close_norm, fail, report, run_loss  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 import trl  # noqa: E402
 
 torch.manual_seed(0)
-FAILURES = []
-CHECKS = [0]
-
-
-def run_loss(binary, tensors, sets):
-    with tempfile.TemporaryDirectory() as d:
-        inp, out = os.path.join(d, "in.safetensors"), os.path.join(d, "out.safetensors")
-        save_file({k: v.contiguous() for k, v in tensors.items() if v is not None}, inp)
-        cmd = [binary, "loss", "--op", "grpo", "--inputs", inp, "--out", out]
-        for k, v in sets.items():
-            cmd += ["--set", f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)}\n{r.stderr}")
-        return load_file(out)
-
-
-def close(case, name, got, want, tol):
-    CHECKS[0] += 1
-    got, want = got.double().reshape(want.shape), want.double()
-    err = ((got - want).abs() / want.abs().clamp(min=1.0)).max().item()
-    if not err <= tol:
-        FAILURES.append(f"{case}: {name} worst scaled error {err:.3e} > {tol:.0e}")
-
-
-def close_norm(case, name, got, want, tol):
-    CHECKS[0] += 1
-    got, want = got.double().reshape(want.shape), want.double()
-    norm = want.norm().item()
-    err = (got - want).norm().item() / (norm if norm > 0 else 1.0)
-    if not err <= tol:
-        FAILURES.append(f"{case}: {name} relative norm error {err:.3e} > {tol:.0e}")
-
-
 # TRL's rollout-correction block, from its own source.
 _SOURCE = inspect.getsource(GRPOTrainer._generate_and_score_completions)
 _START = "# Compute the importance sampling ratio when using vLLM"
@@ -229,19 +192,16 @@ def main():
                 sampling[0, 1] = float("nan")  # a token the sampler could not score
             case = f"trl {o} B={B} T={T} V={V} {dtype} {policy}-policy"
             try:
-                out = run_loss(args.bin, {"logits": logits, "targets": targets, "mask": mask, "advantages": adv,
+                out = run_loss(args.bin, "grpo", {"logits": logits, "targets": targets, "mask": mask, "advantages": adv,
                                           "old_logp": old, "ref_logp": ref, "sampling_logp": sampling},
                                our_sets(o, T))
             except RuntimeError as e:
-                FAILURES.append(f"{case}: {e}")
+                fail(case, str(e))
                 continue
             loss, grad = trl_loss(o, logits, targets, mask, adv, old, ref, sampling)
             close(case, "loss", out["loss"], loss, 1e-5)
             close_norm(case, "grad_logits", out["grad_logits"], grad, 1e-2 if dtype == "bf16" else 1e-5)
-    for f in FAILURES[:40]:
-        print("FAIL", f)
-    print(f"TRL {trl.__version__}: {CHECKS[0]} checks, {len(FAILURES)} failures")
-    sys.exit(1 if FAILURES else 0)
+    sys.exit(report(f"TRL {trl.__version__}"))
 
 
 if __name__ == "__main__":

@@ -17,17 +17,12 @@ Usage: python verl_losses.py --bin PATH/TO/flashgrpo
 
 import argparse
 import itertools
-import os
-import subprocess
 import sys
-import tempfile
 
 import torch
-from safetensors.torch import load_file, save_file
+from loss_cli import close, close_norm, fail, report, run_loss
 
 torch.manual_seed(0)
-FAILURES = []
-CHECKS = [0]
 VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
 
 
@@ -189,31 +184,6 @@ def kl_penalty_forward(logprob, ref_logprob, kl_penalty):
 # ---------------------------------------------------------------- harness
 
 
-def run_loss(binary, tensors, sets):
-    with tempfile.TemporaryDirectory() as d:
-        inp, out = os.path.join(d, "in.safetensors"), os.path.join(d, "out.safetensors")
-        save_file({k: v.contiguous() for k, v in tensors.items() if v is not None}, inp)
-        cmd = [binary, "loss", "--op", "grpo", "--inputs", inp, "--out", out]
-        for k, v in sets.items():
-            cmd += ["--set", f"{k}={v}"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)}\n{r.stderr}")
-        return load_file(out)
-
-
-def check(case, got, want, tol):
-    CHECKS[0] += 1
-    got, want = got.double().reshape(want.shape), want.double()
-    if want.dim() == 0:
-        err = ((got - want).abs() / want.abs().clamp(min=1.0)).item()
-    else:
-        norm = want.norm().item()
-        err = (got - want).norm().item() / (norm if norm > 0 else 1.0)
-    if not err <= tol:
-        FAILURES.append(f"{case}: error {err:.3e} > {tol:.0e}")
-
-
 # Our option names for verl's KL estimators (ours: `k3` is TRL's unclamped one).
 KL_NAMES = {"k1": "k1", "mse": "k2", "abs": "abs", "low_var_kl": "low_var_kl"}
 
@@ -285,18 +255,15 @@ def main():
             sets["clip_ratio_c"] = c
         case = f"verl {policy} {mode} kl={kl} is={with_is} clip_ratio_c={c} B={B} T={T} V={V} {dtype}"
         try:
-            out = run_loss(args.bin, {"logits": logits, "targets": targets, "mask": mask, "advantages": adv,
+            out = run_loss(args.bin, "grpo", {"logits": logits, "targets": targets, "mask": mask, "advantages": adv,
                                       "old_logp": old, "ref_logp": ref, "is_ratio": is_w}, sets)
         except RuntimeError as e:
-            FAILURES.append(f"{case}: {e}")
+            fail(case, str(e))
             continue
         loss, grad = verl_loss(policy, mode, logits, targets, mask, adv, old, ref, is_w, kl, q)
-        check(case + " loss", out["loss"], loss, 1e-5)
-        check(case + " grad_logits", out["grad_logits"], grad, 1e-2 if dtype == "bf16" else 1e-5)
-    for f in FAILURES[:40]:
-        print("FAIL", f)
-    print(f"verl {VERL_COMMIT[:12]}: {CHECKS[0]} checks, {len(FAILURES)} failures")
-    sys.exit(1 if FAILURES else 0)
+        close(case, "loss", out["loss"], loss, 1e-5)
+        close_norm(case, "grad_logits", out["grad_logits"], grad, 1e-2 if dtype == "bf16" else 1e-5)
+    sys.exit(report(f"verl {VERL_COMMIT[:12]}"))
 
 
 if __name__ == "__main__":

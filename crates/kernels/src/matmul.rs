@@ -57,20 +57,17 @@ fn parallelism() -> Parallelism {
     }
 }
 
-/// `out (+)= lhs @ rhs`, where `lhs` is `m x k` with element strides `(lhs_rs, lhs_cs)` and `rhs`
-/// is `k x n` with `(rhs_rs, rhs_cs)`; `out` is row-major `m x n` with row stride `out.stride`.
-#[allow(clippy::too_many_arguments)]
-fn product(
-    out: &mut MatMut<'_>,
-    accumulate: bool,
-    k: usize,
-    lhs: &[f32],
-    lhs_rs: usize,
-    lhs_cs: usize,
-    rhs: &[f32],
-    rhs_rs: usize,
-    rhs_cs: usize,
-) {
+/// An operand of [`product`]: elements at `data[row * rs + col * cs]`.
+#[derive(Clone, Copy)]
+struct Strided<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+/// `out (+)= lhs @ rhs`, where `lhs` is `m x k` and `rhs` is `k x n`; `out` is row-major `m x n`
+/// with row stride `out.stride`.
+fn product(out: &mut MatMut<'_>, accumulate: bool, k: usize, lhs: Strided<'_>, rhs: Strided<'_>) {
     out.check();
     let (m, n) = (out.rows, out.cols);
     if m == 0 || n == 0 {
@@ -84,10 +81,10 @@ fn product(
         }
         return;
     }
-    assert!(lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs, "lhs too short");
-    assert!(rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs, "rhs too short");
+    assert!(lhs.data.len() > (m - 1) * lhs.rs + (k - 1) * lhs.cs, "lhs too short");
+    assert!(rhs.data.len() > (k - 1) * rhs.rs + (n - 1) * rhs.cs, "rhs too short");
     if m < invariant_rows(n) && batch_invariant() {
-        return padded(out, accumulate, k, lhs, lhs_rs, lhs_cs, rhs, rhs_rs, rhs_cs);
+        return padded(out, accumulate, k, lhs, rhs);
     }
     // SAFETY: the asserts above bound every element `gemm` reads (lhs, rhs) and writes (out)
     // within the slices; the slices do not overlap (`out` is borrowed mutably).
@@ -100,12 +97,12 @@ fn product(
             1,
             out.stride as isize,
             accumulate,
-            lhs.as_ptr(),
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs.as_ptr(),
-            rhs_cs as isize,
-            rhs_rs as isize,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
             1.0,
             1.0,
             false,
@@ -152,18 +149,7 @@ thread_local! {
 }
 
 /// [`product`] of `m < invariant_rows(n)` rows through a zero-padded copy of that many rows.
-#[allow(clippy::too_many_arguments)]
-fn padded(
-    out: &mut MatMut<'_>,
-    accumulate: bool,
-    k: usize,
-    lhs: &[f32],
-    lhs_rs: usize,
-    lhs_cs: usize,
-    rhs: &[f32],
-    rhs_rs: usize,
-    rhs_cs: usize,
-) {
+fn padded(out: &mut MatMut<'_>, accumulate: bool, k: usize, lhs: Strided<'_>, rhs: Strided<'_>) {
     let (m, n) = (out.rows, out.cols);
     let rows = invariant_rows(n);
     PADDED.with(|cell| {
@@ -172,7 +158,7 @@ fn padded(
         a.resize(rows * k, 0.0);
         for r in 0..m {
             for (j, x) in a[r * k..(r + 1) * k].iter_mut().enumerate() {
-                *x = lhs[r * lhs_rs + j * lhs_cs];
+                *x = lhs.data[r * lhs.rs + j * lhs.cs];
             }
         }
         c.clear();
@@ -182,7 +168,7 @@ fn padded(
                 c[r * n..(r + 1) * n].copy_from_slice(&out.data[r * out.stride..r * out.stride + n]);
             }
         }
-        product(&mut MatMut::new(c, rows, n), accumulate, k, a, k, 1, rhs, rhs_rs, rhs_cs);
+        product(&mut MatMut::new(c, rows, n), accumulate, k, Strided { data: a, rs: k, cs: 1 }, rhs);
         for r in 0..m {
             out.data[r * out.stride..r * out.stride + n].copy_from_slice(&c[r * n..(r + 1) * n]);
         }
@@ -194,7 +180,8 @@ pub fn matmul_nt(z: &mut MatMut<'_>, accumulate: bool, hc: Mat<'_>, wt: Mat<'_>)
     hc.check();
     wt.check();
     assert!(z.rows == hc.rows && z.cols == wt.rows && hc.cols == wt.cols);
-    product(z, accumulate, hc.cols, hc.data, hc.stride, 1, wt.data, 1, wt.stride);
+    let (lhs, rhs) = (Strided { data: hc.data, rs: hc.stride, cs: 1 }, Strided { data: wt.data, rs: 1, cs: wt.stride });
+    product(z, accumulate, hc.cols, lhs, rhs);
 }
 
 /// `dh (+)= dz @ wt`.
@@ -202,7 +189,8 @@ pub fn matmul_nn(dh: &mut MatMut<'_>, accumulate: bool, dz: Mat<'_>, wt: Mat<'_>
     dz.check();
     wt.check();
     assert!(dh.rows == dz.rows && dz.cols == wt.rows && dh.cols == wt.cols);
-    product(dh, accumulate, dz.cols, dz.data, dz.stride, 1, wt.data, wt.stride, 1);
+    let (lhs, rhs) = (Strided { data: dz.data, rs: dz.stride, cs: 1 }, Strided { data: wt.data, rs: wt.stride, cs: 1 });
+    product(dh, accumulate, dz.cols, lhs, rhs);
 }
 
 /// `dw (+)= dz^T @ hc`.
@@ -210,7 +198,8 @@ pub fn matmul_tn(dw: &mut MatMut<'_>, accumulate: bool, dz: Mat<'_>, hc: Mat<'_>
     dz.check();
     hc.check();
     assert!(dw.rows == dz.cols && dz.rows == hc.rows && dw.cols == hc.cols);
-    product(dw, accumulate, dz.rows, dz.data, 1, dz.stride, hc.data, hc.stride, 1);
+    let (lhs, rhs) = (Strided { data: dz.data, rs: 1, cs: dz.stride }, Strided { data: hc.data, rs: hc.stride, cs: 1 });
+    product(dw, accumulate, dz.rows, lhs, rhs);
 }
 
 #[cfg(test)]

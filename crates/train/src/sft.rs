@@ -14,7 +14,7 @@ use tokenizers::Tokenizer;
 
 use crate::engine::Workspace;
 use crate::error::{Result, TrainError};
-use crate::grpo::update::{batch_loss, update, EngineBuffers, Objective, UpdateBatch, UpdateInputs};
+use crate::grpo::update::{batch_loss, update, EngineBuffers, UpdateBatch, UpdateInputs};
 use crate::head_loss::LossConfig;
 use crate::metrics::{self, progress_bar, record, MetricsLog, Record};
 use crate::model::Qwen2;
@@ -149,13 +149,7 @@ pub fn evaluate_shared(
     let refs: Vec<&Encoded> = data[share(data.len(), comm.size(), comm.rank())].iter().collect();
     let mut batch = update_batch(&refs, batch_size, pad)?;
     batch.share_normalisers(comm)?;
-    let inputs = UpdateInputs {
-        batch: &batch,
-        objective: Objective::CrossEntropy,
-        options: &loss.options,
-        loss,
-        recorded_logp: None,
-    };
+    let inputs = UpdateInputs::cross_entropy(&batch, loss);
     let mut total = [batch_loss(model, &inputs, &mut Workspace::default())?];
     comm.all_reduce_f64(&mut total, ReduceOp::Sum)?;
     Ok(total[0])
@@ -251,13 +245,7 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
         let mut batch = update_batch(&examples[mine], config.batch_size, pad)?;
         batch.share_normalisers(comm)?;
         let window = batch.valid_tokens();
-        let inputs = UpdateInputs {
-            batch: &batch,
-            objective: Objective::CrossEntropy,
-            options: &loss.options,
-            loss,
-            recorded_logp: None,
-        };
+        let inputs = UpdateInputs::cross_entropy(&batch, loss);
         let (losses_, _, report) = update(model, &inputs, 1, &mut updater, &mut engine, mesh)?;
         let total = losses_[0];
         let step_s = started.elapsed().as_secs_f64();

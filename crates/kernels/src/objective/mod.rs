@@ -7,9 +7,12 @@
 
 mod cross_entropy;
 mod grpo;
+mod policy_terms;
+mod token_selection;
 
-pub use grpo::quantile;
-pub(crate) use grpo::{bound_ratio, covariance_selection, ranked_entropy, trains, vespo_phi};
+pub(crate) use policy_terms::{bound_ratio, vespo_phi};
+pub use token_selection::quantile;
+pub(crate) use token_selection::{covariance_selection, ranked_entropy, trains};
 mod simple;
 
 use crate::inputs::{BatchShard, Loss, Normalisers, Rows};

@@ -273,7 +273,12 @@ pub struct UpdateInputs<'a> {
     pub recorded_logp: Option<Vec<Vec<f32>>>,
 }
 
-impl UpdateInputs<'_> {
+impl<'a> UpdateInputs<'a> {
+    /// SFT's update: cross-entropy of the completion tokens with the `loss:` section's options.
+    pub fn cross_entropy(batch: &'a UpdateBatch, loss: &'a LossConfig) -> Self {
+        Self { batch, objective: Objective::CrossEntropy, options: &loss.options, loss, recorded_logp: None }
+    }
+
     /// The head's rows of micro-batch `k` (slots of its packing) and their loss inputs. GRPO's
     /// objectives see the `[S, C]` layout (their normalisers count per sequence); cross-entropy
     /// is row-local, so only the rows with a target reach the head (as one sequence), not the

@@ -97,7 +97,8 @@ impl Rollout {
         let mut completions = vec![Vec::new(); rows];
         let mut finished = vec![false; rows];
         let records = !s.greedy();
-        let (mut logp, mut entropy) = (vec![Vec::new(); rows], vec![Vec::new(); rows]);
+        let per_row = || if records { vec![Vec::new(); rows] } else { Vec::new() };
+        let (mut logp, mut entropy) = (per_row(), per_row());
         if rows == 0 || s.max_new_tokens == 0 {
             return Ok(Generated { completions, finished, logp, entropy });
         }
