@@ -482,6 +482,14 @@ mod tests {
             ("label_smoothing", LossOptions { label_smoothing: 1.5, ..Default::default() }),
             ("sapo_temperature_neg", LossOptions { sapo_temperature_neg: 0.0, ..Default::default() }),
             ("max_completion_length", LossOptions { max_completion_length: Some(0), ..Default::default() }),
+            ("top_entropy_quantile", LossOptions { top_entropy_quantile: 0.0, ..Default::default() }),
+            ("clip_ratio_c", LossOptions { clip_ratio_c: Some(1.0), ..Default::default() }),
+            ("kl_cov_ratio", LossOptions { kl_cov_ratio: 0.0, ..Default::default() }),
+            ("clip_cov_lb", LossOptions { clip_cov_lb: 5.0, clip_cov_ub: 1.0, ..Default::default() }),
+            (
+                "vllm_importance_sampling_clip_min",
+                LossOptions { vllm_importance_sampling_clip_min: Some(4.0), ..Default::default() },
+            ),
         ] {
             let err = o.validate().unwrap_err().to_string();
             assert!(err.contains(name), "{err}");

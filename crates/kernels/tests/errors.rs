@@ -5,7 +5,8 @@ mod common;
 
 use common::{Case, Op};
 use flashgrpo_kernels::{
-    forward, forward_backward, forward_backward_in_place, Loss, LossOptions, LossSpec, PolicyInputs, Rows,
+    forward, forward_backward, forward_backward_in_place, IsRatio, Loss, LossOptions, LossSpec, LossType, PolicyInputs,
+    Rows,
 };
 
 fn err_of(spec: LossSpec<'_>, logits: &[f32]) -> String {
@@ -135,4 +136,33 @@ fn non_finite_policy_inputs_are_named() {
     }
     let e = err_of(spec, &data.logits);
     assert!(e.contains("`old_logp` has a non-finite value NaN at row 0"), "{e}");
+}
+
+/// `sampling_logp`: its shape, an infinity on a row that takes part, `is_ratio` beside it with
+/// the correction on, and a sequence-level correction with vespo are named errors; NaN (a token
+/// the sampler could not score) is accepted.
+#[test]
+fn sampling_logp_errors_are_named() {
+    let data = Case::new(Op::Grpo, 2, 3, 5).data();
+    let base = data.spec();
+    let Loss::Grpo(p) = base.loss else { unreachable!() };
+    let with = |sampling: &'static [f32], is_ratio: Option<IsRatio<'static>>, options: &'static LossOptions| {
+        let loss = Loss::Grpo(PolicyInputs { sampling_logp: Some(sampling), is_ratio, ..p });
+        err_of(LossSpec { loss, options, ..base }, &data.logits)
+    };
+    let defaults: &'static LossOptions = Box::leak(Box::default());
+    assert!(with(&[-1.0; 4], None, defaults).contains("`sampling_logp` has shape [4]"));
+    let inf: &'static [f32] = Box::leak(vec![-1.0, f32::NEG_INFINITY, -1.0, -1.0, -1.0, -1.0].into_boxed_slice());
+    let e = with(inf, None, defaults);
+    assert!(e.contains("`sampling_logp` has a non-finite value -inf at row 1"), "{e}");
+    let ratio: &'static [f32] = Box::leak(vec![1.0; 6].into_boxed_slice());
+    let e = with(&[-1.0; 6], Some(IsRatio::PerToken(ratio)), defaults);
+    assert!(e.contains("`is_ratio` and `sampling_logp` were both given"), "{e}");
+    let vespo: &'static LossOptions =
+        Box::leak(Box::new(LossOptions { loss_type: LossType::Vespo, ..Default::default() }));
+    let e = with(&[-1.0; 6], None, vespo);
+    assert!(e.contains("invalid option `vllm_importance_sampling_mode`"), "{e}");
+    let nan: &'static [f32] = Box::leak(vec![f32::NAN; 6].into_boxed_slice());
+    forward(LossSpec { loss: Loss::Grpo(PolicyInputs { sampling_logp: Some(nan), ..p }), ..base }, &data.logits)
+        .unwrap();
 }

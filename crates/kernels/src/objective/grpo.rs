@@ -14,7 +14,7 @@
 //! from the inputs alone, so the kernels keep their one sweep.
 
 use super::policy_terms::{bound_ratio, kl_estimate, policy_term, tie_split, vespo_phi};
-use super::token_selection::{covariance_selection, quantile, ranked_entropy, trains};
+use super::token_selection::{covariance_selection, high_entropy_counts, trains};
 use super::{ordered_sum, GradTerms, RowGradient, RowOutcome};
 use crate::inputs::{BatchShard, IsRatio, Normalisers, PolicyInputs, Rows};
 use crate::options::{Aggregation, EntropyBonus, ImportanceSamplingLevel, LossOptions, LossType, RolloutCorrection};
@@ -138,29 +138,9 @@ impl<'a> Grpo<'a> {
     fn context(&self, active: &[bool], stats: Option<&[RowStats]>) -> BatchContext {
         let o = self.options;
         let logp = |i: usize| stats.map_or(0.0, |s| s[i].logp.unwrap_or(0.0));
-        let entropy_threshold = (o.top_entropy_quantile < 1.0).then(|| {
-            self.shard.and_then(|s| s.entropy_threshold).unwrap_or_else(|| {
-                let stats = stats.expect("a batch-local entropy quantile needs the statistics");
-                let mut h: Vec<f64> =
-                    (0..active.len()).filter(|&i| active[i]).map(|i| ranked_entropy(stats[i].entropy)).collect();
-                h.sort_by(f64::total_cmp);
-                // No row takes part: every row is masked out (TRL returns an all-false mask).
-                if h.is_empty() {
-                    f64::INFINITY
-                } else {
-                    quantile(&h, 1.0 - o.top_entropy_quantile)
-                }
-            })
+        let (entropy_threshold, bonus_rows) = high_entropy_counts(o, self.shard, active, self.norm.valid_rows, |i| {
+            stats.expect("a batch-local entropy threshold needs the statistics")[i].entropy
         });
-        let bonus_rows = match (entropy_threshold, self.shard.and_then(|s| s.global_bonus_rows)) {
-            (None, _) => self.norm.valid_rows,
-            (Some(_), Some(n)) => n,
-            (Some(thr), None) => {
-                let stats = stats.expect("a batch-local bonus count needs the statistics");
-                (0..active.len()).filter(|&i| active[i] && trains(Some(thr), stats[i].entropy)).count() as f64
-            }
-        }
-        .max(1.0);
         let t_len = self.rows.seq_len;
         let sequences: Vec<SequenceContext> = (0..self.rows.batch)
             .map(|b| {

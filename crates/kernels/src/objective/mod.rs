@@ -12,7 +12,7 @@ mod token_selection;
 
 pub(crate) use policy_terms::{bound_ratio, vespo_phi};
 pub use token_selection::quantile;
-pub(crate) use token_selection::{covariance_selection, ranked_entropy, trains};
+pub(crate) use token_selection::{covariance_selection, high_entropy_counts, trains};
 mod simple;
 
 use crate::inputs::{BatchShard, Loss, Normalisers, Rows};

@@ -2,6 +2,7 @@
 //! entropies) and verl's covariance selections (`kl_cov`, `clip_cov`). Detached quantities,
 //! computed once per batch from every row's statistics.
 
+use crate::inputs::BatchShard;
 use crate::options::{LossOptions, LossType};
 
 use super::ordered_sum;
@@ -81,4 +82,35 @@ pub(crate) fn covariance_selection(
         selected[candidates[j]] = true;
     }
     selected
+}
+
+/// The top-entropy threshold (`None` when `top_entropy_quantile` is 1) and the masked-mean entropy
+/// bonus's row count, from the shard's global values when it carries them, else from the rows at
+/// hand (`entropy(i)` of each active row).
+pub(crate) fn high_entropy_counts(
+    options: &LossOptions,
+    shard: Option<BatchShard>,
+    active: &[bool],
+    valid_rows: f64,
+    entropy: impl Fn(usize) -> f64,
+) -> (Option<f64>, f64) {
+    let threshold = (options.top_entropy_quantile < 1.0).then(|| {
+        shard.and_then(|s| s.entropy_threshold).unwrap_or_else(|| {
+            let mut h: Vec<f64> =
+                (0..active.len()).filter(|&i| active[i]).map(|i| ranked_entropy(entropy(i))).collect();
+            h.sort_by(f64::total_cmp);
+            // No row takes part: every row is masked out (TRL returns an all-false mask).
+            if h.is_empty() {
+                f64::INFINITY
+            } else {
+                quantile(&h, 1.0 - options.top_entropy_quantile)
+            }
+        })
+    });
+    let bonus_rows = match (threshold, shard.and_then(|s| s.global_bonus_rows)) {
+        (None, _) => valid_rows,
+        (Some(_), Some(n)) => n,
+        (Some(thr), None) => (0..active.len()).filter(|&i| active[i] && trains(Some(thr), entropy(i))).count() as f64,
+    };
+    (threshold, bonus_rows.max(1.0))
 }

@@ -20,7 +20,7 @@ use dual::{clamp, torch_abs, torch_min, Dual, Real};
 use crate::engine::LossSpec;
 use crate::error::LossError;
 use crate::inputs::{validate, IsRatio, Loss, Normalisers, PolicyInputs};
-use crate::objective::{ranked_entropy, trains};
+use crate::objective::trains;
 use crate::options::{
     Aggregation, EntropyBonus, ImportanceSamplingLevel, KlEstimator, LossOptions, LossType, Reduction,
 };
@@ -251,24 +251,7 @@ impl Grpo<'_> {
         q: &[RowQ<f64>],
         norm: &Normalisers,
     ) -> (Option<f64>, f64) {
-        let threshold = (options.top_entropy_quantile < 1.0).then(|| {
-            shard.and_then(|s| s.entropy_threshold).unwrap_or_else(|| {
-                let mut h: Vec<f64> =
-                    (0..q.len()).filter(|&i| active[i]).map(|i| ranked_entropy(q[i].entropy)).collect();
-                h.sort_by(f64::total_cmp);
-                if h.is_empty() {
-                    f64::INFINITY
-                } else {
-                    crate::objective::quantile(&h, 1.0 - options.top_entropy_quantile)
-                }
-            })
-        });
-        let bonus_rows = match (threshold, shard.and_then(|s| s.global_bonus_rows)) {
-            (None, _) => norm.valid_rows,
-            (Some(_), Some(n)) => n,
-            (Some(thr), None) => (0..q.len()).filter(|&i| active[i] && trains(Some(thr), q[i].entropy)).count() as f64,
-        };
-        (threshold, bonus_rows.max(1.0))
+        crate::objective::high_entropy_counts(options, shard, active, norm.valid_rows, |i| q[i].entropy)
     }
 
     /// verl's covariance selection on the detached log-probabilities and log-ratios.
