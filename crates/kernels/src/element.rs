@@ -31,6 +31,11 @@ pub trait Element: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 
         let _ = values;
         None
     }
+    /// The values' bf16 bits, when they are bf16 (the bf16 matrix products read them as they are).
+    fn as_bf16_bits(values: &[Self]) -> Option<&[u16]> {
+        let _ = values;
+        None
+    }
     /// As [`as_f32_slice`](Self::as_f32_slice), mutably.
     fn as_f32_slice_mut(values: &mut [Self]) -> Option<&mut [f32]> {
         let _ = values;
@@ -60,6 +65,10 @@ impl Element for f32 {
 
 impl Element for bf16 {
     const DTYPE: DType = DType::BF16;
+    fn as_bf16_bits(values: &[Self]) -> Option<&[u16]> {
+        use half::slice::HalfFloatSliceExt;
+        Some(values.reinterpret_cast())
+    }
     #[inline(always)]
     fn to_f32(self) -> f32 {
         // A bf16 is the top half of an f32: widening is a shift, which vectorises.

@@ -43,6 +43,7 @@ pub mod error;
 pub mod inputs;
 pub mod linear;
 pub mod matmul;
+pub mod matmul_bf16;
 pub mod objective;
 pub mod options;
 pub mod reference;
@@ -58,6 +59,7 @@ pub use inputs::{BatchShard, IsRatio, Loss, PolicyInputs, Rows};
 pub use linear::{
     linear_forward, linear_forward_backward, ChunkBudget, LinearGradients, LinearInputs, PreparedLinearLoss,
 };
+pub use matmul_bf16::{with_bf16_products, Bf16Products};
 pub use objective::{quantile, LossOutput, RowGradient};
 pub use options::{
     Aggregation, EntropyBonus, ImportanceSamplingLevel, KlEstimator, LossOptions, LossType, Reduction,

@@ -6,6 +6,7 @@ mod common;
 
 use common::{linear_for, Case, Data, Linear, Op};
 use flashgrpo_kernels::linear::reference;
+use flashgrpo_kernels::matmul_bf16::{with_bf16_products, Bf16Products};
 use flashgrpo_kernels::{
     combine_shards, linear_forward, linear_forward_backward, Aggregation, ChunkBudget, Element, EntropyBonus,
     ImportanceSamplingLevel, KlEstimator, LinearGradients, LinearInputs, LossOutput, LossType, PreparedLinearLoss,
@@ -48,6 +49,14 @@ fn rel_norm(got: &[f32], want: &[f64]) -> f64 {
     let diff: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).powi(2)).sum();
     let norm: f64 = want.iter().map(|w| w * w).sum();
     (diff / norm.max(1e-300)).sqrt()
+}
+
+/// [`check`] in bf16 with every way this machine has of running the bf16 products (AMX tiles
+/// where there are some, the widened f32 products everywhere).
+fn check_bf16_every_way(data: &Data, lin: &Linear, budget: ChunkBudget) {
+    for products in Bf16Products::available() {
+        with_bf16_products(products, || check::<bf16>(data, lin, budget));
+    }
 }
 
 /// LOSSES.md's fused-linear tolerances: loss 1e-4 relative, gradients 1e-4 relative norm; the
@@ -149,7 +158,7 @@ fn every_op_and_option_matches_the_reference() {
             let lin = linear_for(&case, h, bias);
             for budget in budgets(case.vocab) {
                 check::<f32>(&data, &lin, budget);
-                check::<bf16>(&data, &lin, budget);
+                check_bf16_every_way(&data, &lin, budget);
             }
         }
     }
@@ -165,6 +174,7 @@ fn ragged_shapes_and_masks() {
             let lin = linear_for(&case, h, true);
             for budget in budgets(v) {
                 check::<f32>(&data, &lin, budget);
+                check_bf16_every_way(&data, &lin, budget);
             }
         }
     }
@@ -197,6 +207,27 @@ fn bitwise_identical_for_any_thread_count_and_the_same_for_any_chunking() {
     assert_eq!(one.grad_hidden, whole.grad_hidden);
     let w64: Vec<f64> = whole.grad_weight.iter().map(|&x| x as f64).collect();
     assert!(rel_norm(&one.grad_weight, &w64) < 1e-6);
+}
+
+/// The bf16 products (AMX tiles where the machine has them) are the same bits for any thread
+/// count, too.
+#[test]
+fn bf16_is_bitwise_identical_for_any_thread_count() {
+    let case = Case::new(Op::Grpo, 2, 70, 1001).with(|o| o.beta = 0.04);
+    let data = case.data();
+    let lin = linear_for(&case, 96, true);
+    let at = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| run::<bf16>(&data, &lin, ChunkBudget { bytes: 4 * 1001 * 50 }))
+    };
+    let one = at(1);
+    for threads in [2, 3] {
+        let other = at(threads);
+        assert_eq!(one.out, other.out, "{threads} threads");
+        assert_eq!(one.grad_hidden, other.grad_hidden, "{threads} threads");
+        assert_eq!(one.grad_weight, other.grad_weight, "{threads} threads");
+        assert_eq!(one.grad_bias, other.grad_bias, "{threads} threads");
+    }
 }
 
 #[test]

@@ -29,6 +29,7 @@ use crate::element::Element;
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 use crate::matmul::{self, Mat, MatMut};
+use crate::matmul_bf16::{self, Bf16Products};
 use crate::objective::{LossOutput, Objective, RowGradient, RowOutcome};
 use crate::stats::{PartialRowStats, RowStats};
 
@@ -80,21 +81,31 @@ impl Default for ChunkBudget {
     }
 }
 
-/// Chunk sizes: `rows` rows of logits at a time, weights converted to f32 `tile` rows at a time.
+/// Chunk sizes: `rows` rows of logits at a time, the weights taken `tile` rows at a time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Plan {
     rows: usize,
     tile: usize,
 }
 
+/// Vocabulary rows per tile of the AMX products: the tile's packed weights (rows twice, for the
+/// input gradient: `2 * 256 * H` bf16, 0.9 MiB at H = 896) stay in a core's 2 MiB L2 cache.
+const AMX_TILE: usize = 256;
+
 impl Plan {
-    /// A quarter of the budget for an f32 copy of a weight tile (only when the weights are not
-    /// f32 already), the rest for the f32 logits of a chunk of rows (and its f32 hidden states).
-    fn new<T: Element>(n: usize, h: usize, columns: usize, budget: ChunkBudget) -> Self {
-        let converts = T::as_f32_slice(&[]).is_none();
-        let tile = if converts { (budget.bytes / 4 / (4 * h.max(1))).clamp(16, columns.max(16)) } else { columns };
-        let tile_bytes = if converts { tile * h * 4 } else { 0 };
-        let per_row = 4 * (columns + if converts { h } else { 0 });
+    /// f32 weights: one tile, the whole vocabulary. bf16 weights on AMX: tiles of [`AMX_TILE`]
+    /// rows, packed (a few MiB), and the chunk's hidden states packed twice (`6 H` bytes a row).
+    /// Other weights widened to f32: a quarter of the budget for an f32 copy of a weight tile.
+    /// The rest holds the f32 logits of a chunk of rows (and its f32 hidden states).
+    fn new<T: Element>(n: usize, h: usize, columns: usize, budget: ChunkBudget, amx: bool) -> Self {
+        let (tile, tile_bytes, per_row) = if amx {
+            (AMX_TILE, 3 * 4 * AMX_TILE * h, 4 * columns + 6 * h + 8 * AMX_TILE)
+        } else if T::as_f32_slice(&[]).is_none() {
+            let tile = (budget.bytes / 4 / (4 * h.max(1))).clamp(16, columns.max(16));
+            (tile, tile * h * 4, 4 * (columns + h))
+        } else {
+            (columns, 0, 4 * columns)
+        };
         let rows = even_chunk_rows(n, budget.bytes.saturating_sub(tile_bytes) / per_row.max(1));
         Self { rows, tile: tile.min(columns).max(1) }
     }
@@ -131,8 +142,20 @@ struct Streamer<'p, 'a, T> {
     plan: Plan,
     /// f32 logits of one chunk, `[plan.rows, columns.len()]`.
     z: Vec<f32>,
-    hidden_buf: Vec<f32>,
-    weight_buf: Vec<f32>,
+    /// The products' operands for the chunk in hand.
+    operands: Operands,
+}
+
+/// The chunk's hidden states and the weight tiles as the products take them.
+enum Operands {
+    /// f32 products: the chunk's hidden states and a weight tile, widened when not f32.
+    F32 { hidden: Vec<f32>, weight: Vec<f32> },
+    /// AMX bf16 products: the chunk's hidden states packed, and packing buffers.
+    Amx {
+        hidden: Box<matmul_bf16::PackedHidden>,
+        split: Box<matmul_bf16::SplitGradient>,
+        scratch: Box<matmul_bf16::Scratch>,
+    },
 }
 
 impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
@@ -151,8 +174,14 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             )));
         }
         shapes::check_inputs(rows, h, v, inputs.hidden.len(), inputs.weight.len(), inputs.bias.map(<[T]>::len))?;
-        let plan = Plan::new::<T>(n, h, v, budget);
-        Ok(Self { prepared, inputs, columns, plan, z: Vec::new(), hidden_buf: Vec::new(), weight_buf: Vec::new() })
+        let amx = T::as_bf16_bits(&[]).is_some() && matmul_bf16::current() == Bf16Products::Amx;
+        let operands = if amx {
+            Operands::Amx { hidden: Box::default(), split: Box::default(), scratch: Box::default() }
+        } else {
+            Operands::F32 { hidden: Vec::new(), weight: Vec::new() }
+        };
+        let plan = Plan::new::<T>(n, h, v, budget, amx);
+        Ok(Self { prepared, inputs, columns, plan, z: Vec::new(), operands })
     }
 
     fn width(&self) -> usize {
@@ -164,70 +193,86 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         (0..n).step_by(step).map(move |r| r..(r + step).min(n))
     }
 
-    fn tiles(&self) -> impl Iterator<Item = Range<usize>> {
+    fn tiles(&self) -> Vec<Range<usize>> {
         let (v, step) = (self.width(), self.plan.tile);
-        (0..v).step_by(step).map(move |c| c..(c + step).min(v))
+        (0..v).step_by(step).map(move |c| c..(c + step).min(v)).collect()
     }
 
-    /// Computes the f32 logits of `chunk` into `self.z` and returns the chunk's f32 hidden states.
-    fn logits(&mut self, chunk: &Range<usize>) -> Vec<f32> {
+    /// Computes the f32 logits of `chunk` into `self.z`, keeping the chunk's hidden states in
+    /// `self.operands` for [`Self::backward`].
+    fn logits(&mut self, chunk: &Range<usize>) {
         let (h, v) = (self.inputs.hidden_size, self.width());
         let n = chunk.len();
         self.z.resize(self.plan.rows * v, 0.0);
-        let hc = as_f32(&self.inputs.hidden[chunk.start * h..chunk.end * h], &mut self.hidden_buf).to_vec();
-        let tiles: Vec<Range<usize>> = self.tiles().collect();
+        let tiles = self.tiles();
         let z = &mut self.z[..n * v];
         if let Some(bias) = self.inputs.bias {
             let bias: Vec<f32> = bias.iter().map(|b| b.to_f32()).collect();
             z.par_chunks_mut(v).for_each(|row| row.copy_from_slice(&bias));
         }
-        for t in tiles {
-            let wt = as_f32(&self.inputs.weight[t.start * h..t.end * h], &mut self.weight_buf);
-            let mut out = MatMut { data: &mut z[t.start..], rows: n, cols: t.len(), stride: v };
-            matmul::matmul_nt(
-                &mut out,
-                self.inputs.bias.is_some(),
-                Mat { data: &hc, rows: n, cols: h, stride: h },
-                Mat { data: wt, rows: t.len(), cols: h, stride: h },
-            );
+        let (weight, accumulate) = (self.inputs.weight, self.inputs.bias.is_some());
+        let hidden_rows = &self.inputs.hidden[chunk.start * h..chunk.end * h];
+        match &mut self.operands {
+            Operands::F32 { hidden, weight: buf } => {
+                let hc = as_f32(hidden_rows, buf).to_vec();
+                for t in tiles {
+                    let wt = as_f32(&weight[t.start * h..t.end * h], buf);
+                    let mut out = MatMut { data: &mut z[t.start..], rows: n, cols: t.len(), stride: v };
+                    let (hc, wt) = (Mat { data: &hc, rows: n, cols: h, stride: h }, Mat::new(wt, t.len(), h));
+                    matmul::matmul_nt(&mut out, accumulate, hc, wt);
+                }
+                *hidden = hc;
+            }
+            Operands::Amx { hidden, scratch, .. } => {
+                let bits = |x: &'a [T]| T::as_bf16_bits(x).expect("bf16 operands");
+                hidden.pack(bits(hidden_rows), n, h);
+                for t in tiles {
+                    let mut out = MatMut { data: &mut z[t.start..], rows: n, cols: t.len(), stride: v };
+                    let wt = bits(&weight[t.start * h..]);
+                    matmul_bf16::logits(&mut out, accumulate, hidden, wt, t.len(), scratch);
+                }
+            }
         }
-        hc
     }
 
     /// Turns `dz` (in `self.z`) into the gradients of `chunk`: `dh` (overwritten), `dW` and `db`
     /// (overwritten on the first chunk unless `grads.accumulate`, accumulated after).
-    fn backward(&mut self, chunk: &Range<usize>, hc: &[f32], grads: &mut LinearGradients<'_>, first_chunk: bool) {
+    fn backward(&mut self, chunk: &Range<usize>, grads: &mut LinearGradients<'_>, first_chunk: bool) {
         let first_chunk = first_chunk && !grads.accumulate;
         let (h, v, n) = (self.inputs.hidden_size, self.width(), chunk.len());
-        let dz = &self.z[..n * v];
-        let dz_tile = |t: &Range<usize>| Mat { data: &dz[t.start..], rows: n, cols: t.len(), stride: v };
-        let tiles: Vec<Range<usize>> = self.tiles().collect();
-        let dh = &mut grads.hidden[chunk.start * h..chunk.end * h];
-        for (i, t) in tiles.iter().enumerate() {
-            let wt = as_f32(&self.inputs.weight[t.start * h..t.end * h], &mut self.weight_buf);
-            let wt = Mat { data: wt, rows: t.len(), cols: h, stride: h };
-            matmul::matmul_nn(&mut MatMut { data: dh, rows: n, cols: h, stride: h }, i > 0, dz_tile(t), wt);
-        }
-        if let Some(dw) = grads.weight.as_deref_mut() {
-            for t in &tiles {
-                let mut out = MatMut { data: &mut dw[t.start * h..t.end * h], rows: t.len(), cols: h, stride: h };
-                matmul::matmul_tn(&mut out, !first_chunk, dz_tile(t), Mat { data: hc, rows: n, cols: h, stride: h });
-            }
-        }
+        let tiles = self.tiles();
+        let weight = self.inputs.weight;
         if let Some(db) = grads.bias.as_deref_mut() {
-            // Column sums in row order, columns split over threads: deterministic.
-            db.par_chunks_mut(1024).enumerate().for_each(|(c, out)| {
-                let c0 = c * 1024;
-                if first_chunk {
-                    out.fill(0.0);
+            bias_gradient(db, &self.z[..n * v], v, first_chunk);
+        }
+        let dh = &mut grads.hidden[chunk.start * h..chunk.end * h];
+        match &mut self.operands {
+            Operands::F32 { hidden, weight: buf } => {
+                let dz = &self.z[..n * v];
+                let dz_tile = |t: &Range<usize>| Mat { data: &dz[t.start..], rows: n, cols: t.len(), stride: v };
+                for (i, t) in tiles.iter().enumerate() {
+                    let wt = Mat::new(as_f32(&weight[t.start * h..t.end * h], buf), t.len(), h);
+                    matmul::matmul_nn(&mut MatMut::new(dh, n, h), i > 0, dz_tile(t), wt);
                 }
-                let width = out.len();
-                for row in dz.chunks_exact(v) {
-                    for (o, &g) in out.iter_mut().zip(&row[c0..c0 + width]) {
-                        *o += g;
+                if let Some(dw) = grads.weight.as_deref_mut() {
+                    for t in &tiles {
+                        let mut out = MatMut::new(&mut dw[t.start * h..t.end * h], t.len(), h);
+                        matmul::matmul_tn(&mut out, !first_chunk, dz_tile(t), Mat::new(hidden, n, h));
                     }
                 }
-            });
+            }
+            Operands::Amx { hidden, split, scratch } => {
+                let dz = &self.z[..n * v];
+                for (i, t) in tiles.iter().enumerate() {
+                    let wt = T::as_bf16_bits(&weight[t.start * h..t.end * h]).expect("bf16 operands");
+                    split.pack(Mat { data: &dz[t.start..], rows: n, cols: t.len(), stride: v });
+                    matmul_bf16::input_gradient(&mut MatMut::new(dh, n, h), i > 0, split, wt, scratch);
+                    if let Some(dw) = grads.weight.as_deref_mut() {
+                        let mut out = MatMut::new(&mut dw[t.start * h..t.end * h], t.len(), h);
+                        matmul_bf16::weight_gradient(&mut out, !first_chunk, split, hidden);
+                    }
+                }
+            }
         }
     }
 
@@ -254,11 +299,11 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         let chunks: Vec<Range<usize>> = self.chunks().collect();
         let temperature = self.prepared.spec().options.temperature;
         for (i, chunk) in chunks.iter().enumerate() {
-            let hc = self.logits(chunk);
+            self.logits(chunk);
             let n = chunk.len() * self.width();
             let block = chunk_block(self.prepared, &self.columns, chunk);
             cpu::gradient(GradientTarget::InPlace(&mut self.z[..n]), &block, row_grads, temperature);
-            self.backward(chunk, &hc, grads, i == 0);
+            self.backward(chunk, grads, i == 0);
         }
     }
 
@@ -272,7 +317,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         let temperature = self.prepared.spec().options.temperature;
         let mut results = Vec::with_capacity(self.prepared.spec().rows.len());
         for (i, chunk) in chunks.iter().enumerate() {
-            let hc = self.logits(chunk);
+            self.logits(chunk);
             let n = chunk.len() * self.width();
             let block = chunk_block(self.prepared, &self.columns, chunk);
             results.extend(cpu::sweep(
@@ -282,10 +327,27 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 temperature,
                 self.prepared.needs_sum_u(),
             )?);
-            self.backward(chunk, &hc, grads, i == 0);
+            self.backward(chunk, grads, i == 0);
         }
         Ok(results)
     }
+}
+
+/// `db (+)= ` the column sums of `dz` (`v` columns), in row order, columns split over threads:
+/// deterministic.
+fn bias_gradient(db: &mut [f32], dz: &[f32], v: usize, overwrite: bool) {
+    db.par_chunks_mut(1024).enumerate().for_each(|(c, out)| {
+        let c0 = c * 1024;
+        if overwrite {
+            out.fill(0.0);
+        }
+        let width = out.len();
+        for row in dz.chunks_exact(v) {
+            for (o, &g) in out.iter_mut().zip(&row[c0..c0 + width]) {
+                *o += g;
+            }
+        }
+    });
 }
 
 /// The rows of `chunk` over `columns`, as the CPU row passes take them. A free function (not a

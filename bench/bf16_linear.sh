@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# bf16 fused-linear GRPO (N = 1024, H = 896, V = 151936) against its peers in one run, the arms
+# alternated over ROUNDS rounds (this VM's speed drifts): flashgrpo f32, flashgrpo bf16 with the
+# detected bf16 products (AMX where the CPU has it), flashgrpo bf16 with the products widened to
+# f32 (FLASHGRPO_BF16_PRODUCTS=widened, the path before issue 17), PyTorch eager bf16 (TRL's loss
+# on materialised logits) and Liger-Kernel's chunked loss in bf16. Prints each arm's per-round
+# step time and their median. Usage: bench/bf16_linear.sh [ROUNDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-3}
+bin=target/release/flashgrpo
+[ -x "$bin" ] || cargo build --release
+python=$(bench/peers/setup.sh | tail -1)
+config=configs/bench-linear-grpo-n1024-f32.yaml
+ours() { "$bin" bench --config "$config" "$@" | awk '$1 == "bench/step_s_p50" {print $2}'; }
+peer() { "$python" bench/peers/peer_loss.py --framework "$1" --hidden 896 --dtype bf16 --steps 3 --warmup 1 |
+  "$python" -c 'import json, sys; print(json.load(sys.stdin)["step_s_p50"])'; }
+declare -A times
+order=(flashgrpo-f32 flashgrpo-bf16 flashgrpo-bf16-widened torch-eager-bf16 liger-bf16)
+for r in $(seq "$rounds"); do
+  for arm in "${order[@]}"; do
+    case $arm in
+      flashgrpo-f32) t=$(ours) ;;
+      flashgrpo-bf16) t=$(ours --set dtype=bf16) ;;
+      flashgrpo-bf16-widened) t=$(FLASHGRPO_BF16_PRODUCTS=widened ours --set dtype=bf16) ;;
+      torch-eager-bf16) t=$(peer torch-eager) ;;
+      liger-bf16) t=$(peer liger) ;;
+    esac
+    times[$arm]="${times[$arm]:-} $t"
+    echo "round $r $arm $t" >&2
+  done
+done
+for arm in "${order[@]}"; do
+  # shellcheck disable=SC2086
+  median=$(printf '%s\n' ${times[$arm]} | sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}')
+  echo "$arm step_s median $median (rounds:${times[$arm]})"
+done

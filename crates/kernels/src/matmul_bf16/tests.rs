@@ -1,0 +1,150 @@
+//! The AMX products against f64 loops on ragged shapes (no dimension a multiple of the 32-wide
+//! blocking), with strided and accumulated outputs, and bit for bit across thread counts. On a
+//! machine without AMX these tests check nothing and say so.
+
+use super::*;
+use crate::synthetic::normal_matrix;
+
+fn bits(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|&v| <half::bf16 as crate::Element>::from_f32(v).to_bits()).collect()
+}
+
+fn widen(x: &[u16]) -> Vec<f64> {
+    x.iter().map(|&b| f32::from_bits((b as u32) << 16) as f64).collect()
+}
+
+/// `|got - want| <= tol * sum |terms| + 1e-30` for every element.
+fn assert_close(got: &[f32], want: &[f64], scale: &[f64], tol: f64, what: &str) {
+    for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+        assert!((*g as f64 - w).abs() <= tol * s + 1e-30, "{what}: element {i}: {g} vs {w} (scale {s})");
+    }
+}
+
+const SHAPES: [(usize, usize, usize); 6] =
+    [(5, 7, 11), (33, 50, 70), (1, 32, 17), (64, 96, 256), (40, 130, 97), (17, 896, 300)];
+
+fn skip() -> bool {
+    if !amx::available() {
+        eprintln!("no AMX on this machine: the AMX products are not exercised here");
+        return true;
+    }
+    false
+}
+
+#[test]
+fn logits_product_matches_f64() {
+    if skip() {
+        return;
+    }
+    for (n, h, v) in SHAPES {
+        let hc = bits(&normal_matrix(n, h, 1.0, 1));
+        let wt = bits(&normal_matrix(v, h, 0.5, 2));
+        let (hc64, wt64) = (widen(&hc), widen(&wt));
+        let stride = v + 3;
+        let mut z = vec![1.0f32; n * stride];
+        let mut packed = PackedHidden::default();
+        packed.pack(&hc, n, h);
+        for accumulate in [false, true] {
+            let mut out = MatMut { data: &mut z, rows: n, cols: v, stride };
+            logits(&mut out, accumulate, &packed, &wt, v, &mut Scratch::default());
+        }
+        let (mut got, mut want, mut scale) = (vec![], vec![], vec![]);
+        for r in 0..n {
+            for c in 0..v {
+                let terms = (0..h).map(|k| hc64[r * h + k] * wt64[c * h + k]);
+                want.push(2.0 * terms.clone().sum::<f64>());
+                scale.push(2.0 * terms.map(f64::abs).sum::<f64>());
+                got.push(z[r * stride + c]);
+            }
+            assert!(z[r * stride + v..(r + 1) * stride].iter().all(|&x| x == 1.0), "past the columns");
+        }
+        assert_close(&got, &want, &scale, 1e-5, &format!("logits {n}x{h}x{v}"));
+    }
+}
+
+/// The gradient products over the vocabulary in two ranges (the first not a multiple of 16
+/// columns wide, so the second starts unaligned and both have ragged tails).
+fn gradients(
+    dz: &[f32],
+    n: usize,
+    v: usize,
+    wt: &[u16],
+    hc: &[u16],
+    h: usize,
+    accumulate: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut packed = PackedHidden::default();
+    packed.pack(hc, n, h);
+    let mut scratch = Scratch::default();
+    let mut split = SplitGradient::default();
+    let (mut dh, mut dw) = (vec![0.5f32; n * h], vec![0.25f32; v * h]);
+    let cut = (v * 2 / 3).max(1).min(v);
+    for (i, columns) in [0..cut, cut..v].into_iter().enumerate() {
+        let wt_tile = &wt[columns.start * h..columns.end * h];
+        split.pack(Mat { data: &dz[columns.start..], rows: n, cols: columns.len(), stride: v });
+        input_gradient(&mut MatMut::new(&mut dh, n, h), accumulate || i > 0, &split, wt_tile, &mut scratch);
+        let mut out = MatMut::new(&mut dw[columns.start * h..columns.end * h], columns.len(), h);
+        weight_gradient(&mut out, accumulate, &split, &packed);
+    }
+    (dh, dw)
+}
+
+#[test]
+fn gradient_products_match_f64() {
+    if skip() {
+        return;
+    }
+    for (n, h, v) in SHAPES {
+        let hc = bits(&normal_matrix(n, h, 1.0, 3));
+        let wt = bits(&normal_matrix(v, h, 0.5, 4));
+        let dz = normal_matrix(n, v, 1e-3, 5);
+        let (hc64, wt64) = (widen(&hc), widen(&wt));
+        for accumulate in [false, true] {
+            let (dh, dw) = gradients(&dz, n, v, &wt, &hc, h, accumulate);
+            let start = |x: f64| if accumulate { x } else { 0.0 };
+            let (mut want, mut scale) = (vec![], vec![]);
+            for r in 0..n {
+                for k in 0..h {
+                    let terms = (0..v).map(|c| dz[r * v + c] as f64 * wt64[c * h + k]);
+                    want.push(start(0.5) + terms.clone().sum::<f64>());
+                    scale.push(terms.map(f64::abs).sum::<f64>() + 0.5);
+                }
+            }
+            assert_close(&dh, &want, &scale, 1e-5, &format!("d hidden {n}x{h}x{v}"));
+            let (mut want, mut scale) = (vec![], vec![]);
+            for c in 0..v {
+                for k in 0..h {
+                    let terms = (0..n).map(|r| dz[r * v + c] as f64 * hc64[r * h + k]);
+                    want.push(start(0.25) + terms.clone().sum::<f64>());
+                    scale.push(terms.map(f64::abs).sum::<f64>() + 0.25);
+                }
+            }
+            assert_close(&dw, &want, &scale, 1e-5, &format!("d weight {n}x{h}x{v}"));
+        }
+    }
+}
+
+#[test]
+fn products_are_the_same_bits_for_any_thread_count() {
+    if skip() {
+        return;
+    }
+    let (n, h, v) = (70, 96, 333);
+    let hc = bits(&normal_matrix(n, h, 1.0, 6));
+    let wt = bits(&normal_matrix(v, h, 0.5, 7));
+    let dz = normal_matrix(n, v, 1e-3, 8);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let mut packed = PackedHidden::default();
+            packed.pack(&hc, n, h);
+            let mut z = vec![0.0f32; n * v];
+            logits(&mut MatMut::new(&mut z, n, v), false, &packed, &wt, v, &mut Scratch::default());
+            (z, gradients(&dz, n, v, &wt, &hc, h, false))
+        })
+    };
+    let one = run(1);
+    for threads in [2, 3, 5] {
+        assert!(run(threads) == one, "{threads} threads");
+    }
+}
