@@ -263,7 +263,7 @@ pub fn logits(
 ) {
     let h = hc.hidden_size;
     assert!(z.rows == hc.rows && z.cols == wt_rows && wt.len() >= wt_rows * h);
-    let a = if h % 32 == 0 && wt.len() >= pack::padded(wt_rows) * h {
+    let a = if h.is_multiple_of(32) && wt.len() >= pack::padded(wt_rows) * h {
         AOperand { ptr: wt.as_ptr(), row_bytes: 2 * h, steps: h / 32 }
     } else {
         pack::a_from_rows(wt, h, wt_rows, h, &mut scratch.a);
