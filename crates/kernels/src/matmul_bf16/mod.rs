@@ -16,6 +16,7 @@ pub mod amx;
 pub mod pack;
 
 use std::cell::Cell;
+use std::ops::Range;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -106,6 +107,13 @@ impl Output {
         Self { ptr: out.data.as_mut_ptr(), rows, cols, stride: out.stride, transposed, accumulate }
     }
 
+    /// The part `rows x cols` of C.
+    fn part(&self, rows: Range<usize>, cols: Range<usize>) -> Self {
+        assert!(rows.end <= self.rows && cols.end <= self.cols);
+        let (r, c) = if self.transposed { (cols.start, rows.start) } else { (rows.start, cols.start) };
+        Self { ptr: self.ptr.wrapping_add(r * self.stride + c), rows: rows.len(), cols: cols.len(), ..*self }
+    }
+
     /// Block `(bi, bj)` of C in place, where the tiles can read and write it there: not
     /// transposed, and the whole block inside the output.
     fn direct(&self, bi: usize, bj: usize) -> Option<amx::CTile> {
@@ -117,6 +125,28 @@ impl Output {
         })
     }
 
+    /// Asks for the memory of block `(bi, bj)` ahead of [`Self::write`], so that it arrives while
+    /// the tiles compute the block (a transposed write reads 32 rows of 128 bytes, each in another
+    /// page of a large output: without this the write waits on memory).
+    fn prefetch(&self, bi: usize, bj: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let (r0, c0) = (32 * bi, 32 * bj);
+            let (rows, cols) = (self.rows.saturating_sub(r0).min(32), self.cols.saturating_sub(c0).min(32));
+            let (lines, len) = if self.transposed { (cols, rows) } else { (rows, cols) };
+            let start = if self.transposed { c0 * self.stride + r0 } else { r0 * self.stride + c0 };
+            for line in 0..lines {
+                let p = self.ptr.wrapping_add(start + line * self.stride);
+                // SAFETY: a prefetch never faults; the addresses are inside the output anyway.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(p.cast());
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(len - 1).cast());
+                }
+            }
+        }
+    }
+
     /// Writes (or adds) the valid part of block `(bi, bj)`.
     ///
     /// # Safety
@@ -126,6 +156,15 @@ impl Output {
         let (rows, cols) = (self.rows.saturating_sub(r0).min(32), self.cols.saturating_sub(c0).min(32));
         let store = |dst: &mut f32, x: f32| *dst = if self.accumulate { *dst + x } else { x };
         if self.transposed {
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx512f") {
+                // SAFETY: AVX-512F was detected; memory rows c0..c0 + cols, columns
+                // r0..r0 + rows are inside the output.
+                unsafe {
+                    add_transposed(self.ptr.add(c0 * self.stride + r0), self.stride, block, rows, cols, self.accumulate)
+                };
+                return;
+            }
             for c in 0..cols {
                 // SAFETY: memory row c0 + c, columns r0..r0 + rows are inside the output.
                 let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.add((c0 + c) * self.stride + r0), rows) };
@@ -141,6 +180,78 @@ impl Output {
                     store(d, x);
                 }
             }
+        }
+    }
+}
+
+/// `dst[c * stride + r] (+)= block[32 * r + c]` for `r < rows`, `c < cols`: a block's transpose,
+/// a 16 x 16 quarter at a time in registers (the scalar loop beside it is the reference).
+///
+/// # Safety
+/// AVX-512F; `dst` valid for `cols` rows of `rows` values, `stride` apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_transposed(dst: *mut f32, stride: usize, block: &amx::Block, rows: usize, cols: usize, accumulate: bool) {
+    use std::arch::x86_64::*;
+    for r0 in (0..rows).step_by(16) {
+        let mask: __mmask16 = if rows - r0 >= 16 { 0xffff } else { (1 << (rows - r0)) - 1 };
+        for c0 in (0..cols).step_by(16) {
+            // SAFETY: rows r0..r0 + 16, columns c0..c0 + 16 are inside the block's 32 x 32.
+            let mut quarter: [__m512; 16] =
+                std::array::from_fn(|i| unsafe { _mm512_loadu_ps(block[32 * (r0 + i) + c0..].as_ptr()) });
+            transpose16(&mut quarter);
+            for (j, column) in quarter.iter().enumerate().take(cols - c0) {
+                // SAFETY (dst): the caller's promise, for the `mask`ed lanes.
+                let p = unsafe { dst.add((c0 + j) * stride + r0) };
+                let v = if accumulate {
+                    _mm512_add_ps(*column, unsafe { _mm512_maskz_loadu_ps(mask, p) })
+                } else {
+                    *column
+                };
+                unsafe { _mm512_mask_storeu_ps(p, mask, v) };
+            }
+        }
+    }
+}
+
+/// Transposes 16 x 16 f32 in registers: for each bit `b` of the index, every pair of rows `b`
+/// apart swaps the `b` bit of row and lane (`vpermt2ps`, 8 pairs a round, 4 rounds).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn transpose16(rows: &mut [std::arch::x86_64::__m512; 16]) {
+    use std::arch::x86_64::*;
+    const fn indices(b: usize, upper: bool) -> [i32; 16] {
+        let mut idx = [0i32; 16];
+        let mut l = 0;
+        while l < 16 {
+            idx[l] = match (l & b == 0, upper) {
+                (true, false) => l,
+                (false, false) => 16 + l - b,
+                (true, true) => l + b,
+                (false, true) => 16 + l,
+            } as i32;
+            l += 1;
+        }
+        idx
+    }
+    const INDICES: [[[i32; 16]; 2]; 4] = {
+        let mut all = [[[0; 16]; 2]; 4];
+        let mut k = 0;
+        while k < 4 {
+            all[k] = [indices(8 >> k, false), indices(8 >> k, true)];
+            k += 1;
+        }
+        all
+    };
+    for (k, [lower, upper]) in INDICES.iter().enumerate() {
+        let b = 8 >> k;
+        // SAFETY: 16 i32 each; the caller is compiled with AVX-512F (`__m512` values exist).
+        let (lower, upper) =
+            unsafe { (_mm512_loadu_si512(lower.as_ptr().cast()), _mm512_loadu_si512(upper.as_ptr().cast())) };
+        for i in (0..16).filter(|i| i & b == 0) {
+            let (x, y) = (rows[i], rows[i + b]);
+            rows[i] = unsafe { _mm512_permutex2var_ps(x, lower, y) };
+            rows[i + b] = unsafe { _mm512_permutex2var_ps(x, upper, y) };
         }
     }
 }
@@ -190,37 +301,38 @@ impl BOperand {
     }
 }
 
-/// C (+)= A @ B on AMX tiles, blocks of 32x32 spread over the rayon threads.
+/// C (+)= A @ B on AMX tiles, block by block (32 x 32) on the calling thread.
 ///
 /// # Safety
 /// A must be readable for `32 * ceil(out.rows / 32)` rows of `a.steps` steps, and B's panels
-/// `0..2 * ceil(out.cols / 32)` for `16 * a.steps` rows.
+/// `0..2 * ceil(out.cols / 32)` for `16 * a.steps` rows; no other thread writes `out`.
 unsafe fn product(a: AOperand, b: BOperand, out: &Output) {
     assert!(amx::available());
     let (blocks_m, blocks_n) = (out.rows.div_ceil(32), out.cols.div_ceil(32));
-    let blocks = blocks_m * blocks_n;
-    let per_task = blocks.div_ceil(4 * rayon::current_num_threads()).max(1);
-    (0..blocks.div_ceil(per_task)).into_par_iter().for_each(|task| {
-        let mut block = [0.0f32; 32 * 32];
-        // SAFETY: AMX is available (asserted); the operands are readable as the caller promised,
-        // and each block of C is written by the one task that owns it.
-        unsafe {
-            amx::configure();
-            for index in task * per_task..((task + 1) * per_task).min(blocks) {
-                let (bi, bj) = (index / blocks_n, index % blocks_n);
-                let (b0, b1) = (b.panel(2 * bj), b.panel(2 * bj + 1));
-                match out.direct(bi, bj) {
-                    Some(c) => amx::block(a.block(bi), a.row_bytes, b0, b1, b.row_bytes, a.steps, &c),
-                    None => {
-                        let c = amx::CTile { ptr: block.as_mut_ptr(), row_bytes: 128, load: false };
-                        amx::block(a.block(bi), a.row_bytes, b0, b1, b.row_bytes, a.steps, &c);
-                        out.write(bi, bj, &block);
-                    }
+    let mut block = [0.0f32; 32 * 32];
+    // SAFETY: AMX is available (asserted); the operands are readable as the caller promised.
+    unsafe {
+        amx::configure();
+        for index in 0..blocks_m * blocks_n {
+            // Along the output's memory rows: each of a block's 32 rows then streams on.
+            let (bi, bj) = if out.transposed {
+                (index % blocks_m, index / blocks_m)
+            } else {
+                (index / blocks_n, index % blocks_n)
+            };
+            let (b0, b1) = (b.panel(2 * bj), b.panel(2 * bj + 1));
+            match out.direct(bi, bj) {
+                Some(c) => amx::block(a.block(bi), a.row_bytes, b0, b1, b.row_bytes, a.steps, &c),
+                None => {
+                    out.prefetch(bi, bj);
+                    let c = amx::CTile { ptr: block.as_mut_ptr(), row_bytes: 128, load: false };
+                    amx::block(a.block(bi), a.row_bytes, b0, b1, b.row_bytes, a.steps, &c);
+                    out.write(bi, bj, &block);
                 }
             }
-            amx::release();
         }
-    });
+        amx::release();
+    }
 }
 
 /// The packed forms of one chunk of bf16 hidden states, reused by every vocabulary tile.
@@ -243,73 +355,136 @@ impl PackedHidden {
     }
 }
 
-/// Packing buffers of the per-tile operands, reused from tile to tile.
+/// The per-tile operands a thread packs, kept from tile to tile (and call to call).
 #[derive(Default)]
-pub struct Scratch {
+struct TileScratch {
     a: PackedA,
     b: PackedB,
 }
 
-/// `z (+)= hc @ wt^T` on AMX: the logits of the packed chunk `hc` over `wt_rows` vocabulary rows
-/// (`wt`: bf16 bits, row-major, `hidden_size` columns; it may go on past those rows, to the end of
-/// the weight, which lets the product read whole blocks of rows in place).
-pub fn logits(
-    z: &mut MatMut<'_>,
-    accumulate: bool,
-    hc: &PackedHidden,
-    wt: &[u16],
-    wt_rows: usize,
-    scratch: &mut Scratch,
-) {
+thread_local! {
+    static TILE_SCRATCH: std::cell::RefCell<TileScratch> = std::cell::RefCell::default();
+}
+
+/// Runs `f` on every tile of `tiles`, spread over the rayon threads, each with its thread's
+/// [`TileScratch`]. One parallel region per call: a region per tile and product would cost a
+/// thread wake-up each, thousands per step.
+fn for_each_tile(tiles: &[Range<usize>], f: impl Fn(usize, &Range<usize>, &mut TileScratch) + Sync) {
+    tiles.par_iter().enumerate().for_each(|(i, t)| TILE_SCRATCH.with(|s| f(i, t, &mut s.borrow_mut())));
+}
+
+/// `[start, start + len)` in `tile`-wide pieces.
+fn tiles(len: usize, tile: usize) -> Vec<Range<usize>> {
+    (0..len).step_by(tile.max(1)).map(|c| c..(c + tile).min(len)).collect()
+}
+
+/// `z (+)= hc @ weight^T` on AMX: the logits of the packed chunk `hc` over the vocabulary rows
+/// of `weight` (bf16 bits, row-major, `hidden_size` columns, `z.cols` rows), `tile` rows at a
+/// time, the tiles spread over the threads. Each tile is `C = W_tile @ hc^T`, written transposed;
+/// its A is read in place from the weight where whole blocks of rows are there.
+pub fn logits(z: &mut MatMut<'_>, accumulate: bool, hc: &PackedHidden, weight: &[u16], tile: usize) {
     let h = hc.hidden_size;
-    assert!(z.rows == hc.rows && z.cols == wt_rows && wt.len() >= wt_rows * h);
-    let a = if h.is_multiple_of(32) && wt.len() >= pack::padded(wt_rows) * h {
-        AOperand { ptr: wt.as_ptr(), row_bytes: 2 * h, steps: h / 32 }
-    } else {
-        pack::a_from_rows(wt, h, wt_rows, h, &mut scratch.a);
-        AOperand::packed(&scratch.a)
-    };
-    // SAFETY: A's whole blocks of rows are inside `wt` or packed; B is packed to whole blocks.
-    unsafe { product(a, BOperand::packed(&hc.transposed), &Output::new(z, true, accumulate)) };
+    assert!(z.rows == hc.rows && weight.len() >= z.cols * h);
+    let out = Output::new(z, true, accumulate);
+    for_each_tile(&tiles(out.rows, tile), |_, t, scratch| {
+        let a = if h.is_multiple_of(32) && weight.len() >= (t.start + pack::padded(t.len())) * h {
+            AOperand { ptr: weight[t.start * h..].as_ptr(), row_bytes: 2 * h, steps: h / 32 }
+        } else {
+            pack::a_from_rows(&weight[t.start * h..], h, t.len(), h, &mut scratch.a);
+            AOperand::packed(&scratch.a)
+        };
+        let out = out.part(t.clone(), 0..out.cols);
+        // SAFETY: A's whole blocks of rows are inside `weight` or packed; B is packed to whole
+        // blocks; this tile's columns of z are written by this task only.
+        unsafe { product(a, BOperand::packed(&hc.transposed), &out) };
+    });
 }
 
-/// A tile of the logits' gradient, split into bf16 pairs and packed (see
-/// [`pack::a_from_f32_split`]), read by both gradient products.
-#[derive(Default)]
-pub struct SplitGradient {
-    packed: PackedA,
-    rows: usize,
-    cols: usize,
+/// Vocabulary tiles fall into this many fixed groups, each summing its tiles' share of `d hidden`
+/// in order; the groups' sums are added in order. The sums do not depend on the thread count.
+pub const GROUPS: usize = 16;
+
+/// The gradient products of a chunk on AMX: `dh = dz @ weight` and, if `dw` is given,
+/// `dw (+)= dz^T @ hc` (`dz`: f32, `n x v`; `weight` and `dw`: `v x hidden_size`), `tile`
+/// vocabulary rows at a time, the tiles spread over the threads. `partials` holds the groups'
+/// sums of `dh` (kept for reuse).
+///
+/// Each tile's `dz` is split into bf16 pairs ([`pack::a_from_f32_split`]), the A of
+/// `dz @ W_tile` (against the tile's rows twice) and the B of `dW_tile^T = hc^T @ dz` (against
+/// `hc^T` with its elements twice), written transposed into `dw`.
+#[allow(clippy::too_many_arguments)]
+pub fn gradients(
+    dh: &mut MatMut<'_>,
+    dw: Option<&mut [f32]>,
+    accumulate_dw: bool,
+    dz: Mat<'_>,
+    weight: &[u16],
+    hc: &PackedHidden,
+    tile: usize,
+    partials: &mut Vec<f32>,
+) {
+    let (n, h, v) = (dz.rows, hc.hidden_size, dz.cols);
+    assert!(dh.rows == n && dh.cols == h && hc.rows == n && weight.len() >= v * h);
+    let all = tiles(v, tile);
+    let groups: Vec<Range<usize>> = (0..GROUPS.min(all.len()))
+        .map(|g| g * all.len() / GROUPS.min(all.len())..(g + 1) * all.len() / GROUPS.min(all.len()))
+        .collect();
+    partials.resize(groups.len() * n * h, 0.0);
+    let base = partials.as_mut_ptr();
+    let partial_outs: Vec<Output> = (0..groups.len())
+        .map(|g| Output {
+            ptr: base.wrapping_add(g * n * h),
+            rows: n,
+            cols: h,
+            stride: h,
+            transposed: false,
+            accumulate: false,
+        })
+        .collect();
+    let dw_out = dw.map(|dw| {
+        assert!(dw.len() >= v * h);
+        Output::new(&mut MatMut::new(dw, v, h), true, accumulate_dw)
+    });
+    let (partial_outs, dw_out) = (&partial_outs, &dw_out);
+    groups.par_iter().enumerate().for_each(|(g, group)| {
+        TILE_SCRATCH.with(|scratch| {
+            let TileScratch { a: split, b: doubled } = &mut *scratch.borrow_mut();
+            for (i, t) in all[group.clone()].iter().enumerate() {
+                pack::a_from_f32_split(&dz.data[t.start..], dz.stride, n, t.len(), split);
+                pack::b_from_rows_duplicated(&weight[t.start * h..], h, t.len(), h, doubled);
+                // A's rows hold 2 * padded(cols) pairs; B has the rows of padded(2 * cols).
+                let a = AOperand { steps: doubled.k / 32, ..AOperand::packed(split) };
+                // SAFETY: both operands are packed to whole blocks, A's `steps` inside its rows
+                // (padded(2 cols) <= 2 padded(cols)); group g's partial is written by this task
+                // only.
+                unsafe { product(a, BOperand::packed(doubled), &Output { accumulate: i > 0, ..partial_outs[g] }) };
+                if let Some(out) = dw_out {
+                    let b = BOperand { ptr: split.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * split.k };
+                    let out = out.part(0..h, t.clone());
+                    // SAFETY: A is packed; B's rows (padded(n)) and columns (padded(t.len()),
+                    // 2 * 32 per block) are inside the packed tile, zero padded; this tile's
+                    // rows of dw are written by this task only.
+                    unsafe { product(AOperand::packed(&hc.transposed_duplicated), b, &out) };
+                }
+            }
+        })
+    });
+    sum_partials(dh, &partials[..groups.len() * n * h]);
 }
 
-impl SplitGradient {
-    /// Packs `dz` (f32).
-    pub fn pack(&mut self, dz: Mat<'_>) {
-        pack::a_from_f32_split(dz.data, dz.stride, dz.rows, dz.cols, &mut self.packed);
-        (self.rows, self.cols) = (dz.rows, dz.cols);
-    }
-}
-
-/// `dh (+)= dz @ wt` on AMX (`wt`: bf16 bits, `dz.cols x dh.cols`).
-pub fn input_gradient(dh: &mut MatMut<'_>, accumulate: bool, dz: &SplitGradient, wt: &[u16], scratch: &mut Scratch) {
-    let h = dh.cols;
-    assert!(dh.rows == dz.rows && wt.len() >= dz.cols * h);
-    pack::b_from_rows_duplicated(wt, h, dz.cols, h, &mut scratch.b);
-    // A's rows hold 2 * padded(cols) pairs; B has the rows of padded(2 * cols) of them.
-    let a = AOperand { steps: scratch.b.k / 32, ..AOperand::packed(&dz.packed) };
-    // SAFETY: A's `steps` are inside its rows (padded(2 cols) <= 2 padded(cols)), B is packed for
-    // all of them, and both are padded to whole blocks.
-    unsafe { product(a, BOperand::packed(&scratch.b), &Output::new(dh, false, accumulate)) };
-}
-
-/// `dw (+)= dz^T @ hc` on AMX (`dw`: `dz.cols x hidden_size`).
-pub fn weight_gradient(dw: &mut MatMut<'_>, accumulate: bool, dz: &SplitGradient, hc: &PackedHidden) {
-    assert!(dz.rows == hc.rows && dw.rows == dz.cols && dw.cols == hc.hidden_size);
-    let split = &dz.packed;
-    let b = BOperand { ptr: split.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * split.k };
-    // SAFETY: A is packed; B's rows (padded(rows)) and columns (padded(cols), 2 * 32 per block)
-    // are inside the packed tile, zero padded.
-    unsafe { product(AOperand::packed(&hc.transposed_duplicated), b, &Output::new(dw, true, accumulate)) };
+/// `dh` = the sum of the `partials` (each `dh.rows x dh.cols`), in order.
+fn sum_partials(dh: &mut MatMut<'_>, partials: &[f32]) {
+    let (n, h) = (dh.rows, dh.cols);
+    let stride = dh.stride;
+    dh.data.par_chunks_mut(stride).take(n).enumerate().for_each(|(r, row)| {
+        let row = &mut row[..h];
+        row.fill(0.0);
+        for partial in partials.chunks_exact(n * h) {
+            for (d, &x) in row.iter_mut().zip(&partial[r * h..(r + 1) * h]) {
+                *d += x;
+            }
+        }
+    });
 }
 
 #[cfg(test)]

@@ -16,8 +16,6 @@
 
 use rayon::prelude::*;
 
-use crate::element::Element;
-
 /// `x` rounded up to a multiple of 32.
 pub fn padded(x: usize) -> usize {
     x.div_ceil(32) * 32
@@ -42,19 +40,43 @@ pub struct PackedB {
 }
 
 impl PackedA {
+    /// Sets the shape; the data is left as it was, for the packer to overwrite all of it
+    /// (padding included: zeroing first would write every byte twice).
     fn reset(&mut self, rows: usize, k: usize) {
         (self.rows, self.k) = (padded(rows), padded(k));
-        self.data.clear();
         self.data.resize(self.rows * self.k / 2, 0);
     }
 }
 
 impl PackedB {
+    /// As [`PackedA::reset`].
     fn reset(&mut self, k: usize, cols: usize) {
         (self.k, self.cols) = (padded(k), padded(cols));
-        self.data.clear();
         self.data.resize(self.k * self.cols / 2, 0);
     }
+}
+
+/// Defines `fn $name(args)` whose body is compiled twice, for AVX-512 (chosen at run time; every
+/// AMX CPU has it) and for the build's baseline, so that LLVM vectorises the hot packing loops
+/// 16 lanes wide.
+macro_rules! vectorised {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        $(#[$doc])*
+        fn $name($($arg: $ty),*) {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx512bw") {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+                unsafe fn wide($($arg: $ty),*) {
+                    body($($arg),*)
+                }
+                // SAFETY: AVX-512 F/BW were detected.
+                return unsafe { wide($($arg),*) };
+            }
+            body($($arg),*)
+        }
+    };
 }
 
 /// Two bf16 values as the pair AMX reads: `first` in the low half.
@@ -63,24 +85,78 @@ fn pair(first: u16, second: u16) -> u32 {
     first as u32 | (second as u32) << 16
 }
 
-/// `x` as the pair `(hi, lo)` of bf16 values, `hi + lo` within 2^-16 of `x` relative.
+/// The bits of `x` rounded to bf16, to nearest even (NaN stays a quiet NaN), in the low half:
+/// `half::bf16::from_f32` written without branches, so that it vectorises.
+#[inline(always)]
+fn bf16_bits(x: f32) -> u32 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    if x.is_nan() {
+        (b >> 16) | 0x40
+    } else {
+        rounded
+    }
+}
+
+/// `x` as the pair `(hi, lo)` of bf16 values, `hi + lo` within 2^-16 of `x` relative
+/// (`lo = 0` where `hi` is infinite).
 #[inline(always)]
 fn split(x: f32) -> u32 {
-    let hi = <half::bf16 as Element>::from_f32(x);
-    let lo = <half::bf16 as Element>::from_f32(x - hi.to_f32());
-    pair(hi.to_bits(), lo.to_bits())
+    let hi = bf16_bits(x);
+    let hi_value = f32::from_bits(hi << 16);
+    let lo = if hi_value.is_finite() { bf16_bits(x - hi_value) } else { 0 };
+    hi | lo << 16
+}
+
+vectorised! {
+    /// `dst = split(src)`, then zeros.
+    fn split_row(dst: &mut [u32], src: &[f32]) {
+        let (head, tail) = dst.split_at_mut(src.len());
+        for (d, &x) in head.iter_mut().zip(src) {
+            *d = split(x);
+        }
+        tail.fill(0);
+    }
+}
+
+vectorised! {
+    /// `dst` = the pairs of `src`'s consecutive elements, then zeros.
+    fn pair_row(dst: &mut [u32], src: &[u16]) {
+        let (head, tail) = dst.split_at_mut(src.len().div_ceil(2));
+        for (d, p) in head.iter_mut().zip(src.chunks(2)) {
+            *d = pair(p[0], p.get(1).copied().unwrap_or(0));
+        }
+        tail.fill(0);
+    }
+}
+
+vectorised! {
+    /// Panels `first..` of `b_from_rows_duplicated`'s B (as many as `panels` holds, `half_k`
+    /// pair-rows each): panel row `r` = the pairs `(x, x)` of `src` row `r`'s 16 columns.
+    fn duplicate_panels(panels: &mut [u32], half_k: usize, first: usize, src: &[u16], stride: usize, rows: usize, cols: usize) {
+        for (p, panel) in panels.chunks_exact_mut(16 * half_k).enumerate() {
+            let c0 = 16 * (first + p);
+            let width = cols.saturating_sub(c0).min(16);
+            for (r, dst) in panel.chunks_exact_mut(16).enumerate() {
+                let src_row = if r < rows && width > 0 { &src[r * stride + c0..r * stride + c0 + width] } else { &[] };
+                let (head, tail) = dst.split_at_mut(src_row.len());
+                for (d, &x) in head.iter_mut().zip(src_row) {
+                    *d = pair(x, x);
+                }
+                tail.fill(0);
+            }
+        }
+    }
 }
 
 /// A = `src[r * stride + c]` for `r < rows`, `c < cols` (bf16 bits).
 pub fn a_from_rows(src: &[u16], stride: usize, rows: usize, cols: usize, out: &mut PackedA) {
     out.reset(rows, cols);
     let half_k = out.k / 2;
-    out.data.par_chunks_mut(half_k).take(rows).enumerate().for_each(|(r, dst)| {
-        let row = &src[r * stride..r * stride + cols];
-        for (d, p) in dst.iter_mut().zip(row.chunks(2)) {
-            *d = pair(p[0], p.get(1).copied().unwrap_or(0));
-        }
-    });
+    for (r, dst) in out.data.chunks_mut(half_k).enumerate() {
+        let row: &[u16] = if r < rows { &src[r * stride..r * stride + cols] } else { &[] };
+        pair_row(dst, row);
+    }
 }
 
 /// A = the f32 matrix `src` (`rows x cols`, row stride `stride`) with each element split into its
@@ -89,11 +165,10 @@ pub fn a_from_rows(src: &[u16], stride: usize, rows: usize, cols: usize, out: &m
 pub fn a_from_f32_split(src: &[f32], stride: usize, rows: usize, cols: usize, out: &mut PackedA) {
     out.reset(rows, 2 * padded(cols));
     let half_k = out.k / 2;
-    out.data.par_chunks_mut(half_k).take(rows).enumerate().for_each(|(r, dst)| {
-        for (d, &x) in dst.iter_mut().zip(&src[r * stride..r * stride + cols]) {
-            *d = split(x);
-        }
-    });
+    for (r, dst) in out.data.chunks_mut(half_k).enumerate() {
+        let row: &[f32] = if r < rows { &src[r * stride..r * stride + cols] } else { &[] };
+        split_row(dst, row);
+    }
 }
 
 /// A = the transpose of `src` (`rows x cols` bf16 bits, row-major) with every element twice
@@ -102,6 +177,7 @@ pub fn a_from_transposed_duplicated(src: &[u16], rows: usize, cols: usize, out: 
     out.reset(cols, 2 * rows);
     let half_k = out.k / 2;
     out.data.par_chunks_mut(16 * half_k).enumerate().for_each(|(block, dst)| {
+        dst.fill(0);
         let c0 = 16 * block;
         let width = cols.saturating_sub(c0).min(16);
         if width == 0 {
@@ -120,6 +196,7 @@ pub fn b_from_transposed(src: &[u16], stride: usize, cols: usize, k: usize, out:
     out.reset(k, cols);
     let panel_len = out.k * 8;
     out.data.par_chunks_mut(panel_len).enumerate().for_each(|(p, panel)| {
+        panel.fill(0);
         for i in 0..16.min(cols.saturating_sub(16 * p)) {
             let row = &src[(16 * p + i) * stride..(16 * p + i) * stride + k];
             for (kk, two) in row.chunks(2).enumerate() {
@@ -133,21 +210,32 @@ pub fn b_from_transposed(src: &[u16], stride: usize, cols: usize, k: usize, out:
 /// [`a_from_f32_split`]'s A: `B[2r, j] = B[2r + 1, j] = src[r, j]`.
 pub fn b_from_rows_duplicated(src: &[u16], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
     out.reset(2 * rows, cols);
-    let panel_len = out.k * 8;
-    // Four panels (64 columns, 128 bytes of each source row) per task, rows in the outer loop.
-    out.data.par_chunks_mut(4 * panel_len).enumerate().for_each(|(task, panels)| {
-        for r in 0..rows {
-            for (p, panel) in panels.chunks_exact_mut(panel_len).enumerate() {
-                let c0 = 16 * (4 * task + p);
-                let width = cols.saturating_sub(c0).min(16);
-                if width == 0 {
-                    break;
-                }
-                let dst = &mut panel[r * 16..r * 16 + width];
-                for (d, &x) in dst.iter_mut().zip(&src[r * stride + c0..r * stride + c0 + width]) {
-                    *d = pair(x, x);
-                }
+    let half_k = out.k / 2;
+    duplicate_panels(&mut out.data, half_k, 0, src, stride, rows, cols);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The branch-free rounding against `half`'s on random bit patterns and the special values.
+    #[test]
+    fn rounding_matches_half() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let specials = [0.0f32, -0.0, 1.0, f32::MAX, f32::MIN_POSITIVE, 1e-40, f32::INFINITY, -f32::INFINITY, f32::NAN];
+        let random = (0..200_000).map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            f32::from_bits(state as u32)
+        });
+        for x in specials.into_iter().chain(random) {
+            assert_eq!(bf16_bits(x) as u16, half::bf16::from_f32(x).to_bits(), "{x:e} ({:#x})", x.to_bits());
+            let (hi, lo) = (split(x) as u16, (split(x) >> 16) as u16);
+            let (hi, lo) = (half::bf16::from_bits(hi).to_f64(), half::bf16::from_bits(lo).to_f64());
+            if x.is_finite() && hi.is_finite() && x.abs() > 1e-30 {
+                assert!((hi + lo - x as f64).abs() <= (x as f64).abs() * 2f64.powi(-16), "{x:e}: {hi} + {lo}");
             }
         }
-    });
+    }
 }

@@ -2,7 +2,7 @@
 //! blocking), with strided and accumulated outputs, and bit for bit across thread counts. On a
 //! machine without AMX these tests check nothing and say so.
 
-use super::*;
+use super::{gradients as gradients_into, *};
 use crate::synthetic::normal_matrix;
 
 fn bits(x: &[f32]) -> Vec<u16> {
@@ -23,6 +23,9 @@ fn assert_close(got: &[f32], want: &[f64], scale: &[f64], tol: f64, what: &str) 
 const SHAPES: [(usize, usize, usize); 6] =
     [(5, 7, 11), (33, 50, 70), (1, 32, 17), (64, 96, 256), (40, 130, 97), (17, 896, 300)];
 
+/// Vocabulary rows per tile: ragged (not multiples of 16) and whole.
+const TILES: [usize; 4] = [7, 48, 256, 19];
+
 fn skip() -> bool {
     if !amx::available() {
         eprintln!("no AMX on this machine: the AMX products are not exercised here");
@@ -36,7 +39,7 @@ fn logits_product_matches_f64() {
     if skip() {
         return;
     }
-    for (n, h, v) in SHAPES {
+    for ((n, h, v), tile) in SHAPES.into_iter().zip(TILES.into_iter().cycle()) {
         let hc = bits(&normal_matrix(n, h, 1.0, 1));
         let wt = bits(&normal_matrix(v, h, 0.5, 2));
         let (hc64, wt64) = (widen(&hc), widen(&wt));
@@ -46,7 +49,7 @@ fn logits_product_matches_f64() {
         packed.pack(&hc, n, h);
         for accumulate in [false, true] {
             let mut out = MatMut { data: &mut z, rows: n, cols: v, stride };
-            logits(&mut out, accumulate, &packed, &wt, v, &mut Scratch::default());
+            logits(&mut out, accumulate, &packed, &wt, tile);
         }
         let (mut got, mut want, mut scale) = (vec![], vec![], vec![]);
         for r in 0..n {
@@ -62,8 +65,9 @@ fn logits_product_matches_f64() {
     }
 }
 
-/// The gradient products over the vocabulary in two ranges (the first not a multiple of 16
-/// columns wide, so the second starts unaligned and both have ragged tails).
+/// The gradient products, `tile` vocabulary rows at a time; `dh` starts as garbage, `dw` as 0.25
+/// (kept with `accumulate`).
+#[allow(clippy::too_many_arguments)]
 fn gradients(
     dz: &[f32],
     n: usize,
@@ -72,20 +76,13 @@ fn gradients(
     hc: &[u16],
     h: usize,
     accumulate: bool,
+    tile: usize,
 ) -> (Vec<f32>, Vec<f32>) {
     let mut packed = PackedHidden::default();
     packed.pack(hc, n, h);
-    let mut scratch = Scratch::default();
-    let mut split = SplitGradient::default();
     let (mut dh, mut dw) = (vec![0.5f32; n * h], vec![0.25f32; v * h]);
-    let cut = (v * 2 / 3).max(1).min(v);
-    for (i, columns) in [0..cut, cut..v].into_iter().enumerate() {
-        let wt_tile = &wt[columns.start * h..columns.end * h];
-        split.pack(Mat { data: &dz[columns.start..], rows: n, cols: columns.len(), stride: v });
-        input_gradient(&mut MatMut::new(&mut dh, n, h), accumulate || i > 0, &split, wt_tile, &mut scratch);
-        let mut out = MatMut::new(&mut dw[columns.start * h..columns.end * h], columns.len(), h);
-        weight_gradient(&mut out, accumulate, &split, &packed);
-    }
+    let dz = Mat::new(dz, n, v);
+    gradients_into(&mut MatMut::new(&mut dh, n, h), Some(&mut dw), accumulate, dz, wt, &packed, tile, &mut vec![]);
     (dh, dw)
 }
 
@@ -94,20 +91,20 @@ fn gradient_products_match_f64() {
     if skip() {
         return;
     }
-    for (n, h, v) in SHAPES {
+    for ((n, h, v), tile) in SHAPES.into_iter().zip(TILES.into_iter().cycle()) {
         let hc = bits(&normal_matrix(n, h, 1.0, 3));
         let wt = bits(&normal_matrix(v, h, 0.5, 4));
         let dz = normal_matrix(n, v, 1e-3, 5);
         let (hc64, wt64) = (widen(&hc), widen(&wt));
         for accumulate in [false, true] {
-            let (dh, dw) = gradients(&dz, n, v, &wt, &hc, h, accumulate);
+            let (dh, dw) = gradients(&dz, n, v, &wt, &hc, h, accumulate, tile);
             let start = |x: f64| if accumulate { x } else { 0.0 };
             let (mut want, mut scale) = (vec![], vec![]);
             for r in 0..n {
                 for k in 0..h {
                     let terms = (0..v).map(|c| dz[r * v + c] as f64 * wt64[c * h + k]);
-                    want.push(start(0.5) + terms.clone().sum::<f64>());
-                    scale.push(terms.map(f64::abs).sum::<f64>() + 0.5);
+                    want.push(terms.clone().sum::<f64>());
+                    scale.push(terms.map(f64::abs).sum::<f64>());
                 }
             }
             assert_close(&dh, &want, &scale, 1e-5, &format!("d hidden {n}x{h}x{v}"));
@@ -139,8 +136,8 @@ fn products_are_the_same_bits_for_any_thread_count() {
             let mut packed = PackedHidden::default();
             packed.pack(&hc, n, h);
             let mut z = vec![0.0f32; n * v];
-            logits(&mut MatMut::new(&mut z, n, v), false, &packed, &wt, v, &mut Scratch::default());
-            (z, gradients(&dz, n, v, &wt, &hc, h, false))
+            logits(&mut MatMut::new(&mut z, n, v), false, &packed, &wt, 32);
+            (z, gradients(&dz, n, v, &wt, &hc, h, false, 16))
         })
     };
     let one = run(1);
