@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use flashgrpo_kernels::linear::matmul_gflops;
+use flashgrpo_kernels::linear::{matmul_bf16_gflops, matmul_gflops};
 use flashgrpo_kernels::{
     forward, forward_backward, forward_backward_in_place, linear_forward, linear_forward_backward, ChunkBudget,
     LinearGradients, LinearInputs, LossOptions, LossSpec,
@@ -300,16 +300,22 @@ fn run(cfg: &BenchConfig, inputs: &InputSpec, options: &LossOptions) -> Result<R
             let products = if batch.op == OpName::Entropy { 1.0 } else { 3.0 };
             let flops = products * 2.0 * (n * h * v) as f64;
             let matmul = matmul_gflops(n.min(256), h, v);
+            // bf16 on AMX: the rate to compare with is that of the bf16 products.
+            let bf16 = linear.hidden.dtype() == safetensors::Dtype::BF16;
+            let matmul_bf16 = bf16.then(|| matmul_bf16_gflops(n.min(256), h, v)).flatten();
             let gflops = flops / measured.p50() / 1e9;
-            let extra = vec![
+            let mut extra = vec![
                 ("shape/hidden", json!(h)),
                 ("bench/gflops", json!(gflops)),
                 ("bench/matmul_gflops", json!(matmul)),
-                ("bench/gflops_over_matmul", json!(gflops / matmul)),
+                ("bench/gflops_over_matmul", json!(gflops / matmul_bf16.unwrap_or(matmul))),
                 ("mem/inputs_bytes", json!(input_bytes)),
                 ("mem/grads_bytes", json!(grad_bytes)),
                 ("mem/peak_above_grads_bytes", json!(measured.peak_bytes.saturating_sub(grad_bytes))),
             ];
+            if let Some(rate) = matmul_bf16 {
+                extra.push(("bench/matmul_bf16_gflops", json!(rate)));
+            }
             (measured, extra)
         }
     };

@@ -52,16 +52,24 @@ fn rel_norm(got: &[f32], want: &[f64]) -> f64 {
 }
 
 /// [`check`] in bf16 with every way this machine has of running the bf16 products (AMX tiles
-/// where there are some, the widened f32 products everywhere).
+/// where there are some, the widened f32 products everywhere). The opt-in way that rounds the
+/// logits' gradient to bf16 is held to LOSSES.md's bf16 gradient tolerance (1e-2 relative norm)
+/// for the two gradients that go through the products.
 fn check_bf16_every_way(data: &Data, lin: &Linear, budget: ChunkBudget) {
     for products in Bf16Products::available() {
-        with_bf16_products(products, || check::<bf16>(data, lin, budget));
+        let product_tolerance = if products == Bf16Products::AmxRounded { 1e-2 } else { 1e-4 };
+        with_bf16_products(products, || check_within::<bf16>(data, lin, budget, product_tolerance));
     }
 }
 
 /// LOSSES.md's fused-linear tolerances: loss 1e-4 relative, gradients 1e-4 relative norm; the
 /// per-token outputs as the logits-level ones.
 fn check<T: Element>(data: &Data, lin: &Linear, budget: ChunkBudget) {
+    check_within::<T>(data, lin, budget, 1e-4)
+}
+
+/// [`check`] with `grad_hidden` and `grad_weight` to `product_tolerance`.
+fn check_within<T: Element>(data: &Data, lin: &Linear, budget: ChunkBudget, product_tolerance: f64) {
     let round = |v: &[f32]| -> Vec<f64> { v.iter().map(|&x| T::from_f32(x).to_f32() as f64).collect() };
     let want = reference::evaluate(
         data.spec(),
@@ -72,7 +80,9 @@ fn check<T: Element>(data: &Data, lin: &Linear, budget: ChunkBudget) {
     )
     .unwrap();
     let got = run::<T>(data, lin, budget);
-    let name = format!("{:?} {:?} H={} bias={} budget={budget:?}", data.case, T::DTYPE, lin.h, lin.bias.is_some());
+    let products = flashgrpo_kernels::matmul_bf16::current();
+    let name =
+        format!("{:?} {:?} {products:?} H={} bias={} {budget:?}", data.case, T::DTYPE, lin.h, lin.bias.is_some());
     let w = &want.output;
     assert!(
         (got.out.loss - w.loss).abs() <= 1e-4 * w.loss.abs().max(1e-2),
@@ -88,9 +98,10 @@ fn check<T: Element>(data: &Data, lin: &Linear, budget: ChunkBudget) {
         }
     }
     if let Some(gh) = &want.grad_hidden {
-        assert!(rel_norm(&got.grad_hidden, gh) < 1e-4, "grad_hidden {} in {name}", rel_norm(&got.grad_hidden, gh));
-        let gw = want.grad_weight.as_ref().unwrap();
-        assert!(rel_norm(&got.grad_weight, gw) < 1e-4, "grad_weight {} in {name}", rel_norm(&got.grad_weight, gw));
+        let (e_h, gw) = (rel_norm(&got.grad_hidden, gh), want.grad_weight.as_ref().unwrap());
+        assert!(e_h < product_tolerance, "grad_hidden {e_h} in {name}");
+        let e_w = rel_norm(&got.grad_weight, gw);
+        assert!(e_w < product_tolerance, "grad_weight {e_w} in {name}");
         if let Some(gb) = &want.grad_bias {
             assert!(rel_norm(&got.grad_bias, gb) < 1e-4, "grad_bias {} in {name}", rel_norm(&got.grad_bias, gb));
         }

@@ -98,8 +98,9 @@ const AMX_TILE: usize = 1024;
 impl Plan {
     /// f32 weights: one tile, the whole vocabulary. bf16 weights on AMX: tiles of [`AMX_TILE`]
     /// rows, each thread packing one (its weight rows twice, `4 AMX_TILE H` bytes, and its `dz`
-    /// split, `4 AMX_TILE` bytes a row; two threads' worth counted, 1.4 MiB a thread at H = 896), the chunk's hidden states packed twice (`6 H` bytes a
-    /// row) and the groups' sums of `d hidden` (`4 H` bytes a row each).
+    /// split, `4 AMX_TILE` bytes a row; two threads' worth counted, 4.5 MiB a thread at
+    /// H = 896), the chunk's hidden states packed twice (`6 H` bytes a row) and the groups' sums
+    /// of `d hidden` (`4 H` bytes a row each).
     /// Other weights widened to f32: a quarter of the budget for an f32 copy of a weight tile.
     /// The rest holds the f32 logits of a chunk of rows (and its f32 hidden states).
     fn new<T: Element>(n: usize, h: usize, columns: usize, budget: ChunkBudget, amx: bool) -> Self {
@@ -158,8 +159,9 @@ struct Streamer<'p, 'a, T> {
 enum Operands {
     /// f32 products: the chunk's hidden states and a weight tile, widened when not f32.
     F32 { hidden: Vec<f32>, weight: Vec<f32> },
-    /// AMX bf16 products: the chunk's hidden states packed, and the sums of `d hidden`.
-    Amx { hidden: Box<matmul_bf16::PackedHidden>, partials: Vec<f32> },
+    /// AMX bf16 products (of the way `products`): the chunk's hidden states packed, and the sums
+    /// of `d hidden`.
+    Amx { hidden: Box<matmul_bf16::PackedHidden>, partials: Vec<f32>, products: Bf16Products },
 }
 
 impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
@@ -178,9 +180,10 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             )));
         }
         shapes::check_inputs(rows, h, v, inputs.hidden.len(), inputs.weight.len(), inputs.bias.map(<[T]>::len))?;
-        let amx = T::as_bf16_bits(&[]).is_some() && matmul_bf16::current() == Bf16Products::Amx;
+        let products = matmul_bf16::current();
+        let amx = T::as_bf16_bits(&[]).is_some() && products.on_amx();
         let operands = if amx {
-            Operands::Amx { hidden: Box::default(), partials: Vec::new() }
+            Operands::Amx { hidden: Box::default(), partials: Vec::new(), products }
         } else {
             Operands::F32 { hidden: Vec::new(), weight: Vec::new() }
         };
@@ -227,9 +230,9 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 }
                 *hidden = hc;
             }
-            Operands::Amx { hidden, .. } => {
+            Operands::Amx { hidden, products, .. } => {
                 let bits = |x: &'a [T]| T::as_bf16_bits(x).expect("bf16 operands");
-                hidden.pack(bits(hidden_rows), n, h);
+                hidden.pack(bits(hidden_rows), n, h, *products);
                 let mut out = MatMut { data: z, rows: n, cols: v, stride: v };
                 matmul_bf16::logits(&mut out, accumulate, hidden, bits(weight), self.plan.tile);
             }
@@ -262,7 +265,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                     }
                 }
             }
-            Operands::Amx { hidden, partials } => {
+            Operands::Amx { hidden, partials, .. } => {
                 let dz = Mat::new(&self.z[..n * v], n, v);
                 let weight = T::as_bf16_bits(weight).expect("bf16 operands");
                 let dw = grads.weight.as_deref_mut();
@@ -475,4 +478,29 @@ pub fn matmul_gflops(rows: usize, hidden_size: usize, vocab: usize) -> f64 {
     }
     std::hint::black_box(&z);
     2.0 * (n * h * v) as f64 / best / 1e9
+}
+
+/// The bf16 logits product's rate on this machine (GFLOP/s, best of 3, the products of
+/// [`matmul_bf16`] as the fused-linear loss runs them), or `None` where bf16 is widened to f32
+/// (then [`matmul_gflops`] is its rate).
+pub fn matmul_bf16_gflops(rows: usize, hidden_size: usize, vocab: usize) -> Option<f64> {
+    let products = matmul_bf16::current();
+    if !products.on_amx() {
+        return None;
+    }
+    let (n, h, v) = (rows.max(1), hidden_size.max(1), vocab.max(1));
+    let bits = |x: Vec<f32>| -> Vec<u16> { x.into_iter().map(|x| half::bf16::from_f32(x).to_bits()).collect() };
+    let hc = bits(crate::synthetic::normal_matrix(n, h, 1.0, 1));
+    let wt = bits(crate::synthetic::normal_matrix(v, h, 0.05, 2));
+    let mut z = vec![0.0f32; n * v];
+    let mut packed = matmul_bf16::PackedHidden::default();
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let start = std::time::Instant::now();
+        packed.pack(&hc, n, h, products);
+        matmul_bf16::logits(&mut MatMut::new(&mut z, n, v), false, &packed, &wt, AMX_TILE);
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&z);
+    Some(2.0 * (n * h * v) as f64 / best / 1e9)
 }

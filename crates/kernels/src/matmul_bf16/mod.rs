@@ -29,29 +29,40 @@ use pack::{PackedA, PackedB};
 pub enum Bf16Products {
     /// bf16 operands widened to f32 for the f32 products.
     Widened,
-    /// AMX-BF16 tiles.
+    /// AMX-BF16 tiles, the logits' gradient split into two bf16 numbers (f32-grade gradients).
     Amx,
+    /// AMX-BF16 tiles, the logits' gradient rounded to bf16 as PyTorch and Liger take it: the
+    /// gradient products at half the flops, with bf16-grade gradients (opt-in:
+    /// `FLASHGRPO_BF16_PRODUCTS=amx-rounded`).
+    AmxRounded,
 }
 
 impl Bf16Products {
-    /// AMX where the CPU and the kernel allow it, unless `FLASHGRPO_BF16_PRODUCTS` says otherwise.
+    /// AMX where the CPU and the kernel allow it, unless `FLASHGRPO_BF16_PRODUCTS` says otherwise
+    /// (`widened`, or `amx-rounded` for [`Bf16Products::AmxRounded`]).
     pub fn detected() -> Self {
         static DETECTED: OnceLock<Bf16Products> = OnceLock::new();
         *DETECTED.get_or_init(|| {
             let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
             match wanted.as_str() {
                 "widened" => Bf16Products::Widened,
+                "amx-rounded" if amx::available() => Bf16Products::AmxRounded,
                 _ if amx::available() => Bf16Products::Amx,
                 _ => Bf16Products::Widened,
             }
         })
     }
 
+    /// Whether the products run on AMX tiles.
+    pub fn on_amx(self) -> bool {
+        matches!(self, Bf16Products::Amx | Bf16Products::AmxRounded)
+    }
+
     /// Every way this machine can run.
     pub fn available() -> Vec<Self> {
         let mut all = vec![Bf16Products::Widened];
         if amx::available() {
-            all.push(Bf16Products::Amx);
+            all.extend([Bf16Products::Amx, Bf16Products::AmxRounded]);
         }
         all
     }
@@ -60,6 +71,7 @@ impl Bf16Products {
         match self {
             Bf16Products::Widened => "widened-f32",
             Bf16Products::Amx => "amx-bf16",
+            Bf16Products::AmxRounded => "amx-bf16-rounded-gradient",
         }
     }
 }
@@ -340,17 +352,25 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output) {
 pub struct PackedHidden {
     /// `hc^T`: the B of the logits product.
     transposed: PackedB,
-    /// `hc^T`, each element twice: the A of the weight-gradient product.
-    transposed_duplicated: PackedA,
+    /// The A of the weight-gradient product: `hc^T` with each element twice (against the split
+    /// `dz`), or as it is (against `dz` rounded).
+    transposed_for_gradient: PackedA,
+    /// The gradient products take `dz` rounded to bf16 ([`Bf16Products::AmxRounded`]).
+    rounded: bool,
     rows: usize,
     hidden_size: usize,
 }
 
 impl PackedHidden {
-    /// Packs `hc` (`rows x hidden_size` bf16 bits, row-major).
-    pub fn pack(&mut self, hc: &[u16], rows: usize, hidden_size: usize) {
+    /// Packs `hc` (`rows x hidden_size` bf16 bits, row-major) for the products of `products`.
+    pub fn pack(&mut self, hc: &[u16], rows: usize, hidden_size: usize, products: Bf16Products) {
         pack::b_from_transposed(hc, hidden_size, rows, hidden_size, &mut self.transposed);
-        pack::a_from_transposed_duplicated(hc, rows, hidden_size, &mut self.transposed_duplicated);
+        self.rounded = products == Bf16Products::AmxRounded;
+        if self.rounded {
+            pack::a_from_transposed(hc, rows, hidden_size, &mut self.transposed_for_gradient);
+        } else {
+            pack::a_from_transposed_duplicated(hc, rows, hidden_size, &mut self.transposed_for_gradient);
+        }
         (self.rows, self.hidden_size) = (rows, hidden_size);
     }
 }
@@ -360,6 +380,7 @@ impl PackedHidden {
 struct TileScratch {
     a: PackedA,
     b: PackedB,
+    c: PackedB,
 }
 
 thread_local! {
@@ -448,28 +469,83 @@ pub fn gradients(
     let (partial_outs, dw_out) = (&partial_outs, &dw_out);
     groups.par_iter().enumerate().for_each(|(g, group)| {
         TILE_SCRATCH.with(|scratch| {
-            let TileScratch { a: split, b: doubled } = &mut *scratch.borrow_mut();
+            let scratch = &mut *scratch.borrow_mut();
             for (i, t) in all[group.clone()].iter().enumerate() {
-                pack::a_from_f32_split(&dz.data[t.start..], dz.stride, n, t.len(), split);
-                pack::b_from_rows_duplicated(&weight[t.start * h..], h, t.len(), h, doubled);
-                // A's rows hold 2 * padded(cols) pairs; B has the rows of padded(2 * cols).
-                let a = AOperand { steps: doubled.k / 32, ..AOperand::packed(split) };
-                // SAFETY: both operands are packed to whole blocks, A's `steps` inside its rows
-                // (padded(2 cols) <= 2 padded(cols)); group g's partial is written by this task
+                let partial = Output { accumulate: i > 0, ..partial_outs[g] };
+                let dw_tile = dw_out.as_ref().map(|out| out.part(0..h, t.clone()));
+                let dz_tile = Mat { data: &dz.data[t.start..], cols: t.len(), ..dz };
+                let weight_tile = &weight[t.start * h..];
+                // SAFETY: group g's partial and this tile's rows of dw are written by this task
                 // only.
-                unsafe { product(a, BOperand::packed(doubled), &Output { accumulate: i > 0, ..partial_outs[g] }) };
-                if let Some(out) = dw_out {
-                    let b = BOperand { ptr: split.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * split.k };
-                    let out = out.part(0..h, t.clone());
-                    // SAFETY: A is packed; B's rows (padded(n)) and columns (padded(t.len()),
-                    // 2 * 32 per block) are inside the packed tile, zero padded; this tile's
-                    // rows of dw are written by this task only.
-                    unsafe { product(AOperand::packed(&hc.transposed_duplicated), b, &out) };
+                unsafe {
+                    if hc.rounded {
+                        tile_gradients_rounded(&partial, dw_tile.as_ref(), dz_tile, weight_tile, hc, scratch)
+                    } else {
+                        tile_gradients_split(&partial, dw_tile.as_ref(), dz_tile, weight_tile, hc, scratch)
+                    }
                 }
             }
         })
     });
     sum_partials(dh, &partials[..groups.len() * n * h]);
+}
+
+/// One vocabulary tile's gradient products on `dz` split into bf16 pairs: `partial (+)= dz @ W`
+/// (A: the split `dz`, B: the tile's rows twice) and `dw^T (+)= hc^T @ dz` (A: `hc^T` with each
+/// element twice, B: the same split `dz` read as VNNI).
+///
+/// # Safety
+/// No other thread writes `partial` or `dw` at the same time.
+unsafe fn tile_gradients_split(
+    partial: &Output,
+    dw: Option<&Output>,
+    dz: Mat<'_>,
+    weight: &[u16],
+    hc: &PackedHidden,
+    scratch: &mut TileScratch,
+) {
+    let (n, h, v) = (dz.rows, hc.hidden_size, dz.cols);
+    let TileScratch { a: split, b: doubled, .. } = scratch;
+    pack::a_from_f32_split(dz.data, dz.stride, n, v, split);
+    pack::b_from_rows_duplicated(weight, h, v, h, doubled);
+    // A's rows hold 2 * padded(cols) pairs; B has the rows of padded(2 * cols).
+    let a = AOperand { steps: doubled.k / 32, ..AOperand::packed(split) };
+    // SAFETY: both operands are packed to whole blocks, A's `steps` inside its rows
+    // (padded(2 cols) <= 2 padded(cols)); the caller owns `partial`.
+    unsafe { product(a, BOperand::packed(doubled), partial) };
+    if let Some(dw) = dw {
+        let b = BOperand { ptr: split.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * split.k };
+        // SAFETY: A is packed; B's rows (padded(n)) and columns (padded(v), 2 * 32 per block)
+        // are inside the packed tile, zero padded; the caller owns `dw`.
+        unsafe { product(AOperand::packed(&hc.transposed_for_gradient), b, dw) };
+    }
+}
+
+/// As [`tile_gradients_split`] with `dz` rounded to bf16 (as PyTorch and Liger take it in
+/// bf16): half the flops, bf16-grade gradients. A: `dz` rounded, B: the tile's rows; then A:
+/// `hc^T`, B: `dz` rounded as VNNI.
+///
+/// # Safety
+/// As for [`tile_gradients_split`].
+unsafe fn tile_gradients_rounded(
+    partial: &Output,
+    dw: Option<&Output>,
+    dz: Mat<'_>,
+    weight: &[u16],
+    hc: &PackedHidden,
+    scratch: &mut TileScratch,
+) {
+    let (n, h, v) = (dz.rows, hc.hidden_size, dz.cols);
+    let TileScratch { a: rounded, b: rows, c: rounded_b } = scratch;
+    pack::a_from_f32_rounded(dz.data, dz.stride, n, v, rounded);
+    pack::b_from_rows(weight, h, v, h, rows);
+    // SAFETY: both packed to whole blocks over the same padded(v) k; the caller owns `partial`.
+    unsafe { product(AOperand::packed(rounded), BOperand::packed(rows), partial) };
+    if let Some(dw) = dw {
+        pack::b_from_f32_rounded(dz.data, dz.stride, n, v, rounded_b);
+        // SAFETY: both packed to whole blocks over the same padded(n) k; the caller owns `dw`.
+        unsafe { product(AOperand::packed(&hc.transposed_for_gradient), BOperand::packed(rounded_b), dw) };
+    }
 }
 
 /// `dh` = the sum of the `partials` (each `dh.rows x dh.cols`), in order.

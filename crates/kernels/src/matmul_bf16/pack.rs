@@ -149,6 +149,101 @@ vectorised! {
     }
 }
 
+/// Panel rows of a VNNI B from the rows of `src` (`rows x cols`, row stride `stride`): panel `p`
+/// (columns `16 (first + p)..`), row `k'` = the pairs `(bits(src[2k', j]), bits(src[2k' + 1, j]))`,
+/// zero past `rows` and `cols`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn interleave_body<T: Copy>(
+    panels: &mut [u32],
+    half_k: usize,
+    first: usize,
+    src: &[T],
+    stride: usize,
+    rows: usize,
+    cols: usize,
+    bits: impl Fn(T) -> u32,
+) {
+    for (p, panel) in panels.chunks_exact_mut(16 * half_k).enumerate() {
+        let c0 = 16 * (first + p);
+        let width = cols.saturating_sub(c0).min(16);
+        for (k, dst) in panel.chunks_exact_mut(16).enumerate() {
+            let row =
+                |r: usize| if r < rows && width > 0 { &src[r * stride + c0..r * stride + c0 + width] } else { &[] };
+            let (even, odd) = (row(2 * k), row(2 * k + 1));
+            for (i, d) in dst.iter_mut().enumerate() {
+                let lo = even.get(i).map_or(0, |&x| bits(x));
+                let hi = odd.get(i).map_or(0, |&x| bits(x));
+                *d = lo | hi << 16;
+            }
+        }
+    }
+}
+
+vectorised! {
+    /// [`interleave_body`] on bf16 bits.
+    fn interleave_panels(panels: &mut [u32], half_k: usize, src: &[u16], stride: usize, rows: usize, cols: usize) {
+        interleave_body(panels, half_k, 0, src, stride, rows, cols, |x| x as u32)
+    }
+}
+
+vectorised! {
+    /// [`interleave_body`] on f32 rounded to bf16.
+    fn interleave_panels_rounded(panels: &mut [u32], half_k: usize, src: &[f32], stride: usize, rows: usize, cols: usize) {
+        interleave_body(panels, half_k, 0, src, stride, rows, cols, bf16_bits)
+    }
+}
+
+vectorised! {
+    /// `dst` = the pairs of `src`'s consecutive elements rounded to bf16, then zeros.
+    fn rounded_pair_row(dst: &mut [u32], src: &[f32]) {
+        let (head, tail) = dst.split_at_mut(src.len().div_ceil(2));
+        for (d, p) in head.iter_mut().zip(src.chunks(2)) {
+            *d = bf16_bits(p[0]) | p.get(1).map_or(0, |&x| bf16_bits(x)) << 16;
+        }
+        tail.fill(0);
+    }
+}
+
+/// A = the f32 matrix `src` (`rows x cols`, row stride `stride`) rounded to bf16.
+pub fn a_from_f32_rounded(src: &[f32], stride: usize, rows: usize, cols: usize, out: &mut PackedA) {
+    out.reset(rows, cols);
+    let half_k = out.k / 2;
+    for (r, dst) in out.data.chunks_mut(half_k).enumerate() {
+        let row: &[f32] = if r < rows { &src[r * stride..r * stride + cols] } else { &[] };
+        rounded_pair_row(dst, row);
+    }
+}
+
+/// B = `src` (`rows x cols` bf16 bits, row stride `stride`), as it is: `B[k, j] = src[k, j]`.
+pub fn b_from_rows(src: &[u16], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
+    out.reset(rows, cols);
+    let half_k = out.k / 2;
+    interleave_panels(&mut out.data, half_k, src, stride, rows, cols);
+}
+
+/// B = the f32 matrix `src` (`rows x cols`, row stride `stride`) rounded to bf16.
+pub fn b_from_f32_rounded(src: &[f32], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
+    out.reset(rows, cols);
+    let half_k = out.k / 2;
+    interleave_panels_rounded(&mut out.data, half_k, src, stride, rows, cols);
+}
+
+/// A = the transpose of `src` (`rows x cols` bf16 bits, row-major): `A[j, r] = src[r, j]`.
+pub fn a_from_transposed(src: &[u16], rows: usize, cols: usize, out: &mut PackedA) {
+    out.reset(cols, rows);
+    let half_k = out.k / 2;
+    out.data.par_chunks_mut(half_k).enumerate().for_each(|(j, dst)| {
+        dst.fill(0);
+        if j < cols {
+            for (r, d) in (0..rows).step_by(2).zip(dst.iter_mut()) {
+                let odd = if r + 1 < rows { src[(r + 1) * cols + j] } else { 0 };
+                *d = pair(src[r * cols + j], odd);
+            }
+        }
+    });
+}
+
 /// A = `src[r * stride + c]` for `r < rows`, `c < cols` (bf16 bits).
 pub fn a_from_rows(src: &[u16], stride: usize, rows: usize, cols: usize, out: &mut PackedA) {
     out.reset(rows, cols);

@@ -9,6 +9,10 @@ fn bits(x: &[f32]) -> Vec<u16> {
     x.iter().map(|&v| <half::bf16 as crate::Element>::from_f32(v).to_bits()).collect()
 }
 
+fn widen_f32(x: &[u16]) -> Vec<f32> {
+    x.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect()
+}
+
 fn widen(x: &[u16]) -> Vec<f64> {
     x.iter().map(|&b| f32::from_bits((b as u32) << 16) as f64).collect()
 }
@@ -46,7 +50,7 @@ fn logits_product_matches_f64() {
         let stride = v + 3;
         let mut z = vec![1.0f32; n * stride];
         let mut packed = PackedHidden::default();
-        packed.pack(&hc, n, h);
+        packed.pack(&hc, n, h, Bf16Products::Amx);
         for accumulate in [false, true] {
             let mut out = MatMut { data: &mut z, rows: n, cols: v, stride };
             logits(&mut out, accumulate, &packed, &wt, tile);
@@ -65,7 +69,7 @@ fn logits_product_matches_f64() {
     }
 }
 
-/// The gradient products, `tile` vocabulary rows at a time; `dh` starts as garbage, `dw` as 0.25
+/// The gradient products of `products`, `tile` vocabulary rows at a time; `dh` starts as garbage, `dw` as 0.25
 /// (kept with `accumulate`).
 #[allow(clippy::too_many_arguments)]
 fn gradients(
@@ -77,9 +81,10 @@ fn gradients(
     h: usize,
     accumulate: bool,
     tile: usize,
+    products: Bf16Products,
 ) -> (Vec<f32>, Vec<f32>) {
     let mut packed = PackedHidden::default();
-    packed.pack(hc, n, h);
+    packed.pack(hc, n, h, products);
     let (mut dh, mut dw) = (vec![0.5f32; n * h], vec![0.25f32; v * h]);
     let dz = Mat::new(dz, n, v);
     gradients_into(&mut MatMut::new(&mut dh, n, h), Some(&mut dw), accumulate, dz, wt, &packed, tile, &mut vec![]);
@@ -96,8 +101,11 @@ fn gradient_products_match_f64() {
         let wt = bits(&normal_matrix(v, h, 0.5, 4));
         let dz = normal_matrix(n, v, 1e-3, 5);
         let (hc64, wt64) = (widen(&hc), widen(&wt));
-        for accumulate in [false, true] {
-            let (dh, dw) = gradients(&dz, n, v, &wt, &hc, h, accumulate, tile);
+        // The split takes `dz` to 16 significant bits (checked at the products' 1e-5), the
+        // rounded way to bf16 (checked against the products of `dz` rounded).
+        let ways = [(Bf16Products::Amx, dz.clone()), (Bf16Products::AmxRounded, widen_f32(&bits(&dz)))];
+        for ((products, dz), accumulate) in ways.into_iter().flat_map(|w| [(w.clone(), false), (w, true)]) {
+            let (dh, dw) = gradients(&dz, n, v, &wt, &hc, h, accumulate, tile, products);
             let start = |x: f64| if accumulate { x } else { 0.0 };
             let (mut want, mut scale) = (vec![], vec![]);
             for r in 0..n {
@@ -107,7 +115,7 @@ fn gradient_products_match_f64() {
                     scale.push(terms.map(f64::abs).sum::<f64>());
                 }
             }
-            assert_close(&dh, &want, &scale, 1e-5, &format!("d hidden {n}x{h}x{v}"));
+            assert_close(&dh, &want, &scale, 1e-5, &format!("{products:?} d hidden {n}x{h}x{v}"));
             let (mut want, mut scale) = (vec![], vec![]);
             for c in 0..v {
                 for k in 0..h {
@@ -116,7 +124,7 @@ fn gradient_products_match_f64() {
                     scale.push(terms.map(f64::abs).sum::<f64>() + 0.25);
                 }
             }
-            assert_close(&dw, &want, &scale, 1e-5, &format!("d weight {n}x{h}x{v}"));
+            assert_close(&dw, &want, &scale, 1e-5, &format!("{products:?} d weight {n}x{h}x{v}"));
         }
     }
 }
@@ -130,18 +138,20 @@ fn products_are_the_same_bits_for_any_thread_count() {
     let hc = bits(&normal_matrix(n, h, 1.0, 6));
     let wt = bits(&normal_matrix(v, h, 0.5, 7));
     let dz = normal_matrix(n, v, 1e-3, 8);
-    let run = |threads: usize| {
+    let run = |threads: usize, products: Bf16Products| {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
             let mut packed = PackedHidden::default();
-            packed.pack(&hc, n, h);
+            packed.pack(&hc, n, h, products);
             let mut z = vec![0.0f32; n * v];
             logits(&mut MatMut::new(&mut z, n, v), false, &packed, &wt, 32);
-            (z, gradients(&dz, n, v, &wt, &hc, h, false, 16))
+            (z, gradients(&dz, n, v, &wt, &hc, h, false, 16, products))
         })
     };
-    let one = run(1);
-    for threads in [2, 3, 5] {
-        assert!(run(threads) == one, "{threads} threads");
+    for products in [Bf16Products::Amx, Bf16Products::AmxRounded] {
+        let one = run(1, products);
+        for threads in [2, 3, 5] {
+            assert!(run(threads, products) == one, "{products:?}, {threads} threads");
+        }
     }
 }
