@@ -205,16 +205,26 @@ fn update_gradients_match_candle_autograd() {
     compare(&m, &want, &got, 2e-5, "gspo + entropy bonus");
 }
 
-/// bf16 parameters: the engine computes in f32 from the widened weights, candle in bf16; they
-/// agree to bf16's precision.
+/// bf16 parameters, every way this machine has (`Widened`: f32 products of the widened weights;
+/// on AMX, the layers' and the head's bf16 products with the activations rounded to bf16, the
+/// gradients split or rounded), tied and untied, against candle computing in bf16: they agree to
+/// bf16's precision.
 #[test]
 fn bf16_parameters_train_to_bf16_precision() {
+    use flashgrpo_kernels::{with_bf16_products, Bf16Products};
     let (prompts, completions) = batch(8);
     let options = LossOptions::default();
-    let m = model(true, DType::BF16, 5);
-    let want = candle_update(&m, &prompts, &completions, LossImpl::FusedLinear, &options);
-    let got = engine_update(&m, &prompts, &completions, LossImpl::FusedLinear, &options);
-    compare(&m, &want, &got, 5e-2, "bf16");
+    for tied in [true, false] {
+        let m = model(tied, DType::BF16, 5);
+        let want = candle_update(&m, &prompts, &completions, LossImpl::FusedLinear, &options);
+        for products in Bf16Products::available() {
+            let got = with_bf16_products(products, || {
+                engine_update(&m, &prompts, &completions, LossImpl::FusedLinear, &options)
+            });
+            println!("bf16, tied={tied}, {products:?}: loss {} (candle {})", got.loss, want.loss);
+            compare(&m, &want, &got, 5e-2, &format!("bf16 tied={tied} {products:?}"));
+        }
+    }
 }
 
 /// Greedy generation gives candle's tokens (ragged prompts, prompts shared by several rows, rows

@@ -1,5 +1,6 @@
 //! bf16 matrix products at the machine's bf16 rate: the three products of a fused-linear loss
 //! (see [`crate::matmul`]) with bf16 weights and hidden states, f32 accumulation and f32 outputs.
+//! [`layer`] gives the same products to a model's linear layers (the trainer's engine).
 //!
 //! Two ways, chosen at run time ([`Bf16Products::detected`], overridable per thread with
 //! [`with_bf16_products`] and for the process with `FLASHGRPO_BF16_PRODUCTS=widened|amx`):
@@ -13,6 +14,7 @@
 //! thread, whatever the thread count.
 
 pub mod amx;
+pub mod layer;
 pub mod pack;
 
 use std::cell::Cell;
@@ -371,6 +373,13 @@ impl PackedHidden {
         } else {
             pack::a_from_transposed_duplicated(hc, rows, hidden_size, &mut self.transposed_for_gradient);
         }
+        (self.rows, self.hidden_size) = (rows, hidden_size);
+    }
+
+    /// Packs `hc` for [`logits`] alone (a layer's forward product, which has no gradient
+    /// products to feed).
+    pub fn pack_for_logits(&mut self, hc: &[u16], rows: usize, hidden_size: usize) {
+        pack::b_from_transposed(hc, hidden_size, rows, hidden_size, &mut self.transposed);
         (self.rows, self.hidden_size) = (rows, hidden_size);
     }
 }

@@ -155,3 +155,109 @@ fn products_are_the_same_bits_for_any_thread_count() {
         }
     }
 }
+
+/// A linear layer's shapes `(n, inputs, outputs)`: ragged, a decode step's single row, and the
+/// shapes of a Qwen2 layer's products cut down.
+const LAYER_SHAPES: [(usize, usize, usize); 6] =
+    [(5, 7, 11), (33, 64, 70), (1, 96, 40), (70, 130, 97), (40, 896, 128), (64, 256, 608)];
+
+/// The f64 products of a layer on the bf16 values its kernels read: `y = x @ w^T` (with `scale`,
+/// the sum of the terms' magnitudes), `dx = dy @ w`, `dw = dy^T @ x`.
+#[allow(clippy::type_complexity)]
+fn layer_reference(x: &[f32], w: &[u16], dy: &[f32], (n, k, o): (usize, usize, usize)) -> [(Vec<f64>, Vec<f64>); 3] {
+    let x64 = widen(&bits(x));
+    let w64 = widen(w);
+    let dy64: Vec<f64> = dy.iter().map(|&v| v as f64).collect();
+    let sums = |len: usize, term: &dyn Fn(usize, usize) -> f64, count: usize| {
+        let (mut want, mut scale) = (vec![], vec![]);
+        for e in 0..len {
+            want.push((0..count).map(|i| term(e, i)).sum::<f64>());
+            scale.push((0..count).map(|i| term(e, i).abs()).sum::<f64>());
+        }
+        (want, scale)
+    };
+    [
+        sums(n * o, &|e, i| x64[e / o * k + i] * w64[e % o * k + i], k),
+        sums(n * k, &|e, i| dy64[e / k * o + i] * w64[i * k + e % k], o),
+        sums(o * k, &|e, i| dy64[i * o + e / k] * x64[i * k + e % k], n),
+    ]
+}
+
+#[test]
+fn layer_products_match_f64() {
+    if skip() {
+        return;
+    }
+    for (seed, (n, k, o)) in LAYER_SHAPES.into_iter().enumerate() {
+        let seed = 10 * seed as u64;
+        let x = normal_matrix(n, k, 1.0, seed + 1);
+        let w = bits(&normal_matrix(o, k, 0.5, seed + 2));
+        let dy = normal_matrix(n, o, 1e-3, seed + 3);
+        let [(y_want, y_scale), (dx_want, dx_scale), (dw_want, dw_scale)] = layer_reference(&x, &w, &dy, (n, k, o));
+        for accumulate in [false, true] {
+            let stride = o + 5;
+            let mut y = vec![0.5f32; n * stride];
+            layer::forward(&mut MatMut { data: &mut y, rows: n, cols: o, stride }, accumulate, Mat::new(&x, n, k), &w);
+            let got: Vec<f32> = (0..n * o).map(|e| y[e / o * stride + e % o]).collect();
+            let want: Vec<f64> = y_want.iter().map(|w| w + if accumulate { 0.5 } else { 0.0 }).collect();
+            assert_close(&got, &want, &y_scale, 1e-6, &format!("layer y {n}x{k}x{o} accumulate {accumulate}"));
+        }
+        // The split keeps `dy` to 16 bits (1e-5); rounded, `dy` is bf16 (checked at bf16's 2^-8).
+        for (products, tol) in [(Bf16Products::Amx, 1e-5), (Bf16Products::AmxRounded, 8e-3)] {
+            for accumulate in [false, true] {
+                let (mut dx, mut dw) = (vec![0.25f32; n * k], vec![0.25f32; o * k]);
+                layer::backward(
+                    &mut MatMut::new(&mut dx, n, k),
+                    accumulate,
+                    &mut dw,
+                    Mat::new(&dy, n, o),
+                    Mat::new(&x, n, k),
+                    &w,
+                    products,
+                );
+                let start = if accumulate { 0.25 } else { 0.0 };
+                let dx_want: Vec<f64> = dx_want.iter().map(|w| w + start).collect();
+                let dw_want: Vec<f64> = dw_want.iter().map(|w| w + 0.25).collect();
+                let what = format!("{products:?} {n}x{k}x{o} accumulate {accumulate}");
+                assert_close(&dx, &dx_want, &dx_scale, tol, &format!("layer dx, {what}"));
+                let dw_scale: Vec<f64> = dw_scale.iter().map(|s| s + 0.25).collect();
+                assert_close(&dw, &dw_want, &dw_scale, tol, &format!("layer dw, {what}"));
+            }
+        }
+    }
+}
+
+/// Any thread count, and any other rows beside a row: the same bits (the sampler's decode step
+/// and the update's whole-sequence pass agree exactly).
+#[test]
+fn layer_products_are_the_same_bits_for_any_thread_count_and_batch() {
+    if skip() {
+        return;
+    }
+    let (n, k, o) = (70, 96, 333);
+    let x = normal_matrix(n, k, 1.0, 6);
+    let w = bits(&normal_matrix(o, k, 0.5, 7));
+    let dy = normal_matrix(n, o, 1e-3, 8);
+    let run = |threads: usize, products: Bf16Products| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let mut y = vec![0.0f32; n * o];
+            layer::forward(&mut MatMut::new(&mut y, n, o), false, Mat::new(&x, n, k), &w);
+            let (mut dx, mut dw) = (vec![0.0f32; n * k], vec![0.0f32; o * k]);
+            let (dy, x) = (Mat::new(&dy, n, o), Mat::new(&x, n, k));
+            layer::backward(&mut MatMut::new(&mut dx, n, k), false, &mut dw, dy, x, &w, products);
+            (y, dx, dw)
+        })
+    };
+    for products in [Bf16Products::Amx, Bf16Products::AmxRounded] {
+        let one = run(1, products);
+        for threads in [2, 3, 5] {
+            assert!(run(threads, products) == one, "{products:?}, {threads} threads");
+        }
+        for row in [0, 37, n - 1] {
+            let mut y = vec![0.0f32; o];
+            layer::forward(&mut MatMut::new(&mut y, 1, o), false, Mat::new(&x[row * k..(row + 1) * k], 1, k), &w);
+            assert!(y == one.0[row * o..(row + 1) * o], "row {row} alone");
+        }
+    }
+}

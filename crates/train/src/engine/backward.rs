@@ -94,14 +94,14 @@ fn layer_backward(
 ) {
     let (h, qd, inter) = (d.hidden, d.q_dim(), d.intermediate);
     // MLP: next = x_mid + act @ down^T.
-    ops::linear_backward(&b.dx, &a.act, &lw.down, &mut b.d_act, false, grads.get_mut(lw.down.index), inter);
+    ops::linear_backward(&b.dx, &a.act, lw.down.weight(), &mut b.d_act, false, grads.get_mut(lw.down.index), inter);
     ops::silu_gate_backward(&mut b.d_gate, &mut b.d_up, &b.d_act, &a.gate, &a.up);
-    ops::linear_backward(&b.d_gate, &a.h2, &lw.gate, &mut b.dh, false, grads.get_mut(lw.gate.index), h);
-    ops::linear_backward(&b.d_up, &a.h2, &lw.up, &mut b.dh, true, grads.get_mut(lw.up.index), h);
+    ops::linear_backward(&b.d_gate, &a.h2, lw.gate.weight(), &mut b.dh, false, grads.get_mut(lw.gate.index), h);
+    ops::linear_backward(&b.d_up, &a.h2, lw.up.weight(), &mut b.dh, true, grads.get_mut(lw.up.index), h);
     // dx becomes the gradient of x_mid.
     ops::rms_norm_backward(&mut b.dx, grads.get_mut(lw.post_norm.index), &b.dh, &a.x_mid, &a.rstd2, &lw.post_norm);
     // Attention: x_mid = x + att @ o^T.
-    ops::linear_backward(&b.dx, &a.att, &lw.o, &mut b.d_att, false, grads.get_mut(lw.o.index), qd);
+    ops::linear_backward(&b.dx, &a.att, lw.o.weight(), &mut b.d_att, false, grads.get_mut(lw.o.index), qd);
     attention::backward(
         &mut b.dq,
         &mut b.dk,
@@ -121,9 +121,9 @@ fn layer_backward(
     ops::add_column_sums(grads.get_mut(lw.q_bias.index), &b.dq);
     ops::add_column_sums(grads.get_mut(lw.k_bias.index), &b.dk);
     ops::add_column_sums(grads.get_mut(lw.v_bias.index), &b.dv);
-    ops::linear_backward(&b.dq, &a.h1, &lw.q, &mut b.dh, false, grads.get_mut(lw.q.index), h);
-    ops::linear_backward(&b.dk, &a.h1, &lw.k, &mut b.dh, true, grads.get_mut(lw.k.index), h);
-    ops::linear_backward(&b.dv, &a.h1, &lw.v, &mut b.dh, true, grads.get_mut(lw.v.index), h);
+    ops::linear_backward(&b.dq, &a.h1, lw.q.weight(), &mut b.dh, false, grads.get_mut(lw.q.index), h);
+    ops::linear_backward(&b.dk, &a.h1, lw.k.weight(), &mut b.dh, true, grads.get_mut(lw.k.index), h);
+    ops::linear_backward(&b.dv, &a.h1, lw.v.weight(), &mut b.dh, true, grads.get_mut(lw.v.index), h);
     // dx becomes the gradient of x.
     ops::rms_norm_backward(&mut b.dx, grads.get_mut(lw.input_norm.index), &b.dh, x, &a.rstd1, &lw.input_norm);
 }

@@ -121,9 +121,9 @@ fn layer(
     let (h, qd, kvd) = (d.hidden, d.q_dim(), d.kv_dim());
     a.resize(input.tokens.len(), d);
     ops::rms_norm(&mut a.h1, &mut a.rstd1, x, &w.input_norm, d.eps);
-    ops::linear(&mut a.q, &a.h1, &w.q, Some(&w.q_bias), h);
-    ops::linear(&mut a.k, &a.h1, &w.k, Some(&w.k_bias), h);
-    ops::linear(&mut a.v, &a.h1, &w.v, Some(&w.v_bias), h);
+    ops::linear(&mut a.q, &a.h1, w.q.weight(), Some(&w.q_bias), h);
+    ops::linear(&mut a.k, &a.h1, w.k.weight(), Some(&w.k_bias), h);
+    ops::linear(&mut a.v, &a.h1, w.v.weight(), Some(&w.v_bias), h);
     ops::rope(&mut a.q, input.positions, d.head_dim, rope, false);
     ops::rope(&mut a.k, input.positions, d.head_dim, rope, false);
     match store {
@@ -137,13 +137,13 @@ fn layer(
         None => attention::forward(&mut a.att, &mut a.lse, &a.q, &a.k, &a.v, input.queries, d),
     }
     a.x_mid.copy_from_slice(x);
-    ops::linear_add(&mut a.x_mid, &a.att, &w.o, qd);
+    ops::linear_add(&mut a.x_mid, &a.att, w.o.weight(), qd);
     ops::rms_norm(&mut a.h2, &mut a.rstd2, &a.x_mid, &w.post_norm, d.eps);
-    ops::linear(&mut a.gate, &a.h2, &w.gate, None, h);
-    ops::linear(&mut a.up, &a.h2, &w.up, None, h);
+    ops::linear(&mut a.gate, &a.h2, w.gate.weight(), None, h);
+    ops::linear(&mut a.up, &a.h2, w.up.weight(), None, h);
     ops::silu_gate(&mut a.act, &a.gate, &a.up);
     next.copy_from_slice(&a.x_mid);
-    ops::linear_add(next, &a.act, &w.down, d.intermediate);
+    ops::linear_add(next, &a.act, w.down.weight(), d.intermediate);
 }
 
 /// Runs the model over `input`; the final hidden states are in `ws.hidden`. A token outside the
@@ -172,7 +172,7 @@ pub fn forward(w: &Weights<'_>, input: Input<'_>, ws: &mut Workspace, mut pass: 
     for r in &mut ws.residual {
         r.resize(n * d.hidden, 0.0);
     }
-    ops::embed(&mut ws.residual[0], input.tokens, &w.embed, d.hidden);
+    ops::embed(&mut ws.residual[0], input.tokens, w.embed.weight(), d.hidden);
     for l in 0..d.layers {
         let (src, dst) = if train { (l, l + 1) } else { (l % 2, (l + 1) % 2) };
         let (x, next) = split_two(&mut ws.residual, src, dst);

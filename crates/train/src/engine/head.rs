@@ -15,10 +15,14 @@ use flashgrpo_candle::composed::ComposedLoss;
 use flashgrpo_candle::LossInputs;
 use flashgrpo_kernels::matmul::{matmul_nn, matmul_nt, matmul_tn, Mat, MatMut};
 use flashgrpo_kernels::{
-    forward, forward_backward_in_place, linear_forward, linear_forward_backward, LinearGradients, LinearInputs,
-    LossOutput,
+    forward, forward_backward_in_place, linear_forward, linear_forward_backward, ChunkBudget, Element, LinearGradients,
+    LinearInputs, LossOutput, LossSpec,
 };
 
+use half::bf16;
+use rayon::prelude::*;
+
+use super::ops::Weight;
 use super::weights::Weights;
 use crate::error::{Result, TrainError};
 use crate::head_loss::LossImpl;
@@ -61,31 +65,24 @@ impl Head<'_, '_> {
             return Err(kernel(format!("{} hidden values for {n} rows of {h}", rows.len())));
         }
         let spec = inputs.spec(v);
-        let weight: &[f32] = self.weights.lm_head();
+        // As f32 only where it is read so: a bf16 head is widened on first use.
+        let weight = || -> &[f32] { self.weights.lm_head() };
         let head_index = self.weights.lm_head().index;
         match (self.implementation, gradients) {
-            (LossImpl::FusedLinear, None) => {
-                let out = linear_forward(
-                    spec,
-                    LinearInputs { hidden: rows, weight, bias: None, hidden_size: h },
-                    inputs.budget,
-                )
-                .map_err(kernel)?;
-                Ok((out.loss, Some(out)))
-            }
-            (LossImpl::FusedLinear, Some(g)) => {
-                let grads = LinearGradients {
-                    hidden: g.rows,
-                    weight: Some(g.grads.get_mut(head_index)),
-                    bias: None,
-                    accumulate: true,
-                };
-                let inputs_ = LinearInputs { hidden: rows, weight, bias: None, hidden_size: h };
-                let out = linear_forward_backward(spec, inputs_, grads, inputs.budget).map_err(kernel)?;
-                Ok((out.loss, Some(out)))
-            }
+            (LossImpl::FusedLinear, gradients) => match self.weights.lm_head().weight() {
+                // A bf16 head on the bf16 products: the rows rounded to bf16, as a bf16 model
+                // holds its hidden states.
+                Weight::Bf16(..) => {
+                    let rows: Vec<bf16> = rows.par_iter().map(|&x| bf16::from_f32(x)).collect();
+                    let weight = self.weights.lm_head().bf16().expect("a bf16 head");
+                    fused_linear(spec, &rows, weight, h, gradients.map(|g| (g, head_index)), inputs.budget)
+                }
+                Weight::F32(_) => {
+                    fused_linear(spec, rows, weight(), h, gradients.map(|g| (g, head_index)), inputs.budget)
+                }
+            },
             (LossImpl::Fused, gradients) => {
-                let mut logits = vec![0.0f32; n * v];
+                let (weight, mut logits) = (weight(), vec![0.0f32; n * v]);
                 matmul_nt(&mut MatMut::new(&mut logits, n, v), false, Mat::new(rows, n, h), Mat::new(weight, v, h));
                 let Some(g) = gradients else {
                     let out = forward(spec, &logits).map_err(kernel)?;
@@ -160,4 +157,31 @@ impl Head<'_, '_> {
         }
         Ok(value)
     }
+}
+
+/// flashgrpo's fused-linear loss of `rows` `[N, H]` through `weight` `[V, H]`; with gradients,
+/// `d rows` overwritten and the head's gradient (at `head_index`) added to its buffer.
+fn fused_linear<T: Element>(
+    spec: LossSpec<'_>,
+    rows: &[T],
+    weight: &[T],
+    h: usize,
+    gradients: Option<(HeadGradients<'_>, usize)>,
+    budget: ChunkBudget,
+) -> Result<(f64, Option<LossOutput>)> {
+    let inputs = LinearInputs { hidden: rows, weight, bias: None, hidden_size: h };
+    let out = match gradients {
+        None => linear_forward(spec, inputs, budget),
+        Some((g, head_index)) => {
+            let grads = LinearGradients {
+                hidden: g.rows,
+                weight: Some(g.grads.get_mut(head_index)),
+                bias: None,
+                accumulate: true,
+            };
+            linear_forward_backward(spec, inputs, grads, budget)
+        }
+    }
+    .map_err(kernel)?;
+    Ok((out.loss, Some(out)))
 }

@@ -19,7 +19,7 @@ pub mod backward;
 pub mod forward;
 pub mod head;
 pub(crate) mod math;
-mod ops;
+pub(crate) mod ops;
 pub mod packing;
 pub mod weights;
 

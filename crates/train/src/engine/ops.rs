@@ -9,6 +9,7 @@
 
 use flashgrpo_candle::ops::RopeTable;
 use flashgrpo_kernels::matmul::{matmul_nn, matmul_nt, matmul_tn, Mat, MatMut};
+use flashgrpo_kernels::matmul_bf16::{self, Bf16Products};
 use rayon::prelude::*;
 
 use super::math::{avx2_or_baseline, fast_exp};
@@ -25,31 +26,71 @@ fn rows_per_task(width: usize) -> usize {
     ELEMENTS_PER_TASK.div_ceil(width.max(1))
 }
 
+/// A linear layer's weight `[out, in]`: f32, or bf16 bits for the machine's bf16 products
+/// ([`matmul_bf16::layer`]: the activations rounded to bf16 as a bf16 model holds them, f32
+/// accumulation).
+#[derive(Clone, Copy)]
+pub enum Weight<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16], Bf16Products),
+}
+
+impl Weight<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Weight::F32(w) => w.len(),
+            Weight::Bf16(w, _) => w.len(),
+        }
+    }
+}
+
 /// `y[n, out] = x[n, in] @ w[out, in]^T (+ bias)`: an `nn.Linear`.
-pub fn linear(y: &mut [f32], x: &[f32], w: &[f32], bias: Option<&[f32]>, inputs: usize) {
+pub fn linear(y: &mut [f32], x: &[f32], w: Weight<'_>, bias: Option<&[f32]>, inputs: usize) {
     let outputs = w.len() / inputs;
     let n = x.len() / inputs;
     debug_assert_eq!(y.len(), n * outputs);
     if let Some(b) = bias {
         y.par_chunks_mut(outputs).for_each(|row| row.copy_from_slice(b));
     }
-    matmul_nt(&mut MatMut::new(y, n, outputs), bias.is_some(), Mat::new(x, n, inputs), Mat::new(w, outputs, inputs));
+    product_nt(&mut MatMut::new(y, n, outputs), bias.is_some(), Mat::new(x, n, inputs), w);
 }
 
 /// `y += x @ w^T`: a linear layer added onto a residual stream.
-pub fn linear_add(y: &mut [f32], x: &[f32], w: &[f32], inputs: usize) {
+pub fn linear_add(y: &mut [f32], x: &[f32], w: Weight<'_>, inputs: usize) {
     let outputs = w.len() / inputs;
     let n = x.len() / inputs;
-    matmul_nt(&mut MatMut::new(y, n, outputs), true, Mat::new(x, n, inputs), Mat::new(w, outputs, inputs));
+    product_nt(&mut MatMut::new(y, n, outputs), true, Mat::new(x, n, inputs), w);
+}
+
+fn product_nt(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: Weight<'_>) {
+    match w {
+        Weight::F32(w) => matmul_nt(y, accumulate, x, Mat::new(w, y.cols, x.cols)),
+        Weight::Bf16(w, _) => matmul_bf16::layer::forward(y, accumulate, x, w),
+    }
 }
 
 /// The gradients of [`linear`] from `dy [n, out]`: `dx (+)= dy @ w` (added when `add_dx`) and
 /// `dw += dy^T @ x` (a bias's gradient is [`add_column_sums`] of `dy`).
-pub fn linear_backward(dy: &[f32], x: &[f32], w: &[f32], dx: &mut [f32], add_dx: bool, dw: &mut [f32], inputs: usize) {
+pub fn linear_backward(
+    dy: &[f32],
+    x: &[f32],
+    w: Weight<'_>,
+    dx: &mut [f32],
+    add_dx: bool,
+    dw: &mut [f32],
+    inputs: usize,
+) {
     let outputs = w.len() / inputs;
     let n = x.len() / inputs;
-    matmul_nn(&mut MatMut::new(dx, n, inputs), add_dx, Mat::new(dy, n, outputs), Mat::new(w, outputs, inputs));
-    matmul_tn(&mut MatMut::new(dw, outputs, inputs), true, Mat::new(dy, n, outputs), Mat::new(x, n, inputs));
+    let (dy, x, mut dx_) = (Mat::new(dy, n, outputs), Mat::new(x, n, inputs), MatMut::new(dx, n, inputs));
+    match w {
+        Weight::F32(w) => {
+            let w = Mat::new(w, outputs, inputs);
+            matmul_nn(&mut dx_, add_dx, dy, w);
+            matmul_tn(&mut MatMut::new(dw, outputs, inputs), true, dy, x);
+        }
+        Weight::Bf16(w, products) => matmul_bf16::layer::backward(&mut dx_, add_dx, dw, dy, x, w, products),
+    }
 }
 
 /// `out[j] += sum_i m[i, j]` for `m` with `out.len()` columns: partial sums over fixed blocks of
@@ -198,9 +239,15 @@ fn silu_backward_body(d_gate: &mut [f32], d_up: &mut [f32], d_act: &[f32], gate:
 }
 
 /// `x[i] = table[tokens[i]]`, rows of `h`.
-pub fn embed(x: &mut [f32], tokens: &[u32], table: &[f32], h: usize) {
+pub fn embed(x: &mut [f32], tokens: &[u32], table: Weight<'_>, h: usize) {
     for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
-        row.copy_from_slice(&table[t as usize * h..(t as usize + 1) * h]);
+        let at = t as usize * h..(t as usize + 1) * h;
+        match table {
+            Weight::F32(table) => row.copy_from_slice(&table[at]),
+            Weight::Bf16(table, _) => {
+                row.iter_mut().zip(&table[at]).for_each(|(x, &b)| *x = f32::from_bits((b as u32) << 16))
+            }
+        }
     }
 }
 

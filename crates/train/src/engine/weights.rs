@@ -1,11 +1,20 @@
 //! The model's parameters as f32 slices for the engine: f32 parameters are read where candle keeps
 //! them (a read lock on each `Var`'s storage, held while the engine runs, so nothing is copied);
-//! bf16 / f16 parameters are widened once per use. Every parameter also carries its index in
+//! bf16 parameters are read in place too, and their linear layers run on the machine's bf16
+//! products where it has them ([`Param::weight`]); a bf16 parameter read as f32 (norms, biases,
+//! every parameter on a machine without bf16 products) is widened once, on first use; f16
+//! parameters are widened once per use. Every parameter also carries its index in
 //! [`Params`](crate::model::Params), where its gradient buffer is.
 
 use std::ops::{Deref, Range};
+use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, DType, Storage, StorageRef, Var};
+use flashgrpo_kernels::matmul_bf16::{self, Bf16Products};
+use half::bf16;
+use rayon::prelude::*;
+
+use super::ops::Weight;
 
 use crate::error::{Result, TrainError};
 use crate::model::{Qwen2, Qwen2Config};
@@ -62,7 +71,10 @@ pub struct Param<'m> {
 enum Values<'m> {
     /// An f32 parameter, read in place under its storage's read lock.
     Borrowed(StorageRef<'m>, Range<usize>),
-    /// A widened copy of a bf16 / f16 parameter.
+    /// A bf16 parameter, read in place under its storage's read lock; widened on first use as
+    /// f32. `products`: the bf16 products its linear layers run on (AMX), if any.
+    Bf16 { guard: StorageRef<'m>, range: Range<usize>, widened: OnceLock<Vec<f32>>, products: Option<Bf16Products> },
+    /// A widened copy of an f16 (or non-contiguous) parameter.
     Owned(Vec<f32>),
 }
 
@@ -75,6 +87,10 @@ impl Deref for Param<'_> {
                 Storage::Cpu(CpuStorage::F32(v)) => &v[range.clone()],
                 _ => unreachable!("only contiguous f32 CPU storage is borrowed"),
             },
+            Values::Bf16 { widened, .. } => widened.get_or_init(|| {
+                let bits = self.bf16().expect("a bf16 parameter");
+                bits.par_iter().map(|b| b.to_f32()).collect()
+            }),
             Values::Owned(v) => v,
         }
     }
@@ -85,14 +101,45 @@ impl<'m> Param<'m> {
         let tensor = var.as_tensor();
         {
             let (guard, layout) = tensor.storage_and_layout();
-            if let (Storage::Cpu(CpuStorage::F32(_)), Some((start, end))) = (&*guard, layout.contiguous_offsets()) {
-                return Ok(Self { values: Values::Borrowed(guard, start..end), index });
+            match (&*guard, layout.contiguous_offsets()) {
+                (Storage::Cpu(CpuStorage::F32(_)), Some((start, end))) => {
+                    return Ok(Self { values: Values::Borrowed(guard, start..end), index });
+                }
+                (Storage::Cpu(CpuStorage::BF16(_)), Some((start, end))) => {
+                    let products = Some(matmul_bf16::current()).filter(|p| p.on_amx());
+                    let widened = OnceLock::new();
+                    return Ok(Self { values: Values::Bf16 { guard, range: start..end, widened, products }, index });
+                }
+                _ => {}
             }
         }
         let widen =
             || -> candle_core::Result<Vec<f32>> { tensor.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>() };
         let values = widen().map_err(|e| TrainError::Other(format!("parameter {name}: {e}")))?;
         Ok(Self { values: Values::Owned(values), index })
+    }
+
+    /// A bf16 parameter's values as candle holds them.
+    pub fn bf16(&self) -> Option<&[bf16]> {
+        match &self.values {
+            Values::Bf16 { guard, range, .. } => match &**guard {
+                Storage::Cpu(CpuStorage::BF16(v)) => Some(&v[range.clone()]),
+                _ => unreachable!("only contiguous bf16 CPU storage is borrowed as bf16"),
+            },
+            _ => None,
+        }
+    }
+
+    /// The parameter as a linear layer's weight: its bf16 bits where it is bf16 and the machine
+    /// has bf16 products (chosen when the weights were read), else its f32 values.
+    pub fn weight(&self) -> Weight<'_> {
+        match (&self.values, self.bf16()) {
+            (Values::Bf16 { products: Some(products), .. }, Some(values)) => {
+                use half::slice::HalfFloatSliceExt;
+                Weight::Bf16(values.reinterpret_cast(), *products)
+            }
+            _ => Weight::F32(self),
+        }
     }
 }
 

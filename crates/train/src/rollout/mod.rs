@@ -16,7 +16,6 @@
 
 pub mod sampler;
 
-use flashgrpo_kernels::matmul::{matmul_nt, Mat, MatMut};
 use flashgrpo_kernels::synthetic::Rng;
 use flashgrpo_kernels::{Loss, LossOptions, LossSpec, Rows};
 
@@ -42,12 +41,13 @@ pub struct Rollout {
     queries: Vec<Query>,
 }
 
-/// `logits[n, V] = hidden[n, H] @ lm_head^T`.
+/// `logits[n, V] = hidden[n, H] @ lm_head^T` (on the bf16 products for a bf16 head, as the
+/// update's fused-linear loss computes them: the same bits).
 fn logits(w: &Weights<'_>, hidden: &[f32], out: &mut Vec<f32>) {
     let (h, v) = (w.dims.hidden, w.dims.vocab);
     let n = hidden.len() / h;
     out.resize(n * v, 0.0);
-    matmul_nt(&mut MatMut::new(out, n, v), false, Mat::new(hidden, n, h), Mat::new(w.lm_head(), v, h));
+    crate::engine::ops::linear(out, hidden, w.lm_head().weight(), None, h);
 }
 
 impl Rollout {

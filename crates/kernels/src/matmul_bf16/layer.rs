@@ -1,0 +1,130 @@
+//! An `nn.Linear` with bf16 weights on AMX, for a model's layers (the trainer's engine): the
+//! three products of a linear layer, `y = x @ w^T`, `dx = dy @ w` and `dw += dy^T @ x`, with the
+//! weight's bf16 bits read as the model holds them and f32 activations and gradients.
+//!
+//! Numerics are PyTorch's bf16 layers': the activations `x` are rounded to bf16 (as a bf16 model
+//! holds them) and every product accumulates in f32. The gradient `dy` is split into two bf16
+//! numbers ([`Bf16Products::Amx`], f32-grade gradients as the fused-linear loss keeps them) or
+//! rounded to bf16 as PyTorch takes it ([`Bf16Products::AmxRounded`]).
+//!
+//! Every output element sums its `k` terms in one tile accumulation, in order: the results do not
+//! depend on how the output is split over threads, nor on the other rows of `x` (a decode step's
+//! rows get the same bits as the same rows in a whole-sequence pass). The f32 products of
+//! [`crate::matmul`] are the reference (tests.rs).
+
+use rayon::prelude::*;
+
+use super::pack::{self, PackedA, PackedB};
+use super::{logits, product, AOperand, BOperand, Bf16Products, Output, PackedHidden};
+use crate::matmul::{Mat, MatMut};
+
+/// Output blocks (32 x 32) per parallel task of the gradient products, rows and columns: large
+/// enough to amortise the tile configuration, small enough to balance 2 to 16 threads.
+const TASK_BLOCKS: (usize, usize) = (4, 8);
+
+/// Output rows of the forward product per task, at most (the weight's rows; measured on the
+/// fused-linear loss's logits, whose product this is).
+const MAX_TILE: usize = 1024;
+
+/// `x` (`rows x cols`, contiguous) rounded to bf16 bits.
+fn rounded_bits(x: Mat<'_>) -> Vec<u16> {
+    assert!(x.stride == x.cols, "the activations are contiguous");
+    let mut bits = vec![0u16; x.rows * x.cols];
+    bits.par_chunks_mut(1 << 14).zip(x.data.par_chunks(1 << 14)).for_each(|(b, x)| {
+        for (b, &x) in b.iter_mut().zip(x) {
+            *b = <half::bf16 as crate::Element>::from_f32(x).to_bits();
+        }
+    });
+    bits
+}
+
+/// Weight rows per forward task: the threads evenly busy, at most [`MAX_TILE`].
+fn forward_tile(outputs: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let tasks = outputs.div_ceil(MAX_TILE).div_ceil(threads) * threads;
+    pack::padded(outputs.div_ceil(tasks)).max(32)
+}
+
+/// `y (+)= x @ w^T`: `x` is `n x k` f32 (rounded to bf16), `w` is `y.cols x k` bf16 bits,
+/// row-major (an `nn.Linear` weight).
+///
+/// # Panics
+/// If the shapes disagree, or this machine has no AMX.
+pub fn forward(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: &[u16]) {
+    assert!(super::amx::available(), "AMX products on a machine without AMX");
+    assert!(y.rows == x.rows && w.len() == y.cols * x.cols, "linear layer shapes");
+    let mut packed = PackedHidden::default();
+    packed.pack_for_logits(&rounded_bits(x), x.rows, x.cols);
+    logits(y, accumulate, &packed, w, forward_tile(y.cols));
+}
+
+/// The gradients of [`forward`]: `dx (+)= dy @ w` (added when `accumulate_dx`) and
+/// `dw += dy^T @ x`, with `dy` (`n x outputs`, f32) split or rounded as `products` says.
+///
+/// # Panics
+/// If the shapes disagree, or `products` is not an AMX way of this machine.
+pub fn backward(
+    dx: &mut MatMut<'_>,
+    accumulate_dx: bool,
+    dw: &mut [f32],
+    dy: Mat<'_>,
+    x: Mat<'_>,
+    w: &[u16],
+    products: Bf16Products,
+) {
+    assert!(super::amx::available() && products.on_amx(), "AMX products on a machine without AMX");
+    let (n, outputs, inputs) = (dy.rows, dy.cols, x.cols);
+    assert!(x.rows == n && dx.rows == n && dx.cols == inputs, "linear layer shapes");
+    assert!(w.len() == outputs * inputs && dw.len() == outputs * inputs, "linear layer weight shapes");
+    let x_bits = rounded_bits(x);
+    let (mut dy_a, mut w_b, mut x_a, mut dy_b) =
+        (PackedA::default(), PackedB::default(), PackedA::default(), PackedB::default());
+    let dx_out = Output::new(dx, false, accumulate_dx);
+    let dw_out = Output::new(&mut MatMut::new(dw, outputs, inputs), true, true);
+    if products == Bf16Products::AmxRounded {
+        rayon::join(
+            || pack::a_from_f32_rounded(dy.data, dy.stride, n, outputs, &mut dy_a),
+            || pack::b_from_rows(w, inputs, outputs, inputs, &mut w_b),
+        );
+        // SAFETY: both packed to whole blocks over the same padded(outputs) k.
+        unsafe { parallel_product(AOperand::packed(&dy_a), BOperand::packed(&w_b), &dx_out) };
+        rayon::join(
+            || pack::a_from_transposed(&x_bits, n, inputs, &mut x_a),
+            || pack::b_from_f32_rounded(dy.data, dy.stride, n, outputs, &mut dy_b),
+        );
+        // SAFETY: both packed to whole blocks over the same padded(n) k.
+        unsafe { parallel_product(AOperand::packed(&x_a), BOperand::packed(&dy_b), &dw_out) };
+    } else {
+        rayon::join(
+            || pack::a_from_f32_split(dy.data, dy.stride, n, outputs, &mut dy_a),
+            || pack::b_from_rows_duplicated(w, inputs, outputs, inputs, &mut w_b),
+        );
+        // A's rows hold 2 * padded(outputs) pairs; B has the rows of padded(2 * outputs).
+        let a = AOperand { steps: w_b.k / 32, ..AOperand::packed(&dy_a) };
+        // SAFETY: both packed to whole blocks; A's `steps` lie inside its rows.
+        unsafe { parallel_product(a, BOperand::packed(&w_b), &dx_out) };
+        pack::a_from_transposed_duplicated(&x_bits, n, inputs, &mut x_a);
+        let b = BOperand { ptr: dy_a.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * dy_a.k };
+        // SAFETY: A is packed; B (the split `dy` read as VNNI) has padded(n) rows and
+        // padded(outputs) columns, zero padded, inside `dy_a`.
+        unsafe { parallel_product(AOperand::packed(&x_a), b, &dw_out) };
+    }
+}
+
+/// C (+)= A @ B on AMX, the output's blocks in tasks of [`TASK_BLOCKS`] over the threads.
+///
+/// # Safety
+/// As for [`product`] on the whole output; the output is not written by anyone else meanwhile.
+unsafe fn parallel_product(a: AOperand, b: BOperand, out: &Output) {
+    let (rows, cols) = (32 * TASK_BLOCKS.0, 32 * TASK_BLOCKS.1);
+    let (tasks_m, tasks_n) = (out.rows.div_ceil(rows), out.cols.div_ceil(cols));
+    (0..tasks_m * tasks_n).into_par_iter().for_each(|task| {
+        let (r0, c0) = (task / tasks_n * rows, task % tasks_n * cols);
+        let part = out.part(r0..(r0 + rows).min(out.rows), c0..(c0 + cols).min(out.cols));
+        let a = AOperand { ptr: a.block(r0 / 32), ..a };
+        let b = BOperand { ptr: b.panel(c0 / 16), ..b };
+        // SAFETY: the caller's promise, for this task's blocks of A's rows and B's panels; the
+        // tasks' parts of the output are disjoint.
+        unsafe { product(a, b, &part) };
+    });
+}
