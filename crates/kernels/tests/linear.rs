@@ -51,13 +51,13 @@ fn rel_norm(got: &[f32], want: &[f64]) -> f64 {
     (diff / norm.max(1e-300)).sqrt()
 }
 
-/// [`check`] in bf16 with every way this machine has of running the bf16 products (AMX tiles
-/// where there are some, the widened f32 products everywhere). The opt-in way that rounds the
-/// logits' gradient to bf16 is held to LOSSES.md's bf16 gradient tolerance (1e-2 relative norm)
-/// for the two gradients that go through the products.
+/// [`check`] in bf16 with every way this machine has of running the bf16 products (AMX tiles and
+/// AVX512-BF16 where the CPU has them, the widened f32 products everywhere). The opt-in ways that
+/// round the logits' gradient to bf16 are held to LOSSES.md's bf16 gradient tolerance (1e-2
+/// relative norm) for the two gradients that go through the products.
 fn check_bf16_every_way(data: &Data, lin: &Linear, budget: ChunkBudget) {
     for products in Bf16Products::available() {
-        let product_tolerance = if products == Bf16Products::AmxRounded { 1e-2 } else { 1e-4 };
+        let product_tolerance = if products.rounded() { 1e-2 } else { 1e-4 };
         with_bf16_products(products, || check_within::<bf16>(data, lin, budget, product_tolerance));
     }
 }
@@ -220,24 +220,27 @@ fn bitwise_identical_for_any_thread_count_and_the_same_for_any_chunking() {
     assert!(rel_norm(&one.grad_weight, &w64) < 1e-6);
 }
 
-/// The bf16 products (AMX tiles where the machine has them) are the same bits for any thread
-/// count, too.
+/// The bf16 products, every way this machine has, are the same bits for any thread count, too.
 #[test]
 fn bf16_is_bitwise_identical_for_any_thread_count() {
     let case = Case::new(Op::Grpo, 2, 70, 1001).with(|o| o.beta = 0.04);
     let data = case.data();
     let lin = linear_for(&case, 96, true);
-    let at = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-        pool.install(|| run::<bf16>(&data, &lin, ChunkBudget { bytes: 4 * 1001 * 50 }))
-    };
-    let one = at(1);
-    for threads in [2, 3] {
-        let other = at(threads);
-        assert_eq!(one.out, other.out, "{threads} threads");
-        assert_eq!(one.grad_hidden, other.grad_hidden, "{threads} threads");
-        assert_eq!(one.grad_weight, other.grad_weight, "{threads} threads");
-        assert_eq!(one.grad_bias, other.grad_bias, "{threads} threads");
+    for products in Bf16Products::available() {
+        let at = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let budget = ChunkBudget { bytes: 4 * 1001 * 50 };
+            pool.install(|| with_bf16_products(products, || run::<bf16>(&data, &lin, budget)))
+        };
+        let one = at(1);
+        for threads in [2, 3] {
+            let other = at(threads);
+            let what = format!("{products:?}, {threads} threads");
+            assert_eq!(one.out, other.out, "{what}");
+            assert_eq!(one.grad_hidden, other.grad_hidden, "{what}");
+            assert_eq!(one.grad_weight, other.grad_weight, "{what}");
+            assert_eq!(one.grad_bias, other.grad_bias, "{what}");
+        }
     }
 }
 

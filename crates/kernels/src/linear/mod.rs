@@ -181,7 +181,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         }
         shapes::check_inputs(rows, h, v, inputs.hidden.len(), inputs.weight.len(), inputs.bias.map(<[T]>::len))?;
         let products = matmul_bf16::current();
-        let amx = T::as_bf16_bits(&[]).is_some() && products.on_amx();
+        let amx = T::as_bf16_bits(&[]).is_some() && products.packed();
         let operands = if amx {
             Operands::Amx { hidden: Box::default(), partials: Vec::new(), products }
         } else {
@@ -485,7 +485,7 @@ pub fn matmul_gflops(rows: usize, hidden_size: usize, vocab: usize) -> f64 {
 /// (then [`matmul_gflops`] is its rate).
 pub fn matmul_bf16_gflops(rows: usize, hidden_size: usize, vocab: usize) -> Option<f64> {
     let products = matmul_bf16::current();
-    if !products.on_amx() {
+    if !products.packed() {
         return None;
     }
     let (n, h, v) = (rows.max(1), hidden_size.max(1), vocab.max(1));

@@ -1,11 +1,11 @@
-//! An `nn.Linear` with bf16 weights on AMX, for a model's layers (the trainer's engine): the
+//! An `nn.Linear` with bf16 weights on the packed bf16 kernels (AMX, AVX512-BF16), for a model's layers (the trainer's engine): the
 //! three products of a linear layer, `y = x @ w^T`, `dx = dy @ w` and `dw += dy^T @ x`, with the
 //! weight's bf16 bits read as the model holds them and f32 activations and gradients.
 //!
 //! Numerics are PyTorch's bf16 layers': the activations `x` are rounded to bf16 (as a bf16 model
 //! holds them) and every product accumulates in f32. The gradient `dy` is split into two bf16
-//! numbers ([`Bf16Products::Amx`], f32-grade gradients as the fused-linear loss keeps them) or
-//! rounded to bf16 as PyTorch takes it ([`Bf16Products::AmxRounded`]).
+//! numbers ([`Bf16Products::Amx`], [`Bf16Products::Avx512Bf16`]: f32-grade gradients as the
+//! fused-linear loss keeps them) or rounded to bf16 as PyTorch takes it (their `Rounded` forms).
 //!
 //! Every output element sums its `k` terms in one tile accumulation, in order: the results do not
 //! depend on how the output is split over threads, nor on the other rows of `x` (a decode step's
@@ -45,16 +45,16 @@ fn forward_tile(outputs: usize) -> usize {
     pack::padded(outputs.div_ceil(tasks)).max(32)
 }
 
-/// `y (+)= x @ w^T`: `x` is `n x k` f32 (rounded to bf16), `w` is `y.cols x k` bf16 bits,
-/// row-major (an `nn.Linear` weight).
+/// `y (+)= x @ w^T` on the packed kernel of `products`: `x` is `n x k` f32 (rounded to bf16),
+/// `w` is `y.cols x k` bf16 bits, row-major (an `nn.Linear` weight).
 ///
 /// # Panics
-/// If the shapes disagree, or this machine has no AMX.
-pub fn forward(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: &[u16]) {
-    assert!(super::amx::available(), "AMX products on a machine without AMX");
+/// If the shapes disagree, or `products` is not a packed way of this machine.
+pub fn forward(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: &[u16], products: Bf16Products) {
+    assert!(products.packed() && Bf16Products::available().contains(&products), "{products:?} on this machine");
     assert!(y.rows == x.rows && w.len() == y.cols * x.cols, "linear layer shapes");
     let mut packed = PackedHidden::default();
-    packed.pack_for_logits(&rounded_bits(x), x.rows, x.cols);
+    packed.pack_for_logits(&rounded_bits(x), x.rows, x.cols, products);
     logits(y, accumulate, &packed, w, forward_tile(y.cols));
 }
 
@@ -62,7 +62,7 @@ pub fn forward(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: &[u16]) {
 /// `dw += dy^T @ x`, with `dy` (`n x outputs`, f32) split or rounded as `products` says.
 ///
 /// # Panics
-/// If the shapes disagree, or `products` is not an AMX way of this machine.
+/// If the shapes disagree, or `products` is not a packed way of this machine.
 pub fn backward(
     dx: &mut MatMut<'_>,
     accumulate_dx: bool,
@@ -72,7 +72,7 @@ pub fn backward(
     w: &[u16],
     products: Bf16Products,
 ) {
-    assert!(super::amx::available() && products.on_amx(), "AMX products on a machine without AMX");
+    assert!(products.packed() && Bf16Products::available().contains(&products), "{products:?} on this machine");
     let (n, outputs, inputs) = (dy.rows, dy.cols, x.cols);
     assert!(x.rows == n && dx.rows == n && dx.cols == inputs, "linear layer shapes");
     assert!(w.len() == outputs * inputs && dw.len() == outputs * inputs, "linear layer weight shapes");
@@ -81,19 +81,19 @@ pub fn backward(
         (PackedA::default(), PackedB::default(), PackedA::default(), PackedB::default());
     let dx_out = Output::new(dx, false, accumulate_dx);
     let dw_out = Output::new(&mut MatMut::new(dw, outputs, inputs), true, true);
-    if products == Bf16Products::AmxRounded {
+    if products.rounded() {
         rayon::join(
             || pack::a_from_f32_rounded(dy.data, dy.stride, n, outputs, &mut dy_a),
             || pack::b_from_rows(w, inputs, outputs, inputs, &mut w_b),
         );
         // SAFETY: both packed to whole blocks over the same padded(outputs) k.
-        unsafe { parallel_product(AOperand::packed(&dy_a), BOperand::packed(&w_b), &dx_out) };
+        unsafe { parallel_product(AOperand::packed(&dy_a), BOperand::packed(&w_b), &dx_out, products) };
         rayon::join(
             || pack::a_from_transposed(&x_bits, n, inputs, &mut x_a),
             || pack::b_from_f32_rounded(dy.data, dy.stride, n, outputs, &mut dy_b),
         );
         // SAFETY: both packed to whole blocks over the same padded(n) k.
-        unsafe { parallel_product(AOperand::packed(&x_a), BOperand::packed(&dy_b), &dw_out) };
+        unsafe { parallel_product(AOperand::packed(&x_a), BOperand::packed(&dy_b), &dw_out, products) };
     } else {
         rayon::join(
             || pack::a_from_f32_split(dy.data, dy.stride, n, outputs, &mut dy_a),
@@ -102,20 +102,21 @@ pub fn backward(
         // A's rows hold 2 * padded(outputs) pairs; B has the rows of padded(2 * outputs).
         let a = AOperand { steps: w_b.k / 32, ..AOperand::packed(&dy_a) };
         // SAFETY: both packed to whole blocks; A's `steps` lie inside its rows.
-        unsafe { parallel_product(a, BOperand::packed(&w_b), &dx_out) };
+        unsafe { parallel_product(a, BOperand::packed(&w_b), &dx_out, products) };
         pack::a_from_transposed_duplicated(&x_bits, n, inputs, &mut x_a);
         let b = BOperand { ptr: dy_a.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * dy_a.k };
         // SAFETY: A is packed; B (the split `dy` read as VNNI) has padded(n) rows and
         // padded(outputs) columns, zero padded, inside `dy_a`.
-        unsafe { parallel_product(AOperand::packed(&x_a), b, &dw_out) };
+        unsafe { parallel_product(AOperand::packed(&x_a), b, &dw_out, products) };
     }
 }
 
-/// C (+)= A @ B on AMX, the output's blocks in tasks of [`TASK_BLOCKS`] over the threads.
+/// C (+)= A @ B on the packed kernel of `products`, the output's blocks in tasks of
+/// [`TASK_BLOCKS`] over the threads.
 ///
 /// # Safety
 /// As for [`product`] on the whole output; the output is not written by anyone else meanwhile.
-unsafe fn parallel_product(a: AOperand, b: BOperand, out: &Output) {
+unsafe fn parallel_product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products) {
     let (rows, cols) = (32 * TASK_BLOCKS.0, 32 * TASK_BLOCKS.1);
     let (tasks_m, tasks_n) = (out.rows.div_ceil(rows), out.cols.div_ceil(cols));
     (0..tasks_m * tasks_n).into_par_iter().for_each(|task| {
@@ -125,6 +126,6 @@ unsafe fn parallel_product(a: AOperand, b: BOperand, out: &Output) {
         let b = BOperand { ptr: b.panel(c0 / 16), ..b };
         // SAFETY: the caller's promise, for this task's blocks of A's rows and B's panels; the
         // tasks' parts of the output are disjoint.
-        unsafe { product(a, b, &part) };
+        unsafe { product(a, b, &part, products) };
     });
 }

@@ -2,18 +2,22 @@
 //! (see [`crate::matmul`]) with bf16 weights and hidden states, f32 accumulation and f32 outputs.
 //! [`layer`] gives the same products to a model's linear layers (the trainer's engine).
 //!
-//! Two ways, chosen at run time ([`Bf16Products::detected`], overridable per thread with
-//! [`with_bf16_products`] and for the process with `FLASHGRPO_BF16_PRODUCTS=widened|amx`):
+//! The ways, chosen at run time ([`Bf16Products::detected`], overridable per thread with
+//! [`with_bf16_products`] and for the process with `FLASHGRPO_BF16_PRODUCTS`):
 //! - [`Bf16Products::Amx`]: Intel AMX tiles ([`amx`]), ~1 TFLOP/s per core on this project's
 //!   machine against ~100 for f32. The logits product multiplies the bf16 inputs exactly; the two
 //!   gradient products take the f32 logits' gradient split into two bf16 numbers ([`pack`]), so
 //!   every product keeps f32's accuracy.
+//! - [`Bf16Products::Avx512Bf16`]: the same packed products on `vdpbf16ps` ([`dpbf16`]), for CPUs
+//!   with AVX512-BF16 and no AMX (AMD Zen 4 and later).
+//! - their `Rounded` forms: the logits' gradient rounded to bf16 as PyTorch and Liger take it.
 //! - [`Bf16Products::Widened`]: the operands widened to f32 for the `gemm` crate (every CPU).
 //!
 //! The products are deterministic: each output element sums its terms in one fixed order, on one
 //! thread, whatever the thread count.
 
 pub mod amx;
+pub mod dpbf16;
 pub mod layer;
 pub mod pack;
 
@@ -27,9 +31,10 @@ use crate::matmul::{Mat, MatMut};
 use pack::{PackedA, PackedB};
 
 /// The kernels the bf16 products run on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Bf16Products {
     /// bf16 operands widened to f32 for the f32 products.
+    #[default]
     Widened,
     /// AMX-BF16 tiles, the logits' gradient split into two bf16 numbers (f32-grade gradients).
     Amx,
@@ -37,22 +42,35 @@ pub enum Bf16Products {
     /// gradient products at half the flops, with bf16-grade gradients (opt-in:
     /// `FLASHGRPO_BF16_PRODUCTS=amx-rounded`).
     AmxRounded,
+    /// AVX512-BF16 (`vdpbf16ps`), the gradient split as [`Bf16Products::Amx`].
+    Avx512Bf16,
+    /// AVX512-BF16, the gradient rounded as [`Bf16Products::AmxRounded`] (opt-in:
+    /// `FLASHGRPO_BF16_PRODUCTS=avx512-bf16-rounded`).
+    Avx512Bf16Rounded,
 }
 
 impl Bf16Products {
-    /// AMX where the CPU and the kernel allow it, unless `FLASHGRPO_BF16_PRODUCTS` says otherwise
-    /// (`widened`, or `amx-rounded` for [`Bf16Products::AmxRounded`]).
+    /// AMX where the CPU and the kernel allow it, else AVX512-BF16 where the CPU has it, else
+    /// widened, unless `FLASHGRPO_BF16_PRODUCTS` names another way this machine has (`widened`,
+    /// `amx`, `amx-rounded`, `avx512-bf16`, `avx512-bf16-rounded`; one it lacks is ignored).
     pub fn detected() -> Self {
         static DETECTED: OnceLock<Bf16Products> = OnceLock::new();
         *DETECTED.get_or_init(|| {
             let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
-            match wanted.as_str() {
-                "widened" => Bf16Products::Widened,
-                "amx-rounded" if amx::available() => Bf16Products::AmxRounded,
-                _ if amx::available() => Bf16Products::Amx,
-                _ => Bf16Products::Widened,
-            }
+            let available = Self::available();
+            let named = available.iter().copied().find(|p| p.setting() == wanted);
+            named.unwrap_or(*available.iter().find(|p| !p.rounded()).expect("one way at least"))
         })
+    }
+
+    /// Whether the products run on the packed bf16 kernels (AMX or AVX512-BF16).
+    pub fn packed(self) -> bool {
+        self != Bf16Products::Widened
+    }
+
+    /// Whether the gradient products take the logits' gradient rounded to bf16.
+    pub fn rounded(self) -> bool {
+        matches!(self, Bf16Products::AmxRounded | Bf16Products::Avx512Bf16Rounded)
     }
 
     /// Whether the products run on AMX tiles.
@@ -60,13 +78,28 @@ impl Bf16Products {
         matches!(self, Bf16Products::Amx | Bf16Products::AmxRounded)
     }
 
-    /// Every way this machine can run.
+    /// Every way this machine can run, fastest first.
     pub fn available() -> Vec<Self> {
-        let mut all = vec![Bf16Products::Widened];
+        let mut all = vec![];
         if amx::available() {
             all.extend([Bf16Products::Amx, Bf16Products::AmxRounded]);
         }
+        if dpbf16::available() {
+            all.extend([Bf16Products::Avx512Bf16, Bf16Products::Avx512Bf16Rounded]);
+        }
+        all.push(Bf16Products::Widened);
         all
+    }
+
+    /// The value of `FLASHGRPO_BF16_PRODUCTS` that asks for this way.
+    pub fn setting(self) -> &'static str {
+        match self {
+            Bf16Products::Widened => "widened",
+            Bf16Products::Amx => "amx",
+            Bf16Products::AmxRounded => "amx-rounded",
+            Bf16Products::Avx512Bf16 => "avx512-bf16",
+            Bf16Products::Avx512Bf16Rounded => "avx512-bf16-rounded",
+        }
     }
 
     pub fn name(self) -> &'static str {
@@ -74,6 +107,8 @@ impl Bf16Products {
             Bf16Products::Widened => "widened-f32",
             Bf16Products::Amx => "amx-bf16",
             Bf16Products::AmxRounded => "amx-bf16-rounded-gradient",
+            Bf16Products::Avx512Bf16 => "avx512-bf16",
+            Bf16Products::Avx512Bf16Rounded => "avx512-bf16-rounded-gradient",
         }
     }
 }
@@ -315,18 +350,33 @@ impl BOperand {
     }
 }
 
-/// C (+)= A @ B on AMX tiles, block by block (32 x 32) on the calling thread.
+/// C (+)= A @ B on the packed kernel of `products` (AMX tiles or AVX512-BF16), block by block
+/// (32 x 32) on the calling thread.
 ///
 /// # Safety
 /// A must be readable for `32 * ceil(out.rows / 32)` rows of `a.steps` steps, and B's panels
 /// `0..2 * ceil(out.cols / 32)` for `16 * a.steps` rows; no other thread writes `out`.
-unsafe fn product(a: AOperand, b: BOperand, out: &Output) {
-    assert!(amx::available());
+unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products) {
+    let amx = products.on_amx();
+    assert!(if amx { amx::available() } else { products.packed() && dpbf16::available() });
     let (blocks_m, blocks_n) = (out.rows.div_ceil(32), out.cols.div_ceil(32));
     let mut block = [0.0f32; 32 * 32];
+    let kernel = |a_block: *const u16, b0: *const u16, b1: *const u16, c: &amx::CTile| {
+        // SAFETY: the kernel is available (asserted; AMX configured below); the operands are
+        // readable as the caller promised.
+        unsafe {
+            if amx {
+                amx::block(a_block, a.row_bytes, b0, b1, b.row_bytes, a.steps, c)
+            } else {
+                dpbf16::block(a_block, a.row_bytes, b0, b1, b.row_bytes, a.steps, c)
+            }
+        }
+    };
     // SAFETY: AMX is available (asserted); the operands are readable as the caller promised.
     unsafe {
-        amx::configure();
+        if amx {
+            amx::configure();
+        }
         for index in 0..blocks_m * blocks_n {
             // Along the output's memory rows: each of a block's 32 rows then streams on.
             let (bi, bj) = if out.transposed {
@@ -336,16 +386,18 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output) {
             };
             let (b0, b1) = (b.panel(2 * bj), b.panel(2 * bj + 1));
             match out.direct(bi, bj) {
-                Some(c) => amx::block(a.block(bi), a.row_bytes, b0, b1, b.row_bytes, a.steps, &c),
+                Some(c) => kernel(a.block(bi), b0, b1, &c),
                 None => {
                     out.prefetch(bi, bj);
                     let c = amx::CTile { ptr: block.as_mut_ptr(), row_bytes: 128, load: false };
-                    amx::block(a.block(bi), a.row_bytes, b0, b1, b.row_bytes, a.steps, &c);
+                    kernel(a.block(bi), b0, b1, &c);
                     out.write(bi, bj, &block);
                 }
             }
         }
-        amx::release();
+        if amx {
+            amx::release();
+        }
     }
 }
 
@@ -357,8 +409,8 @@ pub struct PackedHidden {
     /// The A of the weight-gradient product: `hc^T` with each element twice (against the split
     /// `dz`), or as it is (against `dz` rounded).
     transposed_for_gradient: PackedA,
-    /// The gradient products take `dz` rounded to bf16 ([`Bf16Products::AmxRounded`]).
-    rounded: bool,
+    /// The way of the products (whether the gradient products take `dz` rounded to bf16).
+    products: Bf16Products,
     rows: usize,
     hidden_size: usize,
 }
@@ -367,8 +419,8 @@ impl PackedHidden {
     /// Packs `hc` (`rows x hidden_size` bf16 bits, row-major) for the products of `products`.
     pub fn pack(&mut self, hc: &[u16], rows: usize, hidden_size: usize, products: Bf16Products) {
         pack::b_from_transposed(hc, hidden_size, rows, hidden_size, &mut self.transposed);
-        self.rounded = products == Bf16Products::AmxRounded;
-        if self.rounded {
+        self.products = products;
+        if products.rounded() {
             pack::a_from_transposed(hc, rows, hidden_size, &mut self.transposed_for_gradient);
         } else {
             pack::a_from_transposed_duplicated(hc, rows, hidden_size, &mut self.transposed_for_gradient);
@@ -378,8 +430,9 @@ impl PackedHidden {
 
     /// Packs `hc` for [`logits`] alone (a layer's forward product, which has no gradient
     /// products to feed).
-    pub fn pack_for_logits(&mut self, hc: &[u16], rows: usize, hidden_size: usize) {
+    pub fn pack_for_logits(&mut self, hc: &[u16], rows: usize, hidden_size: usize, products: Bf16Products) {
         pack::b_from_transposed(hc, hidden_size, rows, hidden_size, &mut self.transposed);
+        self.products = products;
         (self.rows, self.hidden_size) = (rows, hidden_size);
     }
 }
@@ -426,7 +479,7 @@ pub fn logits(z: &mut MatMut<'_>, accumulate: bool, hc: &PackedHidden, weight: &
         let out = out.part(t.clone(), 0..out.cols);
         // SAFETY: A's whole blocks of rows are inside `weight` or packed; B is packed to whole
         // blocks; this tile's columns of z are written by this task only.
-        unsafe { product(a, BOperand::packed(&hc.transposed), &out) };
+        unsafe { product(a, BOperand::packed(&hc.transposed), &out, hc.products) };
     });
 }
 
@@ -487,7 +540,7 @@ pub fn gradients(
                 // SAFETY: group g's partial and this tile's rows of dw are written by this task
                 // only.
                 unsafe {
-                    if hc.rounded {
+                    if hc.products.rounded() {
                         tile_gradients_rounded(&partial, dw_tile.as_ref(), dz_tile, weight_tile, hc, scratch)
                     } else {
                         tile_gradients_split(&partial, dw_tile.as_ref(), dz_tile, weight_tile, hc, scratch)
@@ -521,12 +574,12 @@ unsafe fn tile_gradients_split(
     let a = AOperand { steps: doubled.k / 32, ..AOperand::packed(split) };
     // SAFETY: both operands are packed to whole blocks, A's `steps` inside its rows
     // (padded(2 cols) <= 2 padded(cols)); the caller owns `partial`.
-    unsafe { product(a, BOperand::packed(doubled), partial) };
+    unsafe { product(a, BOperand::packed(doubled), partial, hc.products) };
     if let Some(dw) = dw {
         let b = BOperand { ptr: split.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * split.k };
         // SAFETY: A is packed; B's rows (padded(n)) and columns (padded(v), 2 * 32 per block)
         // are inside the packed tile, zero padded; the caller owns `dw`.
-        unsafe { product(AOperand::packed(&hc.transposed_for_gradient), b, dw) };
+        unsafe { product(AOperand::packed(&hc.transposed_for_gradient), b, dw, hc.products) };
     }
 }
 
@@ -549,11 +602,11 @@ unsafe fn tile_gradients_rounded(
     pack::a_from_f32_rounded(dz.data, dz.stride, n, v, rounded);
     pack::b_from_rows(weight, h, v, h, rows);
     // SAFETY: both packed to whole blocks over the same padded(v) k; the caller owns `partial`.
-    unsafe { product(AOperand::packed(rounded), BOperand::packed(rows), partial) };
+    unsafe { product(AOperand::packed(rounded), BOperand::packed(rows), partial, hc.products) };
     if let Some(dw) = dw {
         pack::b_from_f32_rounded(dz.data, dz.stride, n, v, rounded_b);
         // SAFETY: both packed to whole blocks over the same padded(n) k; the caller owns `dw`.
-        unsafe { product(AOperand::packed(&hc.transposed_for_gradient), BOperand::packed(rounded_b), dw) };
+        unsafe { product(AOperand::packed(&hc.transposed_for_gradient), BOperand::packed(rounded_b), dw, hc.products) };
     }
 }
 

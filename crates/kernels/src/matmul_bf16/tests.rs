@@ -1,6 +1,7 @@
-//! The AMX products against f64 loops on ragged shapes (no dimension a multiple of the 32-wide
-//! blocking), with strided and accumulated outputs, and bit for bit across thread counts. On a
-//! machine without AMX these tests check nothing and say so.
+//! The packed products (every way this machine has: AMX, AVX512-BF16, split and rounded) against
+//! f64 loops on ragged shapes (no dimension a multiple of the 32-wide blocking), with strided and
+//! accumulated outputs, and bit for bit across thread counts. On a machine with neither kernel
+//! these tests check nothing and say so.
 
 use super::{gradients as gradients_into, *};
 use crate::synthetic::normal_matrix;
@@ -30,9 +31,14 @@ const SHAPES: [(usize, usize, usize); 6] =
 /// Vocabulary rows per tile: ragged (not multiples of 16) and whole.
 const TILES: [usize; 4] = [7, 48, 256, 19];
 
+/// The packed ways this machine has (AMX, AVX512-BF16, each split and rounded).
+fn packed_ways() -> Vec<Bf16Products> {
+    Bf16Products::available().into_iter().filter(|p| p.packed()).collect()
+}
+
 fn skip() -> bool {
-    if !amx::available() {
-        eprintln!("no AMX on this machine: the AMX products are not exercised here");
+    if packed_ways().is_empty() {
+        eprintln!("no AMX or AVX512-BF16 on this machine: the packed bf16 products are not exercised here");
         return true;
     }
     false
@@ -43,14 +49,16 @@ fn logits_product_matches_f64() {
     if skip() {
         return;
     }
-    for ((n, h, v), tile) in SHAPES.into_iter().zip(TILES.into_iter().cycle()) {
+    for (((n, h, v), tile), products) in
+        SHAPES.into_iter().zip(TILES.into_iter().cycle()).zip(packed_ways().into_iter().cycle())
+    {
         let hc = bits(&normal_matrix(n, h, 1.0, 1));
         let wt = bits(&normal_matrix(v, h, 0.5, 2));
         let (hc64, wt64) = (widen(&hc), widen(&wt));
         let stride = v + 3;
         let mut z = vec![1.0f32; n * stride];
         let mut packed = PackedHidden::default();
-        packed.pack(&hc, n, h, Bf16Products::Amx);
+        packed.pack(&hc, n, h, products);
         for accumulate in [false, true] {
             let mut out = MatMut { data: &mut z, rows: n, cols: v, stride };
             logits(&mut out, accumulate, &packed, &wt, tile);
@@ -103,8 +111,8 @@ fn gradient_products_match_f64() {
         let (hc64, wt64) = (widen(&hc), widen(&wt));
         // The split takes `dz` to 16 significant bits (checked at the products' 1e-5), the
         // rounded way to bf16 (checked against the products of `dz` rounded).
-        let ways = [(Bf16Products::Amx, dz.clone()), (Bf16Products::AmxRounded, widen_f32(&bits(&dz)))];
-        for ((products, dz), accumulate) in ways.into_iter().flat_map(|w| [(w.clone(), false), (w, true)]) {
+        let ways = packed_ways().into_iter().map(|p| (p, if p.rounded() { widen_f32(&bits(&dz)) } else { dz.clone() }));
+        for ((products, dz), accumulate) in ways.flat_map(|w| [(w.clone(), false), (w, true)]) {
             let (dh, dw) = gradients(&dz, n, v, &wt, &hc, h, accumulate, tile, products);
             let start = |x: f64| if accumulate { x } else { 0.0 };
             let (mut want, mut scale) = (vec![], vec![]);
@@ -148,7 +156,7 @@ fn products_are_the_same_bits_for_any_thread_count() {
             (z, gradients(&dz, n, v, &wt, &hc, h, false, 16, products))
         })
     };
-    for products in [Bf16Products::Amx, Bf16Products::AmxRounded] {
+    for products in packed_ways() {
         let one = run(1, products);
         for threads in [2, 3, 5] {
             assert!(run(threads, products) == one, "{products:?}, {threads} threads");
@@ -194,16 +202,19 @@ fn layer_products_match_f64() {
         let w = bits(&normal_matrix(o, k, 0.5, seed + 2));
         let dy = normal_matrix(n, o, 1e-3, seed + 3);
         let [(y_want, y_scale), (dx_want, dx_scale), (dw_want, dw_scale)] = layer_reference(&x, &w, &dy, (n, k, o));
-        for accumulate in [false, true] {
+        for (products, accumulate) in packed_ways().into_iter().flat_map(|p| [(p, false), (p, true)]) {
             let stride = o + 5;
             let mut y = vec![0.5f32; n * stride];
-            layer::forward(&mut MatMut { data: &mut y, rows: n, cols: o, stride }, accumulate, Mat::new(&x, n, k), &w);
+            let out = &mut MatMut { data: &mut y, rows: n, cols: o, stride };
+            layer::forward(out, accumulate, Mat::new(&x, n, k), &w, products);
             let got: Vec<f32> = (0..n * o).map(|e| y[e / o * stride + e % o]).collect();
             let want: Vec<f64> = y_want.iter().map(|w| w + if accumulate { 0.5 } else { 0.0 }).collect();
-            assert_close(&got, &want, &y_scale, 1e-6, &format!("layer y {n}x{k}x{o} accumulate {accumulate}"));
+            let what = format!("{products:?} layer y {n}x{k}x{o} accumulate {accumulate}");
+            assert_close(&got, &want, &y_scale, 1e-6, &what);
         }
         // The split keeps `dy` to 16 bits (1e-5); rounded, `dy` is bf16 (checked at bf16's 2^-8).
-        for (products, tol) in [(Bf16Products::Amx, 1e-5), (Bf16Products::AmxRounded, 8e-3)] {
+        for products in packed_ways() {
+            let tol = if products.rounded() { 8e-3 } else { 1e-5 };
             for accumulate in [false, true] {
                 let (mut dx, mut dw) = (vec![0.25f32; n * k], vec![0.25f32; o * k]);
                 layer::backward(
@@ -219,6 +230,7 @@ fn layer_products_match_f64() {
                 let dx_want: Vec<f64> = dx_want.iter().map(|w| w + start).collect();
                 let dw_want: Vec<f64> = dw_want.iter().map(|w| w + 0.25).collect();
                 let what = format!("{products:?} {n}x{k}x{o} accumulate {accumulate}");
+                let dx_scale: Vec<f64> = dx_scale.iter().map(|s| s + start).collect();
                 assert_close(&dx, &dx_want, &dx_scale, tol, &format!("layer dx, {what}"));
                 let dw_scale: Vec<f64> = dw_scale.iter().map(|s| s + 0.25).collect();
                 assert_close(&dw, &dw_want, &dw_scale, tol, &format!("layer dw, {what}"));
@@ -242,21 +254,27 @@ fn layer_products_are_the_same_bits_for_any_thread_count_and_batch() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
             let mut y = vec![0.0f32; n * o];
-            layer::forward(&mut MatMut::new(&mut y, n, o), false, Mat::new(&x, n, k), &w);
+            layer::forward(&mut MatMut::new(&mut y, n, o), false, Mat::new(&x, n, k), &w, products);
             let (mut dx, mut dw) = (vec![0.0f32; n * k], vec![0.0f32; o * k]);
             let (dy, x) = (Mat::new(&dy, n, o), Mat::new(&x, n, k));
             layer::backward(&mut MatMut::new(&mut dx, n, k), false, &mut dw, dy, x, &w, products);
             (y, dx, dw)
         })
     };
-    for products in [Bf16Products::Amx, Bf16Products::AmxRounded] {
+    for products in packed_ways() {
         let one = run(1, products);
         for threads in [2, 3, 5] {
             assert!(run(threads, products) == one, "{products:?}, {threads} threads");
         }
         for row in [0, 37, n - 1] {
             let mut y = vec![0.0f32; o];
-            layer::forward(&mut MatMut::new(&mut y, 1, o), false, Mat::new(&x[row * k..(row + 1) * k], 1, k), &w);
+            layer::forward(
+                &mut MatMut::new(&mut y, 1, o),
+                false,
+                Mat::new(&x[row * k..(row + 1) * k], 1, k),
+                &w,
+                products,
+            );
             assert!(y == one.0[row * o..(row + 1) * o], "row {row} alone");
         }
     }

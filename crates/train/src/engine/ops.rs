@@ -65,7 +65,7 @@ pub fn linear_add(y: &mut [f32], x: &[f32], w: Weight<'_>, inputs: usize) {
 fn product_nt(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: Weight<'_>) {
     match w {
         Weight::F32(w) => matmul_nt(y, accumulate, x, Mat::new(w, y.cols, x.cols)),
-        Weight::Bf16(w, _) => matmul_bf16::layer::forward(y, accumulate, x, w),
+        Weight::Bf16(w, products) => matmul_bf16::layer::forward(y, accumulate, x, w, products),
     }
 }
 

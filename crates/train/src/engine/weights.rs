@@ -106,7 +106,7 @@ impl<'m> Param<'m> {
                     return Ok(Self { values: Values::Borrowed(guard, start..end), index });
                 }
                 (Storage::Cpu(CpuStorage::BF16(_)), Some((start, end))) => {
-                    let products = Some(matmul_bf16::current()).filter(|p| p.on_amx());
+                    let products = Some(matmul_bf16::current()).filter(|p| p.packed());
                     let widened = OnceLock::new();
                     return Ok(Self { values: Values::Bf16 { guard, range: start..end, widened, products }, index });
                 }

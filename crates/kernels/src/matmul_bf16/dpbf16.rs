@@ -1,0 +1,84 @@
+//! The AVX512-BF16 micro-kernel, for CPUs with `vdpbf16ps` and no AMX (AMD Zen 4 and later,
+//! Intel Cooper Lake): the same `C[32, 32] (+)= A[32, K] @ B[K, 32]` as [`super::amx::block`], on
+//! the same packed operands ([`super::pack`]), so that every product of [`super`] runs on either.
+//!
+//! `vdpbf16ps` multiplies 16 pairs of bf16 by 16 pairs and adds each pair's two products to an
+//! f32 lane: one broadcast pair of A's row against one VNNI row of a B panel (16 columns) is one
+//! instruction. Register blocking: 8 rows of A against the block's two panels, 16 accumulators,
+//! the two panels' rows loaded once per pair row for the 8 rows; the block's 32 rows in 4 such
+//! passes. Each C element adds its K products in order, a pair at a time, on one thread: the
+//! results do not depend on the thread count (they differ from AMX's in the last bits: the two
+//! instructions round inside a pair differently).
+
+use super::amx::CTile;
+
+/// Rows of A per register-blocked pass.
+const ROWS: usize = 8;
+
+/// Whether this CPU has AVX512-BF16 (and AVX-512F).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512bf16") && std::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// As [`super::amx::block`]: `C (+)= A[32, 32 * steps] @ B[32 * steps, 32]`, `a` at A's first
+/// row (rows `a_row_bytes` apart, a step 64 bytes along), `b0` / `b1` at the panels' first rows
+/// (rows `b_row_bytes` apart, 16 rows a step).
+///
+/// # Safety
+/// AVX512-BF16 must be [`available`]; the operands and C as [`super::amx::block`] requires.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub unsafe fn block(
+    a: *const u16,
+    a_row_bytes: usize,
+    b0: *const u16,
+    b1: *const u16,
+    b_row_bytes: usize,
+    steps: usize,
+    c: &CTile,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY (whole function): every address is inside the operands and C the caller vouches for.
+    unsafe {
+        for pass in 0..32 / ROWS {
+            let c_row = |r: usize| c.ptr.byte_add((pass * ROWS + r) * c.row_bytes);
+            let mut acc: [[__m512; 2]; ROWS] = std::array::from_fn(|r| {
+                if c.load {
+                    [_mm512_loadu_ps(c_row(r)), _mm512_loadu_ps(c_row(r).add(16))]
+                } else {
+                    [_mm512_setzero_ps(); 2]
+                }
+            });
+            let a_rows: [*const u32; ROWS] =
+                std::array::from_fn(|r| a.byte_add((pass * ROWS + r) * a_row_bytes).cast());
+            for pair_row in 0..16 * steps {
+                let b_at = pair_row * b_row_bytes;
+                let (p0, p1) =
+                    (_mm512_loadu_si512(b0.byte_add(b_at).cast()), _mm512_loadu_si512(b1.byte_add(b_at).cast()));
+                let (p0, p1) = (as_bf16_pairs(p0), as_bf16_pairs(p1));
+                for (row, acc) in a_rows.iter().zip(acc.iter_mut()) {
+                    let pair = as_bf16_pairs(_mm512_set1_epi32(row.add(pair_row).read_unaligned() as i32));
+                    acc[0] = _mm512_dpbf16_ps(acc[0], pair, p0);
+                    acc[1] = _mm512_dpbf16_ps(acc[1], pair, p1);
+                }
+            }
+            for (r, [lo, hi]) in acc.iter().enumerate() {
+                _mm512_storeu_ps(c_row(r), *lo);
+                _mm512_storeu_ps(c_row(r).add(16), *hi);
+            }
+        }
+    }
+}
+
+/// The 32 bf16 numbers in `x`'s bits, as `vdpbf16ps` takes them.
+#[inline(always)]
+fn as_bf16_pairs(x: std::arch::x86_64::__m512i) -> std::arch::x86_64::__m512bh {
+    // SAFETY: both are 64 bytes of plain data; every bit pattern is a valid bf16 vector.
+    unsafe { std::mem::transmute::<std::arch::x86_64::__m512i, std::arch::x86_64::__m512bh>(x) }
+}
