@@ -59,7 +59,16 @@ impl Bf16Products {
             let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
             let available = Self::available();
             let named = available.iter().copied().find(|p| p.setting() == wanted);
-            named.unwrap_or(*available.iter().find(|p| !p.rounded()).expect("one way at least"))
+            let default = *available.iter().find(|p| !p.rounded()).expect("one way at least");
+            if named.is_none() && !wanted.is_empty() {
+                let ways: Vec<&str> = available.iter().map(|p| p.setting()).collect();
+                eprintln!(
+                    "flashgrpo: FLASHGRPO_BF16_PRODUCTS={wanted} is not a way this machine has (it has: {}); using {}",
+                    ways.join(", "),
+                    default.setting()
+                );
+            }
+            named.unwrap_or(default)
         })
     }
 
