@@ -2,14 +2,15 @@
 //! three products of a linear layer, `y = x @ w^T`, `dx = dy @ w` and `dw += dy^T @ x`, with the
 //! weight's bf16 bits read as the model holds them and f32 activations and gradients.
 //!
-//! Numerics are PyTorch's bf16 layers': the activations `x` are rounded to bf16 (as a bf16 model
-//! holds them) and every product accumulates in f32. The gradient `dy` is split into two bf16
+//! The activations `x` are rounded to bf16 (as a bf16 model holds them), every product
+//! accumulates in f32, and the outputs and gradients stay f32. The gradient `dy` is split into two bf16
 //! numbers ([`Bf16Products::Amx`], [`Bf16Products::Avx512Bf16`]: f32-grade gradients as the
 //! fused-linear loss keeps them) or rounded to bf16 as PyTorch takes it (their `Rounded` forms).
 //!
 //! Every output element sums its `k` terms in one tile accumulation, in order: the results do not
-//! depend on how the output is split over threads, nor on the other rows of `x` (a decode step's
-//! rows get the same bits as the same rows in a whole-sequence pass). The f32 products of
+//! depend on how the output is split over threads, and [`forward`]'s do not depend on the other
+//! rows of `x` (a decode step's rows get the same bits as the same rows in a whole-sequence pass;
+//! `dx` added onto a buffer may differ in the last bit with the number of rows). The f32 products of
 //! [`crate::matmul`] are the reference (tests.rs).
 
 use rayon::prelude::*;
@@ -19,7 +20,8 @@ use super::{logits, product, AOperand, BOperand, Bf16Products, Output, PackedHid
 use crate::matmul::{Mat, MatMut};
 
 /// Output blocks (32 x 32) per parallel task of the gradient products, rows and columns: large
-/// enough to amortise the tile configuration, small enough to balance 2 to 16 threads.
+/// enough to amortise a task's set-up (AMX's tile configuration), small enough to balance 2 to 16
+/// threads.
 const TASK_BLOCKS: (usize, usize) = (4, 8);
 
 /// Output rows of the forward product per task, at most (the weight's rows; measured on the
@@ -41,7 +43,7 @@ fn rounded_bits(x: Mat<'_>) -> Vec<u16> {
 /// Weight rows per forward task: the threads evenly busy, at most [`MAX_TILE`].
 fn forward_tile(outputs: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
-    let tasks = outputs.div_ceil(MAX_TILE).div_ceil(threads) * threads;
+    let tasks = outputs.div_ceil(MAX_TILE).div_ceil(threads).max(1) * threads;
     pack::padded(outputs.div_ceil(tasks)).max(32)
 }
 
@@ -49,7 +51,7 @@ fn forward_tile(outputs: usize) -> usize {
 /// `w` is `y.cols x k` bf16 bits, row-major (an `nn.Linear` weight).
 ///
 /// # Panics
-/// If the shapes disagree, or `products` is not a packed way of this machine.
+/// If the shapes disagree, `x` is strided, or `products` is not a packed way of this machine.
 pub fn forward(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: &[u16], products: Bf16Products) {
     assert!(products.packed() && Bf16Products::available().contains(&products), "{products:?} on this machine");
     assert!(y.rows == x.rows && w.len() == y.cols * x.cols, "linear layer shapes");

@@ -441,6 +441,8 @@ impl PackedHidden {
     /// products to feed).
     pub fn pack_for_logits(&mut self, hc: &[u16], rows: usize, hidden_size: usize, products: Bf16Products) {
         pack::b_from_transposed(hc, hidden_size, rows, hidden_size, &mut self.transposed);
+        // No operand for the gradient products: [`gradients`] refuses this packing.
+        self.transposed_for_gradient = PackedA::default();
         self.products = products;
         (self.rows, self.hidden_size) = (rows, hidden_size);
     }
@@ -470,7 +472,7 @@ fn tiles(len: usize, tile: usize) -> Vec<Range<usize>> {
     (0..len).step_by(tile.max(1)).map(|c| c..(c + tile).min(len)).collect()
 }
 
-/// `z (+)= hc @ weight^T` on AMX: the logits of the packed chunk `hc` over the vocabulary rows
+/// `z (+)= hc @ weight^T` on the packed kernel of `hc`'s way: the logits of the packed chunk `hc` over the vocabulary rows
 /// of `weight` (bf16 bits, row-major, `hidden_size` columns, `z.cols` rows), `tile` rows at a
 /// time, the tiles spread over the threads. Each tile is `C = W_tile @ hc^T`, written transposed;
 /// its A is read in place from the weight where whole blocks of rows are there.
@@ -496,7 +498,7 @@ pub fn logits(z: &mut MatMut<'_>, accumulate: bool, hc: &PackedHidden, weight: &
 /// in order; the groups' sums are added in order. The sums do not depend on the thread count.
 pub const GROUPS: usize = 16;
 
-/// The gradient products of a chunk on AMX: `dh = dz @ weight` and, if `dw` is given,
+/// The gradient products of a chunk on the packed kernel of `hc`'s way: `dh = dz @ weight` and, if `dw` is given,
 /// `dw (+)= dz^T @ hc` (`dz`: f32, `n x v`; `weight` and `dw`: `v x hidden_size`), `tile`
 /// vocabulary rows at a time, the tiles spread over the threads. `partials` holds the groups'
 /// sums of `dh` (kept for reuse).
@@ -517,6 +519,7 @@ pub fn gradients(
 ) {
     let (n, h, v) = (dz.rows, hc.hidden_size, dz.cols);
     assert!(dh.rows == n && dh.cols == h && hc.rows == n && weight.len() >= v * h);
+    assert!(n == 0 || hc.transposed_for_gradient.rows >= h, "hidden states packed for the logits alone");
     let all = tiles(v, tile);
     let groups: Vec<Range<usize>> = (0..GROUPS.min(all.len()))
         .map(|g| g * all.len() / GROUPS.min(all.len())..(g + 1) * all.len() / GROUPS.min(all.len()))

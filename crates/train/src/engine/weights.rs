@@ -12,7 +12,6 @@ use std::sync::OnceLock;
 use candle_core::{CpuStorage, DType, Storage, StorageRef, Var};
 use flashgrpo_kernels::matmul_bf16::{self, Bf16Products};
 use half::bf16;
-use rayon::prelude::*;
 
 use super::ops::Weight;
 
@@ -72,7 +71,7 @@ enum Values<'m> {
     /// An f32 parameter, read in place under its storage's read lock.
     Borrowed(StorageRef<'m>, Range<usize>),
     /// A bf16 parameter, read in place under its storage's read lock; widened on first use as
-    /// f32. `products`: the bf16 products its linear layers run on (AMX), if any.
+    /// f32. `products`: the bf16 products its linear layers run on (AMX or AVX512-BF16), if any.
     Bf16 { guard: StorageRef<'m>, range: Range<usize>, widened: OnceLock<Vec<f32>>, products: Option<Bf16Products> },
     /// A widened copy of an f16 (or non-contiguous) parameter.
     Owned(Vec<f32>),
@@ -89,7 +88,7 @@ impl Deref for Param<'_> {
             },
             Values::Bf16 { widened, .. } => widened.get_or_init(|| {
                 let bits = self.bf16().expect("a bf16 parameter");
-                bits.par_iter().map(|b| b.to_f32()).collect()
+                bits.iter().map(|b| b.to_f32()).collect()
             }),
             Values::Owned(v) => v,
         }
@@ -195,8 +194,8 @@ pub struct Weights<'m> {
 }
 
 impl<'m> Weights<'m> {
-    /// Reads `model`'s parameters. Drop the result before the optimiser writes them: the f32
-    /// parameters stay read-locked while it lives.
+    /// Reads `model`'s parameters. Drop the result before the optimiser writes them: the f32 and
+    /// bf16 parameters stay read-locked while it lives.
     pub fn of(model: &'m Qwen2) -> Result<Self> {
         let get = |name: &str| -> Result<Param<'m>> {
             let index = model.params.position(name).map_err(|e| TrainError::Other(e.to_string()))?;

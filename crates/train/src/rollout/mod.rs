@@ -42,7 +42,8 @@ pub struct Rollout {
 }
 
 /// `logits[n, V] = hidden[n, H] @ lm_head^T` (on the bf16 products for a bf16 head, as the
-/// update's fused-linear loss computes them: the same bits).
+/// update's single-rank fused-linear loss computes them: the same bits; the other heads and the
+/// vocabulary-parallel one widen a bf16 head to f32).
 fn logits(w: &Weights<'_>, hidden: &[f32], out: &mut Vec<f32>) {
     let (h, v) = (w.dims.hidden, w.dims.vocab);
     let n = hidden.len() / h;
