@@ -103,8 +103,8 @@ impl Plan {
     /// of `d hidden` (`4 H` bytes a row each).
     /// Other weights widened to f32: a quarter of the budget for an f32 copy of a weight tile.
     /// The rest holds the f32 logits of a chunk of rows (and its f32 hidden states).
-    fn new<T: Element>(n: usize, h: usize, columns: usize, budget: ChunkBudget, amx: bool) -> Self {
-        let (tile, tile_bytes, per_row) = if amx {
+    fn new<T: Element>(n: usize, h: usize, columns: usize, budget: ChunkBudget, packed: bool) -> Self {
+        let (tile, tile_bytes, per_row) = if packed {
             // Two threads' packing counted whatever the thread count: the chunking, and so the
             // gradients' bits, must not depend on it.
             let per_row = 4 * columns + 6 * h + 2 * 4 * AMX_TILE + matmul_bf16::GROUPS * 4 * h;
@@ -159,9 +159,10 @@ struct Streamer<'p, 'a, T> {
 enum Operands {
     /// f32 products: the chunk's hidden states and a weight tile, widened when not f32.
     F32 { hidden: Vec<f32>, weight: Vec<f32> },
-    /// AMX bf16 products (of the way `products`): the chunk's hidden states packed, and the sums
+    /// Packed bf16 products, AMX or AVX512-BF16 (of the way `products`): the chunk's hidden
+    /// states packed, and the sums
     /// of `d hidden`.
-    Amx { hidden: Box<matmul_bf16::PackedHidden>, partials: Vec<f32>, products: Bf16Products },
+    Packed { hidden: Box<matmul_bf16::PackedHidden>, partials: Vec<f32>, products: Bf16Products },
 }
 
 impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
@@ -181,13 +182,13 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         }
         shapes::check_inputs(rows, h, v, inputs.hidden.len(), inputs.weight.len(), inputs.bias.map(<[T]>::len))?;
         let products = matmul_bf16::current();
-        let amx = T::as_bf16_bits(&[]).is_some() && products.packed();
-        let operands = if amx {
-            Operands::Amx { hidden: Box::default(), partials: Vec::new(), products }
+        let packed = T::as_bf16_bits(&[]).is_some() && products.packed();
+        let operands = if packed {
+            Operands::Packed { hidden: Box::default(), partials: Vec::new(), products }
         } else {
             Operands::F32 { hidden: Vec::new(), weight: Vec::new() }
         };
-        let plan = Plan::new::<T>(n, h, v, budget, amx);
+        let plan = Plan::new::<T>(n, h, v, budget, packed);
         Ok(Self { prepared, inputs, columns, plan, z: Vec::new(), operands })
     }
 
@@ -230,7 +231,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 }
                 *hidden = hc;
             }
-            Operands::Amx { hidden, products, .. } => {
+            Operands::Packed { hidden, products, .. } => {
                 let bits = |x: &'a [T]| T::as_bf16_bits(x).expect("bf16 operands");
                 hidden.pack(bits(hidden_rows), n, h, *products);
                 let mut out = MatMut { data: z, rows: n, cols: v, stride: v };
@@ -265,7 +266,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                     }
                 }
             }
-            Operands::Amx { hidden, partials, .. } => {
+            Operands::Packed { hidden, partials, .. } => {
                 let dz = Mat::new(&self.z[..n * v], n, v);
                 let weight = T::as_bf16_bits(weight).expect("bf16 operands");
                 let dw = grads.weight.as_deref_mut();

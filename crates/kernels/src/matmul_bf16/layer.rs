@@ -15,8 +15,8 @@
 
 use rayon::prelude::*;
 
-use super::pack::{self, PackedA, PackedB};
-use super::{logits, product, AOperand, BOperand, Bf16Products, Output, PackedHidden};
+use super::pack;
+use super::{gradient_products, logits, product, AOperand, BOperand, Bf16Products, Output, PackedHidden, TileScratch};
 use crate::matmul::{Mat, MatMut};
 
 /// Output blocks (32 x 32) per parallel task of the gradient products, rows and columns: large
@@ -61,7 +61,9 @@ pub fn forward(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: &[u16], prod
 }
 
 /// The gradients of [`forward`]: `dx (+)= dy @ w` (added when `accumulate_dx`) and
-/// `dw += dy^T @ x`, with `dy` (`n x outputs`, f32) split or rounded as `products` says.
+/// `dw += dy^T @ x`, with `dy` (`n x outputs`, f32) split or rounded as `products` says: the
+/// fused-linear loss's gradient products ([`gradient_products`]) over the whole layer, each
+/// product spread over the threads.
 ///
 /// # Panics
 /// If the shapes disagree, or `products` is not a packed way of this machine.
@@ -78,39 +80,14 @@ pub fn backward(
     let (n, outputs, inputs) = (dy.rows, dy.cols, x.cols);
     assert!(x.rows == n && dx.rows == n && dx.cols == inputs, "linear layer shapes");
     assert!(w.len() == outputs * inputs && dw.len() == outputs * inputs, "linear layer weight shapes");
-    let x_bits = rounded_bits(x);
-    let (mut dy_a, mut w_b, mut x_a, mut dy_b) =
-        (PackedA::default(), PackedB::default(), PackedA::default(), PackedB::default());
+    let mut packed_x = PackedHidden::default();
+    packed_x.pack_for_gradients(&rounded_bits(x), n, inputs, products);
     let dx_out = Output::new(dx, false, accumulate_dx);
     let dw_out = Output::new(&mut MatMut::new(dw, outputs, inputs), true, true);
-    if products.rounded() {
-        rayon::join(
-            || pack::a_from_f32_rounded(dy.data, dy.stride, n, outputs, &mut dy_a),
-            || pack::b_from_rows(w, inputs, outputs, inputs, &mut w_b),
-        );
-        // SAFETY: both packed to whole blocks over the same padded(outputs) k.
-        unsafe { parallel_product(AOperand::packed(&dy_a), BOperand::packed(&w_b), &dx_out, products) };
-        rayon::join(
-            || pack::a_from_transposed(&x_bits, n, inputs, &mut x_a),
-            || pack::b_from_f32_rounded(dy.data, dy.stride, n, outputs, &mut dy_b),
-        );
-        // SAFETY: both packed to whole blocks over the same padded(n) k.
-        unsafe { parallel_product(AOperand::packed(&x_a), BOperand::packed(&dy_b), &dw_out, products) };
-    } else {
-        rayon::join(
-            || pack::a_from_f32_split(dy.data, dy.stride, n, outputs, &mut dy_a),
-            || pack::b_from_rows_duplicated(w, inputs, outputs, inputs, &mut w_b),
-        );
-        // A's rows hold 2 * padded(outputs) pairs; B has the rows of padded(2 * outputs).
-        let a = AOperand { steps: w_b.k / 32, ..AOperand::packed(&dy_a) };
-        // SAFETY: both packed to whole blocks; A's `steps` lie inside its rows.
-        unsafe { parallel_product(a, BOperand::packed(&w_b), &dx_out, products) };
-        pack::a_from_transposed_duplicated(&x_bits, n, inputs, &mut x_a);
-        let b = BOperand { ptr: dy_a.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * dy_a.k };
-        // SAFETY: A is packed; B (the split `dy` read as VNNI) has padded(n) rows and
-        // padded(outputs) columns, zero padded, inside `dy_a`.
-        unsafe { parallel_product(AOperand::packed(&x_a), b, &dw_out, products) };
-    }
+    // SAFETY: this call owns `dx` and `dw`; each product's tasks write disjoint parts.
+    unsafe {
+        gradient_products(&dx_out, Some(&dw_out), dy, w, &packed_x, &mut TileScratch::default(), parallel_product)
+    };
 }
 
 /// C (+)= A @ B on the packed kernel of `products`, the output's blocks in tasks of

@@ -427,24 +427,34 @@ pub struct PackedHidden {
 impl PackedHidden {
     /// Packs `hc` (`rows x hidden_size` bf16 bits, row-major) for the products of `products`.
     pub fn pack(&mut self, hc: &[u16], rows: usize, hidden_size: usize, products: Bf16Products) {
-        pack::b_from_transposed(hc, hidden_size, rows, hidden_size, &mut self.transposed);
-        self.products = products;
-        if products.rounded() {
-            pack::a_from_transposed(hc, rows, hidden_size, &mut self.transposed_for_gradient);
-        } else {
-            pack::a_from_transposed_duplicated(hc, rows, hidden_size, &mut self.transposed_for_gradient);
-        }
-        (self.rows, self.hidden_size) = (rows, hidden_size);
+        self.pack_parts(hc, rows, hidden_size, products, true, true);
     }
 
-    /// Packs `hc` for [`logits`] alone (a layer's forward product, which has no gradient
-    /// products to feed).
+    /// Packs `hc` for [`logits`] alone (a layer's forward product); [`gradients`] refuses it.
     pub fn pack_for_logits(&mut self, hc: &[u16], rows: usize, hidden_size: usize, products: Bf16Products) {
-        pack::b_from_transposed(hc, hidden_size, rows, hidden_size, &mut self.transposed);
-        // No operand for the gradient products: [`gradients`] refuses this packing.
-        self.transposed_for_gradient = PackedA::default();
-        self.products = products;
-        (self.rows, self.hidden_size) = (rows, hidden_size);
+        self.pack_parts(hc, rows, hidden_size, products, true, false);
+    }
+
+    /// Packs `hc` for the gradient products alone (a layer's backward); [`logits`] refuses it.
+    pub fn pack_for_gradients(&mut self, hc: &[u16], rows: usize, hidden_size: usize, products: Bf16Products) {
+        self.pack_parts(hc, rows, hidden_size, products, false, true);
+    }
+
+    /// The operands asked for; the others emptied, so that a stale one is never read.
+    fn pack_parts(&mut self, hc: &[u16], rows: usize, h: usize, products: Bf16Products, logits: bool, gradients: bool) {
+        if logits {
+            pack::b_from_transposed(hc, h, rows, h, &mut self.transposed);
+        } else {
+            self.transposed = PackedB::default();
+        }
+        if !gradients {
+            self.transposed_for_gradient = PackedA::default();
+        } else if products.rounded() {
+            pack::a_from_transposed(hc, rows, h, &mut self.transposed_for_gradient);
+        } else {
+            pack::a_from_transposed_duplicated(hc, rows, h, &mut self.transposed_for_gradient);
+        }
+        (self.products, self.rows, self.hidden_size) = (products, rows, h);
     }
 }
 
@@ -479,6 +489,7 @@ fn tiles(len: usize, tile: usize) -> Vec<Range<usize>> {
 pub fn logits(z: &mut MatMut<'_>, accumulate: bool, hc: &PackedHidden, weight: &[u16], tile: usize) {
     let h = hc.hidden_size;
     assert!(z.rows == hc.rows && weight.len() >= z.cols * h);
+    assert!(z.rows == 0 || hc.transposed.cols >= z.rows, "hidden states packed for the gradients alone");
     let out = Output::new(z, true, accumulate);
     for_each_tile(&tiles(out.rows, tile), |_, t, scratch| {
         let a = if h.is_multiple_of(32) && weight.len() >= (t.start + pack::padded(t.len())) * h {
@@ -551,17 +562,41 @@ pub fn gradients(
                 let weight_tile = &weight[t.start * h..];
                 // SAFETY: group g's partial and this tile's rows of dw are written by this task
                 // only.
-                unsafe {
-                    if hc.products.rounded() {
-                        tile_gradients_rounded(&partial, dw_tile.as_ref(), dz_tile, weight_tile, hc, scratch)
-                    } else {
-                        tile_gradients_split(&partial, dw_tile.as_ref(), dz_tile, weight_tile, hc, scratch)
-                    }
-                }
+                unsafe { gradient_products(&partial, dw_tile.as_ref(), dz_tile, weight_tile, hc, scratch, product) }
             }
         })
     });
     sum_partials(dh, &partials[..groups.len() * n * h]);
+}
+
+/// How a product is run: [`product`] on the calling thread (a fused-linear tile, the tiles
+/// already spread over the threads) or `layer::parallel_product` (a layer's whole product).
+type Run = unsafe fn(AOperand, BOperand, &Output, Bf16Products);
+
+/// The gradient products of `dz` (`n x v`, f32) through `weight` (`v` rows of `hc.hidden_size`
+/// bf16 bits): `partial (+)= dz @ weight` and `dw^T (+)= hc^T @ dz`, with `dz` split or rounded
+/// as `hc`'s way says, each product run by `run`. Shared by the fused-linear loss (a vocabulary
+/// tile at a time) and a model's linear layers ([`layer::backward`]).
+///
+/// # Safety
+/// No other thread writes `partial` or `dw` at the same time.
+unsafe fn gradient_products(
+    partial: &Output,
+    dw: Option<&Output>,
+    dz: Mat<'_>,
+    weight: &[u16],
+    hc: &PackedHidden,
+    scratch: &mut TileScratch,
+    run: Run,
+) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        if hc.products.rounded() {
+            tile_gradients_rounded(partial, dw, dz, weight, hc, scratch, run)
+        } else {
+            tile_gradients_split(partial, dw, dz, weight, hc, scratch, run)
+        }
+    }
 }
 
 /// One vocabulary tile's gradient products on `dz` split into bf16 pairs: `partial (+)= dz @ W`
@@ -577,6 +612,7 @@ unsafe fn tile_gradients_split(
     weight: &[u16],
     hc: &PackedHidden,
     scratch: &mut TileScratch,
+    run: Run,
 ) {
     let (n, h, v) = (dz.rows, hc.hidden_size, dz.cols);
     let TileScratch { a: split, b: doubled, .. } = scratch;
@@ -586,12 +622,12 @@ unsafe fn tile_gradients_split(
     let a = AOperand { steps: doubled.k / 32, ..AOperand::packed(split) };
     // SAFETY: both operands are packed to whole blocks, A's `steps` inside its rows
     // (padded(2 cols) <= 2 padded(cols)); the caller owns `partial`.
-    unsafe { product(a, BOperand::packed(doubled), partial, hc.products) };
+    unsafe { run(a, BOperand::packed(doubled), partial, hc.products) };
     if let Some(dw) = dw {
         let b = BOperand { ptr: split.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * split.k };
         // SAFETY: A is packed; B's rows (padded(n)) and columns (padded(v), 2 * 32 per block)
         // are inside the packed tile, zero padded; the caller owns `dw`.
-        unsafe { product(AOperand::packed(&hc.transposed_for_gradient), b, dw, hc.products) };
+        unsafe { run(AOperand::packed(&hc.transposed_for_gradient), b, dw, hc.products) };
     }
 }
 
@@ -608,17 +644,18 @@ unsafe fn tile_gradients_rounded(
     weight: &[u16],
     hc: &PackedHidden,
     scratch: &mut TileScratch,
+    run: Run,
 ) {
     let (n, h, v) = (dz.rows, hc.hidden_size, dz.cols);
     let TileScratch { a: rounded, b: rows, c: rounded_b } = scratch;
     pack::a_from_f32_rounded(dz.data, dz.stride, n, v, rounded);
     pack::b_from_rows(weight, h, v, h, rows);
     // SAFETY: both packed to whole blocks over the same padded(v) k; the caller owns `partial`.
-    unsafe { product(AOperand::packed(rounded), BOperand::packed(rows), partial, hc.products) };
+    unsafe { run(AOperand::packed(rounded), BOperand::packed(rows), partial, hc.products) };
     if let Some(dw) = dw {
         pack::b_from_f32_rounded(dz.data, dz.stride, n, v, rounded_b);
         // SAFETY: both packed to whole blocks over the same padded(n) k; the caller owns `dw`.
-        unsafe { product(AOperand::packed(&hc.transposed_for_gradient), BOperand::packed(rounded_b), dw, hc.products) };
+        unsafe { run(AOperand::packed(&hc.transposed_for_gradient), BOperand::packed(rounded_b), dw, hc.products) };
     }
 }
 

@@ -182,15 +182,15 @@ fn interleave_body<T: Copy>(
 
 vectorised! {
     /// [`interleave_body`] on bf16 bits.
-    fn interleave_panels(panels: &mut [u32], half_k: usize, src: &[u16], stride: usize, rows: usize, cols: usize) {
-        interleave_body(panels, half_k, 0, src, stride, rows, cols, |x| x as u32)
+    fn interleave_panels(panels: &mut [u32], half_k: usize, first: usize, src: &[u16], stride: usize, rows: usize, cols: usize) {
+        interleave_body(panels, half_k, first, src, stride, rows, cols, |x| x as u32)
     }
 }
 
 vectorised! {
     /// [`interleave_body`] on f32 rounded to bf16.
-    fn interleave_panels_rounded(panels: &mut [u32], half_k: usize, src: &[f32], stride: usize, rows: usize, cols: usize) {
-        interleave_body(panels, half_k, 0, src, stride, rows, cols, bf16_bits)
+    fn interleave_panels_rounded(panels: &mut [u32], half_k: usize, first: usize, src: &[f32], stride: usize, rows: usize, cols: usize) {
+        interleave_body(panels, half_k, first, src, stride, rows, cols, bf16_bits)
     }
 }
 
@@ -209,24 +209,28 @@ vectorised! {
 pub fn a_from_f32_rounded(src: &[f32], stride: usize, rows: usize, cols: usize, out: &mut PackedA) {
     out.reset(rows, cols);
     let half_k = out.k / 2;
-    for (r, dst) in out.data.chunks_mut(half_k).enumerate() {
+    out.data.par_chunks_mut(half_k).enumerate().for_each(|(r, dst)| {
         let row: &[f32] = if r < rows { &src[r * stride..r * stride + cols] } else { &[] };
         rounded_pair_row(dst, row);
-    }
+    });
 }
 
 /// B = `src` (`rows x cols` bf16 bits, row stride `stride`), as it is: `B[k, j] = src[k, j]`.
 pub fn b_from_rows(src: &[u16], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
     out.reset(rows, cols);
     let half_k = out.k / 2;
-    interleave_panels(&mut out.data, half_k, src, stride, rows, cols);
+    out.data.par_chunks_mut(16 * half_k).enumerate().for_each(|(p, panel)| {
+        interleave_panels(panel, half_k, p, src, stride, rows, cols);
+    });
 }
 
 /// B = the f32 matrix `src` (`rows x cols`, row stride `stride`) rounded to bf16.
 pub fn b_from_f32_rounded(src: &[f32], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
     out.reset(rows, cols);
     let half_k = out.k / 2;
-    interleave_panels_rounded(&mut out.data, half_k, src, stride, rows, cols);
+    out.data.par_chunks_mut(16 * half_k).enumerate().for_each(|(p, panel)| {
+        interleave_panels_rounded(panel, half_k, p, src, stride, rows, cols);
+    });
 }
 
 /// A = the transpose of `src` (`rows x cols` bf16 bits, row-major): `A[j, r] = src[r, j]`.
@@ -260,10 +264,10 @@ pub fn a_from_rows(src: &[u16], stride: usize, rows: usize, cols: usize, out: &m
 pub fn a_from_f32_split(src: &[f32], stride: usize, rows: usize, cols: usize, out: &mut PackedA) {
     out.reset(rows, 2 * padded(cols));
     let half_k = out.k / 2;
-    for (r, dst) in out.data.chunks_mut(half_k).enumerate() {
+    out.data.par_chunks_mut(half_k).enumerate().for_each(|(r, dst)| {
         let row: &[f32] = if r < rows { &src[r * stride..r * stride + cols] } else { &[] };
         split_row(dst, row);
-    }
+    });
 }
 
 /// A = the transpose of `src` (`rows x cols` bf16 bits, row-major) with every element twice
@@ -306,7 +310,9 @@ pub fn b_from_transposed(src: &[u16], stride: usize, cols: usize, k: usize, out:
 pub fn b_from_rows_duplicated(src: &[u16], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
     out.reset(2 * rows, cols);
     let half_k = out.k / 2;
-    duplicate_panels(&mut out.data, half_k, 0, src, stride, rows, cols);
+    out.data.par_chunks_mut(16 * half_k).enumerate().for_each(|(p, panel)| {
+        duplicate_panels(panel, half_k, p, src, stride, rows, cols);
+    });
 }
 
 #[cfg(test)]

@@ -73,7 +73,7 @@ impl Head<'_, '_> {
                 // A bf16 head on the bf16 products: the rows rounded to bf16, as a bf16 model
                 // holds its hidden states.
                 Weight::Bf16(..) => {
-                    let rows: Vec<bf16> = rows.par_iter().map(|&x| bf16::from_f32(x)).collect();
+                    let rows: Vec<bf16> = rows.par_iter().map(|&x| <bf16 as Element>::from_f32(x)).collect();
                     let weight = self.weights.lm_head().bf16().expect("a bf16 head");
                     fused_linear(spec, &rows, weight, h, gradients.map(|g| (g, head_index)), inputs.budget)
                 }
