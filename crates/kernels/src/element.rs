@@ -21,6 +21,53 @@ impl std::fmt::Display for DType {
     }
 }
 
+impl std::str::FromStr for DType {
+    type Err = crate::LossError;
+
+    /// `f32` / `float32`, `bf16` / `bfloat16`, `f16` / `float16` (the spellings of the CLI, of
+    /// PyTorch and of NumPy / JAX).
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        match name {
+            "f32" | "float32" => Ok(DType::F32),
+            "bf16" | "bfloat16" => Ok(DType::BF16),
+            "f16" | "float16" => Ok(DType::F16),
+            _ => Err(crate::LossError::UnknownDType { name: name.to_string() }),
+        }
+    }
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+}
+
+/// Runs `$body` with the type alias `$T` bound to the [`Element`] of `$dtype`: the one dtype
+/// dispatch of every front end that holds untyped storage (the Python bindings, the CLI).
+#[macro_export]
+macro_rules! with_element {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = $crate::half::bf16;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = $crate::half::f16;
+                $body
+            }
+        }
+    };
+}
+
 /// A logits element: loaded widened to f32, stored rounded to nearest even.
 pub trait Element: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 'static {
     const DTYPE: DType;

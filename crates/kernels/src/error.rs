@@ -38,6 +38,12 @@ pub enum LossError {
     #[error("the `{op}` op has no gradient")]
     NoGradient { op: &'static str },
 
+    #[error("unknown dtype `{name}`: expected f32 (float32), bf16 (bfloat16) or f16 (float16)")]
+    UnknownDType { name: String },
+
+    #[error("unknown op `{name}`: expected grpo, cross_entropy, entropy or logprob")]
+    UnknownOp { name: String },
+
     #[error("vocabulary shards: {0}")]
     Shard(String),
 

@@ -75,6 +75,52 @@ impl<'a> PolicyInputs<'a> {
     }
 }
 
+/// The ops of LOSSES.md, by name: what every front end (CLI, candle, Python) parses an op into
+/// before it gathers the op's inputs into a [`Loss`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    Grpo,
+    CrossEntropy,
+    Entropy,
+    Logprob,
+}
+
+impl Op {
+    pub const ALL: [Op; 4] = [Op::Grpo, Op::CrossEntropy, Op::Entropy, Op::Logprob];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Grpo => "grpo",
+            Op::CrossEntropy => "cross_entropy",
+            Op::Entropy => "entropy",
+            Op::Logprob => "logprob",
+        }
+    }
+
+    /// The [`Loss`] of this op; `policy` is read by `grpo` only, which requires it.
+    pub fn loss<'a>(self, policy: Option<PolicyInputs<'a>>) -> Result<Loss<'a>, crate::LossError> {
+        Ok(match self {
+            Op::Grpo => Loss::Grpo(policy.ok_or_else(|| crate::LossError::MissingInput {
+                tensor: "advantages",
+                why: "the grpo op needs one advantage per sequence".into(),
+            })?),
+            Op::CrossEntropy => Loss::CrossEntropy,
+            Op::Entropy => Loss::Entropy,
+            Op::Logprob => Loss::Logprob,
+        })
+    }
+}
+
+impl std::str::FromStr for Op {
+    type Err = crate::LossError;
+
+    /// The names of [`Op::name`]; `cross-entropy` is accepted too.
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        let wanted = name.replace('-', "_");
+        Op::ALL.into_iter().find(|op| op.name() == wanted).ok_or(crate::LossError::UnknownOp { name: name.into() })
+    }
+}
+
 /// Which loss, with the inputs only it needs.
 #[derive(Debug, Clone, Copy)]
 pub enum Loss<'a> {
@@ -88,11 +134,15 @@ pub enum Loss<'a> {
 
 impl Loss<'_> {
     pub fn name(&self) -> &'static str {
+        self.op().name()
+    }
+
+    pub fn op(&self) -> Op {
         match self {
-            Loss::Grpo(_) => "grpo",
-            Loss::CrossEntropy => "cross_entropy",
-            Loss::Entropy => "entropy",
-            Loss::Logprob => "logprob",
+            Loss::Grpo(_) => Op::Grpo,
+            Loss::CrossEntropy => Op::CrossEntropy,
+            Loss::Entropy => Op::Entropy,
+            Loss::Logprob => Op::Logprob,
         }
     }
 

@@ -35,6 +35,8 @@
 //! ```
 
 mod cpu;
+/// Re-exported for [`with_element!`]'s bf16 and f16.
+pub use half;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod element;
@@ -55,7 +57,7 @@ pub use cpu::GradientTarget;
 pub use element::{DType, Element};
 pub use engine::{combine_shards, forward, forward_backward, forward_backward_in_place, LossSpec, PreparedLoss};
 pub use error::LossError;
-pub use inputs::{BatchShard, IsRatio, Loss, PolicyInputs, Rows};
+pub use inputs::{BatchShard, IsRatio, Loss, Op, PolicyInputs, Rows};
 pub use linear::{
     linear_forward, linear_forward_backward, ChunkBudget, LinearGradients, LinearInputs, PreparedLinearLoss,
 };

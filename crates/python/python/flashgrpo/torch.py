@@ -1,0 +1,503 @@
+"""flashgrpo's losses as PyTorch autograd functions and Liger-Kernel drop-in modules (CPU).
+
+Every function reads the logits (or the hidden states and the lm_head) in place, from the
+tensor's own memory, and writes the gradient into a tensor PyTorch allocates (or over the logits,
+with ``in_place=True``). The kernels compute the gradient during the forward, in the same sweep
+over the vocabulary, so the backward only scales it by the upstream gradient: no ``[N, V]``
+temporary is built in either direction.
+
+Options are docs/LOSSES.md's (``loss_type``, ``beta``, ``epsilon_low``, ``temperature``, ...),
+given as keyword arguments; an unknown name is a ``TypeError`` that names it.
+
+Functions (logits ``[B, T, V]``; cross-entropy, entropy and log-probabilities also take ``[N, V]``):
+
+- ``grpo_loss(logits, targets, advantages, mask=None, *, old_logp=None, ref_logp=None,
+  is_ratio=None, sampling_logp=None, in_place=False, **options) -> LossOutputs``
+- ``cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, ...) -> Tensor``
+- ``entropy(logits, mask=None, *, temperature=1.0) -> Tensor`` (per token, no gradient)
+- ``logprob(logits, targets, *, temperature=1.0) -> Tensor`` (per token, differentiable)
+- ``fused_linear_grpo_loss``, ``fused_linear_cross_entropy``, ``fused_linear_entropy``,
+  ``fused_linear_logprob``: the same from ``hidden [.., H]``, ``weight [V, H]`` and ``bias [V]``.
+
+Modules: ``FusedLinearGRPOLoss``, ``GRPOLoss`` and ``FusedLinearCrossEntropyLoss`` take the
+constructor and forward arguments of Liger-Kernel's ``LigerFusedLinearGRPOLoss``,
+``triton_grpo_loss`` and ``LigerFusedLinearCrossEntropyLoss`` and return what they return.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _native
+from ._calls import PER_TOKEN, options_json, rows
+
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+# An address for an empty buffer: non-null and aligned for every element type, never read.
+_EMPTY = 64
+
+__all__ = [
+    "LossOutputs",
+    "grpo_loss",
+    "cross_entropy",
+    "entropy",
+    "logprob",
+    "fused_linear_grpo_loss",
+    "fused_linear_cross_entropy",
+    "fused_linear_entropy",
+    "fused_linear_logprob",
+    "FusedLinearGRPOLoss",
+    "GRPOLoss",
+    "FusedLinearCrossEntropyLoss",
+    "triton_grpo_loss",
+]
+
+
+class LossOutputs(NamedTuple):
+    """A loss and its per-token outputs (float32, the shape of ``targets``; ``None`` where the
+    op does not compute them). Only ``loss`` carries a gradient."""
+
+    loss: torch.Tensor
+    per_token_loss: torch.Tensor
+    logp: Optional[torch.Tensor]
+    entropy: torch.Tensor
+    kl: Optional[torch.Tensor]
+    is_clipped: Optional[torch.Tensor]
+
+
+# ---------------------------------------------------------------- checking and addressing tensors
+
+
+def _address(t):
+    return 0 if t is None else (t.data_ptr() if t.numel() else _EMPTY)
+
+
+def _float_input(name, x):
+    """A float tensor the kernels read in place: on the CPU, contiguous (a non-contiguous view is
+    copied once), of float32, bfloat16 or float16."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "cpu":
+        raise ValueError(f"`{name}` is on {x.device}; flashgrpo's Python kernels take CPU tensors")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"`{name}` has dtype {x.dtype}; expected torch.float32, torch.bfloat16 or torch.float16")
+    return x.detach().contiguous()
+
+
+def _small_input(name, x, dtype, shapes):
+    """A per-row or per-sequence input (small): converted to ``dtype`` if needed, shape checked
+    against ``shapes`` (the first is the canonical one)."""
+    if x is None:
+        return None
+    x = torch.as_tensor(x)
+    if x.device.type != "cpu":
+        raise ValueError(f"`{name}` is on {x.device}; flashgrpo's Python kernels take CPU tensors")
+    if tuple(x.shape) not in shapes:
+        want = " or ".join(str(list(s)) for s in shapes)
+        raise ValueError(f"`{name}` has shape {list(x.shape)}, expected {want}")
+    return x.detach().to(dtype).contiguous()
+
+
+class _Rows:
+    """The row inputs of one call, converted and kept alive for its length."""
+
+    def __init__(self, batch, seq_len, vocab, targets=None, mask=None, advantages=None, old_logp=None,
+                 ref_logp=None, is_ratio=None, sampling_logp=None):
+        bt = [(batch, seq_len)]
+        if seq_len == batch * seq_len:  # [N, V] inputs: per-row tensors may be [N] too
+            bt.append((seq_len,))
+        f32, i64 = torch.float32, torch.int64
+        self.tensors = dict(
+            targets=_small_input("targets", targets, i64, bt),
+            mask=_small_input("mask", mask, f32, bt),
+            advantages=_small_input("advantages", advantages, f32, [(batch,), (batch, 1)]),
+            old_logp=_small_input("old_logp", old_logp, f32, bt),
+            ref_logp=_small_input("ref_logp", ref_logp, f32, bt),
+            is_ratio=_small_input("is_ratio", is_ratio, f32, bt + [(batch,), (batch, 1)]),
+            sampling_logp=_small_input("sampling_logp", sampling_logp, f32, bt),
+        )
+        per_sequence = is_ratio is not None and self.tensors["is_ratio"].numel() == batch and seq_len != 1
+        self.native = rows(batch, seq_len, vocab, is_ratio_per_sequence=per_sequence,
+                           **{k: _address(t) for k, t in self.tensors.items()})
+
+
+def _per_token(result, n, shape):
+    out = {}
+    for name in PER_TOKEN:
+        if result.has(name):
+            t = torch.empty(n, dtype=torch.float32)
+            result.copy_into(name, _address(t), n)
+            out[name] = t.reshape(shape)
+        else:
+            out[name] = None
+    return out
+
+
+# ---------------------------------------------------------------- autograd
+
+
+class _KernelGradients(torch.autograd.Function):
+    """``value``, whose backward hands out the gradients the kernels computed in the forward,
+    scaled by the upstream gradient. ``per_row``: ``value`` is per token and the gradients are
+    of its sum, so row ``i`` of the logits' gradient is scaled by ``upstream[i]`` (logits-level
+    ops only; a fused-linear gradient mixes rows, so there the upstream must be uniform)."""
+
+    @staticmethod
+    def forward(ctx, value, grads, per_row, *inputs):
+        ctx.grads = grads
+        ctx.per_row = per_row
+        ctx.dtypes = [None if x is None else x.dtype for x in inputs]
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, upstream):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("flashgrpo: this loss's gradient was already used; backward through it twice "
+                               "(retain_graph=True) is not supported")
+        out = []
+        for grad, dtype in zip(grads, ctx.dtypes):
+            if grad is not None:
+                grad = _scaled(grad, upstream, ctx.per_row).to(dtype)
+            out.append(grad)
+        return (None, None, None, *out)
+
+
+def _scaled(grad, upstream, per_row):
+    """``grad * upstream``, in place (the kernels' gradient buffer is ours to overwrite)."""
+    if per_row == "rows":
+        return grad.mul_(upstream.to(torch.float32).reshape(*grad.shape[:-1], 1))
+    k = upstream.reshape(-1)
+    if per_row == "uniform":
+        if k.numel() and not bool((k == k[0]).all()):
+            raise RuntimeError("flashgrpo: a fused-linear loss with a per-token output can only be back-propagated "
+                               "with the same upstream gradient for every token (e.g. `.sum().backward()`); "
+                               "use the logits-level function for per-token weights")
+    k = float(k[0]) if k.numel() else 0.0
+    return grad if k == 1.0 else grad.mul_(k)
+
+
+def _wants_gradient(*inputs):
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+
+
+# ---------------------------------------------------------------- the two calls
+
+
+def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=None, **row_inputs):
+    """Runs ``op`` over logits ``[B, T, V]`` (or ``[N, V]``); returns the loss value (with the
+    kernels' gradient attached when the logits require one) and the per-token outputs."""
+    x = _float_input("logits", logits)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"`logits` must be [B, T, V] or [N, V], got shape {list(x.shape)}")
+    if x.dim() == 2:
+        (n, vocab), batch = x.shape, 1
+        seq_len = n
+    else:
+        batch, seq_len, vocab = x.shape
+    out_shape = out_shape or x.shape[:-1]
+    request = _Rows(batch, seq_len, vocab, **row_inputs)
+    wants_grad = op != "entropy" and _wants_gradient(logits)
+    if wants_grad and in_place and x.data_ptr() != logits.data_ptr():
+        raise ValueError("`in_place=True` needs contiguous logits (the gradient is written over them)")
+    grad = torch.empty_like(x) if wants_grad and not in_place else None
+    result = _native.loss(op, _DTYPES[x.dtype], _address(x), request.native, options_json(options),
+                          grad=_address(grad), in_place=wants_grad and in_place)
+    per_token = _per_token(result, batch * seq_len, out_shape)
+    value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=torch.float32)
+    if wants_grad:
+        value = _KernelGradients.apply(value, (x if in_place else grad,), "rows" if per_row else None, logits)
+    return value, per_token
+
+
+def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None, chunk_memory_mb=None,
+                 **row_inputs):
+    """Runs ``op`` over ``hidden [B, T, H] (or [N, H]) @ weight[V, H]^T + bias``."""
+    h = _float_input("hidden", hidden)
+    w = _float_input("weight", weight)
+    b = None if bias is None else _float_input("bias", bias)
+    if h.dim() not in (2, 3) or w.dim() != 2 or h.shape[-1] != w.shape[1]:
+        raise ValueError(f"`hidden` {list(h.shape)} and `weight` {list(w.shape)}: expected [B, T, H] or [N, H] "
+                         f"and [V, H] with the same H")
+    if w.dtype != h.dtype or (b is not None and b.dtype != h.dtype):
+        raise TypeError(f"`hidden` ({h.dtype}), `weight` ({w.dtype}) and `bias` must have one dtype")
+    vocab, hidden_size = w.shape
+    if b is not None and tuple(b.shape) != (vocab,):
+        raise ValueError(f"`bias` has shape {list(b.shape)}, expected [{vocab}]")
+    batch, seq_len = (1, h.shape[0]) if h.dim() == 2 else h.shape[:2]
+    out_shape = out_shape or h.shape[:-1]
+    request = _Rows(batch, seq_len, vocab, **row_inputs)
+    wants_grad = op != "entropy" and _wants_gradient(hidden, weight, bias)
+    f32 = torch.float32
+    grads = (
+        torch.empty(h.shape, dtype=f32) if wants_grad else None,
+        torch.empty(w.shape, dtype=f32) if wants_grad and weight.requires_grad else None,
+        torch.empty(vocab, dtype=f32) if wants_grad and bias is not None and bias.requires_grad else None,
+    )
+    result = _native.linear_loss(
+        op, _DTYPES[h.dtype], _address(h), _address(w), _address(b), hidden_size, request.native,
+        options_json(options), dict(hidden=_address(grads[0]), weight=_address(grads[1]), bias=_address(grads[2]),
+                                    accumulate=False),
+        chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB)
+    per_token = _per_token(result, batch * seq_len, out_shape)
+    value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=f32)
+    if wants_grad:
+        kept = (grads[0] if hidden.requires_grad else None, grads[1], grads[2])
+        value = _KernelGradients.apply(value, kept, "uniform" if per_row else None, hidden, weight, bias)
+    return value, per_token
+
+
+def _outputs(value, per_token):
+    return LossOutputs(value, per_token["per_token_loss"], per_token["logp"], per_token["entropy"],
+                       per_token["kl"], per_token["is_clipped"])
+
+
+# ---------------------------------------------------------------- functions
+
+
+def grpo_loss(logits, targets, advantages, mask=None, *, old_logp=None, ref_logp=None, is_ratio=None,
+              sampling_logp=None, in_place=False, **options):
+    """The GRPO loss (and its PPO-family variants, ``loss_type``) of logits ``[B, T, V]``.
+
+    ``targets [B, T]`` are the completion's tokens, ``advantages [B]``, ``mask [B, T]`` the
+    completion mask; ``old_logp`` / ``ref_logp`` / ``sampling_logp [B, T]`` and ``is_ratio``
+    (``[B, T]`` per token or ``[B]`` per sequence) as in LOSSES.md. With ``in_place=True`` and
+    logits that require a gradient, the gradient is written over the logits (their values are
+    lost; no second ``[B, T, V]`` buffer). Returns ``LossOutputs``."""
+    if logits.dim() != 3:
+        raise ValueError(f"`logits` must be [B, T, V], got shape {list(logits.shape)}")
+    value, per_token = _logits_call("grpo", logits, options, in_place, targets=targets, mask=mask,
+                                    advantages=advantages, old_logp=old_logp, ref_logp=ref_logp,
+                                    is_ratio=is_ratio, sampling_logp=sampling_logp)
+    return _outputs(value, per_token)
+
+
+def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                  mask=None, in_place=False, **options):
+    """Cross-entropy of logits ``[N, V]`` or ``[B, T, V]`` (the class dimension last, as Liger's)
+    against ``targets``: ``reduction`` ``mean`` (over rows not ignored), ``sum`` or ``none``
+    (per token, differentiable per token). Unlike ``F.cross_entropy``, ``mean`` over no rows is 0."""
+    per_row = "per_token_loss" if reduction == "none" else None
+    value, _ = _logits_call("cross_entropy", logits, dict(options, reduction=reduction, ignore_index=ignore_index,
+                                                          label_smoothing=label_smoothing, z_loss=z_loss),
+                            in_place, per_row=per_row, out_shape=targets.shape, targets=targets, mask=mask)
+    return value
+
+
+def entropy(logits, mask=None, *, temperature=1.0):
+    """Per-token entropy of ``softmax(logits / temperature)``, the shape of ``logits[..., 0]``; no
+    gradient (the kernels compute none for entropy)."""
+    _, per_token = _logits_call("entropy", logits, dict(temperature=temperature), mask=mask)
+    return per_token["entropy"]
+
+
+def logprob(logits, targets, *, temperature=1.0, in_place=False):
+    """Per-token ``log_softmax(logits / temperature)[target]``, the shape of ``targets``,
+    differentiable (TRL's ``selective_log_softmax``)."""
+    value, _ = _logits_call("logprob", logits, dict(temperature=temperature), in_place, per_row="logp",
+                            out_shape=targets.shape, targets=targets)
+    return value
+
+
+def fused_linear_grpo_loss(hidden, weight, targets, advantages, mask=None, *, bias=None, old_logp=None,
+                           ref_logp=None, is_ratio=None, sampling_logp=None, chunk_memory_mb=None, **options):
+    """``grpo_loss`` of ``hidden [B, T, H] @ weight[V, H]^T (+ bias [V])``, streamed over the
+    vocabulary in chunks of at most ``chunk_memory_mb`` (the ``[B, T, V]`` logits are never built).
+    Gradients flow to ``hidden``, ``weight`` and ``bias``, those that require one."""
+    if hidden.dim() != 3:
+        raise ValueError(f"`hidden` must be [B, T, H], got shape {list(hidden.shape)}")
+    value, per_token = _linear_call("grpo", hidden, weight, bias, options, chunk_memory_mb=chunk_memory_mb,
+                                    targets=targets, mask=mask, advantages=advantages, old_logp=old_logp,
+                                    ref_logp=ref_logp, is_ratio=is_ratio, sampling_logp=sampling_logp)
+    return _outputs(value, per_token)
+
+
+def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, reduction="mean", ignore_index=-100,
+                               label_smoothing=0.0, z_loss=0.0, mask=None, chunk_memory_mb=None, **options):
+    """``cross_entropy`` of ``hidden @ weight^T (+ bias)``, streamed over the vocabulary."""
+    per_row = "per_token_loss" if reduction == "none" else None
+    value, _ = _linear_call("cross_entropy", hidden, weight, bias,
+                            dict(options, reduction=reduction, ignore_index=ignore_index,
+                                 label_smoothing=label_smoothing, z_loss=z_loss),
+                            per_row=per_row, out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb,
+                            targets=targets, mask=mask)
+    return value
+
+
+def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, chunk_memory_mb=None):
+    """Per-token entropy of ``softmax((hidden @ weight^T + bias) / temperature)``; no gradient."""
+    _, per_token = _linear_call("entropy", hidden, weight, bias, dict(temperature=temperature),
+                                chunk_memory_mb=chunk_memory_mb, mask=mask)
+    return per_token["entropy"]
+
+
+def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, chunk_memory_mb=None):
+    """Per-token log-probabilities of ``targets`` under ``hidden @ weight^T + bias``; differentiable
+    with a uniform upstream gradient (e.g. through ``.sum()``)."""
+    value, _ = _linear_call("logprob", hidden, weight, bias, dict(temperature=temperature), per_row="logp",
+                            out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb, targets=targets)
+    return value
+
+
+# ---------------------------------------------------------------- Liger-Kernel drop-in modules
+
+
+def _liger_metrics(per_token, mask, beta, loss_type):
+    """Liger's metrics: the masked mean of the KL (when ``beta != 0``) and of the clipped tokens
+    (0 for sapo and vespo, which Liger does not count as clipped)."""
+    m = torch.ones_like(per_token["entropy"]) if mask is None else mask.to(torch.float32).reshape(
+        per_token["entropy"].shape)
+    count = m.sum().clamp(min=1.0)
+    metrics = []
+    if beta != 0.0:
+        metrics.append((per_token["kl"] * m).sum() / count)
+    if loss_type in ("sapo", "vespo") or per_token["is_clipped"] is None:
+        metrics.append(torch.zeros(()))
+    else:
+        metrics.append((per_token["is_clipped"] * m).sum() / count)
+    return metrics
+
+
+def _num_items(num_items_in_batch):
+    if num_items_in_batch is None:
+        return None
+    return float(num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch)
+
+
+class FusedLinearGRPOLoss(torch.nn.Module):
+    """Drop-in for ``liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss``: the same constructor
+    (``compiled`` and ``chunk_size`` accepted and ignored: the kernels choose their chunks from
+    ``chunk_memory_mb``), the same forward, and the same result ``(loss, [kl_mean,] clip_ratio)``.
+    Extra LOSSES.md options may be given as keyword arguments to the constructor."""
+
+    def __init__(self, beta=0.04, compiled=True, use_ref_model=True, chunk_size=1, epsilon_low=0.2,
+                 epsilon_high=0.2, loss_type="dapo", max_completion_length=None, importance_sampling_level="token",
+                 sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, temperature=1.0, delta=None,
+                 use_bias_correction_kl=False, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                 vespo_lambda_neg=2.0, chunk_memory_mb=None, **options):
+        super().__init__()
+        del compiled, chunk_size
+        self.use_ref_model = use_ref_model
+        self.chunk_memory_mb = chunk_memory_mb
+        self.options = dict(options, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                            loss_type=loss_type, max_completion_length=max_completion_length,
+                            importance_sampling_level=importance_sampling_level,
+                            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                            temperature=temperature, delta=delta, use_bias_correction_kl=use_bias_correction_kl,
+                            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                            vespo_lambda_neg=vespo_lambda_neg)
+        options_json(self.options)  # an unknown option fails here, not at the first step
+
+    def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
+                ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
+                vllm_is_ratio=None, num_items_in_batch=None):
+        if self.use_ref_model and ref_per_token_logps is None and ref_input is not None:
+            with torch.no_grad():
+                ref_per_token_logps = fused_linear_logprob(
+                    ref_input, lin_weight if ref_weight is None else ref_weight, selected_token_ids,
+                    bias=ref_bias, temperature=self.options["temperature"], chunk_memory_mb=self.chunk_memory_mb)
+        out = fused_linear_grpo_loss(
+            _input, lin_weight, selected_token_ids, advantages, attention_mask, bias=bias,
+            old_logp=old_per_token_logps, ref_logp=ref_per_token_logps if self.use_ref_model else None,
+            is_ratio=vllm_is_ratio, chunk_memory_mb=self.chunk_memory_mb,
+            **dict(self.options, num_items=_num_items(num_items_in_batch)))
+        per_token = out._asdict()
+        return out.loss, tuple(_liger_metrics(per_token, attention_mask, self.options["beta"],
+                                              self.options["loss_type"]))
+
+
+def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, completion_mask=None, temperature=0.9,
+                     beta=0.04, eps_low=0.2, eps_high=0.4, inplace=True, loss_type="dapo", max_completion_length=None,
+                     importance_sampling_level="token", reduce=False, sapo_temperature_pos=1.0,
+                     sapo_temperature_neg=1.05, vllm_is_ratio=None, delta=None, use_bias_correction_kl=False,
+                     num_items_in_batch=None, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                     vespo_lambda_neg=2.0):
+    """Drop-in for ``liger_kernel.transformers.grpo_loss.triton_grpo_loss``: logits ``[B, L+1, V]``
+    (the last position is not scored, as there) or ``[B, L, V]``. ``reduce=True`` returns
+    ``(loss, [kl_mean,] clip_ratio)``; ``reduce=False`` ``(per_token_loss, per_token_kl, is_clipped)``
+    (the per-token values carry no gradient here: reduce them with ``reduce=True``)."""
+    batch, length = completion_ids.shape
+    if logits.dim() != 3 or logits.shape[0] != batch or logits.shape[1] not in (length, length + 1):
+        raise ValueError(f"`logits` has shape {list(logits.shape)}; expected [B, L+1, V] or [B, L, V] with "
+                         f"[B, L] = {[batch, length]} (the shape of `completion_ids`)")
+    extra = logits.shape[1] - length
+    mask = torch.ones(batch, length) if completion_mask is None else completion_mask.to(torch.float32)
+
+    def widen(x, fill=0.0):  # one masked position at the end, so the logits are used as they lie
+        if x is None or not extra:
+            return x
+        x = torch.as_tensor(x)
+        return torch.cat([x, torch.full((batch, 1), fill, dtype=x.dtype)], dim=1)
+
+    isr = vllm_is_ratio
+    if isr is not None and isr.dim() == 2 and isr.shape[1] == 1:
+        isr = isr.reshape(batch)
+    out = grpo_loss(logits, widen(completion_ids), advantages, widen(mask), old_logp=widen(old_logp),
+                    ref_logp=widen(ref_logp), is_ratio=isr if isr is None or isr.dim() == 1 else widen(isr, 1.0),
+                    in_place=inplace, temperature=temperature, beta=beta, epsilon_low=eps_low,
+                    epsilon_high=eps_high, loss_type=loss_type, max_completion_length=max_completion_length or length,
+                    importance_sampling_level=importance_sampling_level, sapo_temperature_pos=sapo_temperature_pos,
+                    sapo_temperature_neg=sapo_temperature_neg, delta=delta,
+                    use_bias_correction_kl=use_bias_correction_kl, num_items=_num_items(num_items_in_batch),
+                    vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                    vespo_lambda_neg=vespo_lambda_neg)
+    per_token = {k: (None if v is None else v[:, :length]) for k, v in out._asdict().items() if k != "loss"}
+    if not reduce:
+        kl = per_token["kl"] if beta != 0.0 else None
+        return per_token["per_token_loss"], kl, per_token["is_clipped"]
+    return out.loss, _liger_metrics(per_token, mask, beta, loss_type)
+
+
+class GRPOLoss(torch.nn.Module):
+    """The logits-level GRPO loss as a module: the constructor takes ``triton_grpo_loss``'s options
+    (Liger-Kernel's logits-level GRPO), the forward its tensors, and it returns
+    ``(loss, [kl_mean,] clip_ratio)`` as ``triton_grpo_loss(..., reduce=True)`` does."""
+
+    def __init__(self, temperature=0.9, beta=0.04, eps_low=0.2, eps_high=0.4, inplace=True, loss_type="dapo",
+                 max_completion_length=None, importance_sampling_level="token", sapo_temperature_pos=1.0,
+                 sapo_temperature_neg=1.05, delta=None, use_bias_correction_kl=False, vespo_k_pos=2.0,
+                 vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0):
+        super().__init__()
+        self.options = dict(temperature=temperature, beta=beta, eps_low=eps_low, eps_high=eps_high, inplace=inplace,
+                            loss_type=loss_type, max_completion_length=max_completion_length,
+                            importance_sampling_level=importance_sampling_level,
+                            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                            delta=delta, use_bias_correction_kl=use_bias_correction_kl, vespo_k_pos=vespo_k_pos,
+                            vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                            vespo_lambda_neg=vespo_lambda_neg)
+
+    def forward(self, logits, old_logp, ref_logp, completion_ids, advantages, completion_mask=None,
+                vllm_is_ratio=None, num_items_in_batch=None):
+        return triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, completion_mask,
+                                reduce=True, vllm_is_ratio=vllm_is_ratio, num_items_in_batch=num_items_in_batch,
+                                **self.options)
+
+
+class FusedLinearCrossEntropyLoss(torch.nn.Module):
+    """Drop-in for ``liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss``: the same
+    constructor and ``forward(lin_weight, _input, target, bias=None)``; ``accum_dtype`` is accepted
+    and ignored (the kernels accumulate in f32). ``lse_square_scale`` is LOSSES.md's ``z_loss``.
+    Liger's options with no kernel here (``ce_weight``, ``softcap``, ``use_token_scaling``, the
+    ``return_*`` extras) are refused rather than ignored."""
+
+    def __init__(self, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
+                 reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False,
+                 return_token_accuracy=False, return_predicted_tokens=False, chunk_memory_mb=None):
+        super().__init__()
+        unsupported = dict(ce_weight=ce_weight is not None, softcap=softcap is not None,
+                           return_z_loss=return_z_loss, use_token_scaling=use_token_scaling,
+                           return_token_accuracy=return_token_accuracy,
+                           return_predicted_tokens=return_predicted_tokens)
+        for name, given in unsupported.items():
+            if given:
+                raise NotImplementedError(f"FusedLinearCrossEntropyLoss: `{name}` is not supported by flashgrpo")
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"`reduction` must be 'mean', 'sum' or 'none', got {reduction!r}")
+        del accum_dtype
+        self.options = dict(ignore_index=ignore_index, z_loss=lse_square_scale, label_smoothing=label_smoothing,
+                            reduction=reduction)
+        self.chunk_memory_mb = chunk_memory_mb
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        return fused_linear_cross_entropy(_input, lin_weight, target, bias=bias, chunk_memory_mb=self.chunk_memory_mb,
+                                          **self.options)

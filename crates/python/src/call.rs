@@ -1,0 +1,220 @@
+//! The two calls of the module: a loss over logits, and a fused-linear loss over hidden states
+//! and an lm_head. Each parses the op, dtype and options, rebuilds the caller's buffers as
+//! slices, and runs the kernels with the GIL released.
+
+use flashgrpo_kernels::{
+    forward, forward_backward, forward_backward_in_place, linear_forward, linear_forward_backward, with_element,
+    ChunkBudget, DType, Element, IsRatio, LinearGradients, LinearInputs, LossOptions, LossOutput, LossSpec, Op,
+    PolicyInputs, Rows,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::buffers::Address;
+use crate::result::LossResult;
+
+fn value_error(e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// The shapes and the per-row inputs of a call: a dict from the Python side, every key present,
+/// each buffer an address (0: absent). Targets are i64, every other buffer f32.
+#[derive(Debug, Clone, Copy, FromPyObject)]
+#[pyo3(from_item_all)]
+pub struct RowAddresses {
+    batch: usize,
+    seq_len: usize,
+    vocab: usize,
+    targets: usize,
+    mask: usize,
+    advantages: usize,
+    old_logp: usize,
+    ref_logp: usize,
+    is_ratio: usize,
+    is_ratio_per_sequence: bool,
+    sampling_logp: usize,
+}
+
+impl RowAddresses {
+    fn rows(&self) -> usize {
+        self.batch * self.seq_len
+    }
+
+    /// The kernels' description of the loss over these rows.
+    ///
+    /// # Safety
+    /// The module's contract (see [`crate::buffers`]) for every address.
+    unsafe fn spec<'a>(&self, op: Op, options: &'a LossOptions) -> PyResult<LossSpec<'a>> {
+        let (n, b) = (self.rows(), self.batch);
+        let per_row = |name, address| Address::new(name, address, n);
+        let policy = if op == Op::Grpo {
+            let is_ratio_len = if self.is_ratio_per_sequence { b } else { n };
+            let is_ratio = unsafe { Address::new("is_ratio", self.is_ratio, is_ratio_len).slice::<f32>()? };
+            Some(PolicyInputs {
+                advantages: unsafe { Address::new("advantages", self.advantages, b).required()? },
+                old_logp: unsafe { per_row("old_logp", self.old_logp).slice()? },
+                ref_logp: unsafe { per_row("ref_logp", self.ref_logp).slice()? },
+                is_ratio: is_ratio.map(|v| if self.is_ratio_per_sequence { IsRatio::PerSequence(v) } else { IsRatio::PerToken(v) }),
+                sampling_logp: unsafe { per_row("sampling_logp", self.sampling_logp).slice()? },
+            })
+        } else {
+            None
+        };
+        Ok(LossSpec {
+            loss: op.loss(policy).map_err(value_error)?,
+            rows: Rows {
+                batch: self.batch,
+                seq_len: self.seq_len,
+                vocab: self.vocab,
+                targets: unsafe { per_row("targets", self.targets).slice()? },
+                mask: unsafe { per_row("mask", self.mask).slice()? },
+            },
+            options,
+            batch_shard: None,
+        })
+    }
+}
+
+/// LOSSES.md's options from a JSON object (the Python keyword arguments): an unknown key or a
+/// value of the wrong type is an error that names it.
+fn parse_options(json: &str) -> PyResult<LossOptions> {
+    serde_json::from_str(json).map_err(|e| PyValueError::new_err(format!("{}: {e}", option_at_fault(json))))
+}
+
+/// The option a JSON object failed to deserialise on (serde's message names the value, not the
+/// key): the first key that fails alone.
+fn option_at_fault(json: &str) -> String {
+    use serde_json::{Map, Value};
+    let Ok(all) = serde_json::from_str::<Map<String, Value>>(json) else { return "loss options".into() };
+    all.into_iter()
+        .find(|(k, v)| serde_json::from_value::<LossOptions>(Map::from_iter([(k.clone(), v.clone())]).into()).is_err())
+        .map_or("loss options".into(), |(k, _)| format!("loss option `{k}`"))
+}
+
+fn parse_op_and_dtype(op: &str, dtype: &str) -> PyResult<(Op, DType)> {
+    Ok((op.parse().map_err(value_error)?, dtype.parse().map_err(value_error)?))
+}
+
+/// The loss of `op` over logits `[B, T, V]` of `dtype`, with the gradient written into `grad`
+/// (same dtype and shape), or over the logits with `in_place`, or not computed (`grad` 0).
+#[pyfunction]
+#[pyo3(signature = (op, dtype, logits, rows, options, grad = 0, in_place = false))]
+#[allow(clippy::too_many_arguments)]
+pub fn loss(
+    py: Python<'_>,
+    op: &str,
+    dtype: &str,
+    logits: usize,
+    rows: RowAddresses,
+    options: &str,
+    grad: usize,
+    in_place: bool,
+) -> PyResult<LossResult> {
+    let (op, dtype) = parse_op_and_dtype(op, dtype)?;
+    let options = parse_options(options)?;
+    let len = rows.rows() * rows.vocab;
+    let (logits, grad) = (Address::new("logits", logits, len), Address::new("grad", grad, len));
+    let output = py.detach(|| {
+        // SAFETY: the module's contract, for the length of this call.
+        let spec = unsafe { rows.spec(op, &options)? };
+        with_element!(dtype, T => unsafe { logits_call::<T>(spec, logits, grad, in_place) })
+    })?;
+    Ok(LossResult::new(output))
+}
+
+/// # Safety
+/// The module's contract; `grad` does not overlap `logits`.
+unsafe fn logits_call<T: Element>(
+    spec: LossSpec<'_>,
+    logits: Address,
+    grad: Address,
+    in_place: bool,
+) -> PyResult<LossOutput> {
+    let output = if in_place {
+        let logits = unsafe { logits.slice_mut::<T>()? }.ok_or_else(|| value_error("`logits` is required"))?;
+        forward_backward_in_place(spec, logits)
+    } else if let Some(grad) = unsafe { grad.slice_mut::<T>()? } {
+        forward_backward(spec, unsafe { logits.required()? }, grad)
+    } else {
+        forward(spec, unsafe { logits.required::<T>()? })
+    };
+    output.map_err(value_error)
+}
+
+/// The f32 gradient buffers of a fused-linear call (0: not asked for).
+#[derive(Debug, Clone, Copy, FromPyObject)]
+#[pyo3(from_item_all)]
+pub struct GradientAddresses {
+    hidden: usize,
+    weight: usize,
+    bias: usize,
+    accumulate: bool,
+}
+
+/// The loss of `op` over `hidden [B, T, H] @ weight[V, H]^T (+ bias [V])`, all of `dtype`,
+/// streamed over the vocabulary in chunks of at most `chunk_memory_mb`; with `grads.hidden`
+/// set, the f32 gradients of those asked for.
+#[pyfunction]
+#[pyo3(signature = (op, dtype, hidden, weight, bias, hidden_size, rows, options, grads, chunk_memory_mb))]
+#[allow(clippy::too_many_arguments)]
+pub fn linear_loss(
+    py: Python<'_>,
+    op: &str,
+    dtype: &str,
+    hidden: usize,
+    weight: usize,
+    bias: usize,
+    hidden_size: usize,
+    rows: RowAddresses,
+    options: &str,
+    grads: GradientAddresses,
+    chunk_memory_mb: usize,
+) -> PyResult<LossResult> {
+    let (op, dtype) = parse_op_and_dtype(op, dtype)?;
+    let options = parse_options(options)?;
+    let (n, v, h) = (rows.rows(), rows.vocab, hidden_size);
+    let inputs = [Address::new("hidden", hidden, n * h), Address::new("weight", weight, v * h), Address::new("bias", bias, v)];
+    let gradients = [
+        Address::new("grad_hidden", grads.hidden, n * h),
+        Address::new("grad_weight", grads.weight, v * h),
+        Address::new("grad_bias", grads.bias, v),
+    ];
+    let budget = ChunkBudget::from_mb(chunk_memory_mb);
+    let output = py.detach(|| {
+        // SAFETY: the module's contract, for the length of this call.
+        let spec = unsafe { rows.spec(op, &options)? };
+        with_element!(dtype, T => unsafe { linear_call::<T>(spec, inputs, h, gradients, grads.accumulate, budget) })
+    })?;
+    Ok(LossResult::new(output))
+}
+
+/// # Safety
+/// The module's contract; no gradient buffer overlaps another buffer.
+unsafe fn linear_call<T: Element>(
+    spec: LossSpec<'_>,
+    [hidden, weight, bias]: [Address; 3],
+    hidden_size: usize,
+    [grad_hidden, grad_weight, grad_bias]: [Address; 3],
+    accumulate: bool,
+    budget: ChunkBudget,
+) -> PyResult<LossOutput> {
+    let inputs = LinearInputs::<T> {
+        hidden: unsafe { hidden.required()? },
+        weight: unsafe { weight.required()? },
+        bias: unsafe { bias.slice()? },
+        hidden_size,
+    };
+    let output = match unsafe { grad_hidden.slice_mut::<f32>()? } {
+        None => linear_forward(spec, inputs, budget),
+        Some(hidden) => {
+            let grads = LinearGradients {
+                hidden,
+                weight: unsafe { grad_weight.slice_mut()? },
+                bias: unsafe { grad_bias.slice_mut()? },
+                accumulate,
+            };
+            linear_forward_backward(spec, inputs, grads, budget)
+        }
+    };
+    output.map_err(value_error)
+}

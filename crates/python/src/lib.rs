@@ -1,0 +1,23 @@
+//! The `flashgrpo` wheel's native module, `flashgrpo._native`: the kernels' losses on buffers
+//! owned by the caller's framework (PyTorch, NumPy, JAX), read and written in place.
+//!
+//! The Python package (`crates/python/python/flashgrpo`) checks every tensor (device, dtype,
+//! contiguity, shape) and passes its address; this module turns the addresses back into slices
+//! for the length of one call, with the GIL released, and calls the same
+//! [`flashgrpo_kernels`] entry points as the CLI and the candle ops. No math lives here.
+
+mod buffers;
+mod call;
+mod result;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(call::loss, m)?)?;
+    m.add_function(wrap_pyfunction!(call::linear_loss, m)?)?;
+    m.add_class::<result::LossResult>()?;
+    m.add("OPTION_NAMES", flashgrpo_kernels::LossOptions::NAMES.to_vec())?;
+    m.add("DEFAULT_CHUNK_MEMORY_MB", flashgrpo_kernels::ChunkBudget::DEFAULT_MB)?;
+    Ok(())
+}

@@ -1,0 +1,355 @@
+"""flashgrpo.torch against independent references, on random inputs of several shapes:
+TRL-style float64 autograd (tests/peers/crosscheck.py's `trl_grpo`), `F.cross_entropy`,
+`log_softmax`, materialised float64 logits for the fused-linear forms, and Liger-Kernel's own
+`LigerFusedLinearGRPOLoss` for the drop-in module. Also: the gradient written over the logits
+(`in_place`) and errors that name the bad input. Prints "N checks, 0 failures" and exits 0."""
+
+import itertools
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peers"))
+
+import flashgrpo.torch as ft  # noqa: E402
+from crosscheck import as_dtype, grad_tol, grpo_options, linear_inputs, materialised, trl_grpo  # noqa: E402
+from loss_cli import CHECKS, FAILURES, close, close_norm, fail, report  # noqa: E402
+
+torch.manual_seed(0)
+
+
+def kernel_options(o):
+    """crosscheck's option dict as LOSSES.md keyword arguments."""
+    skip = {"num_items"}
+    out = {k: v for k, v in o.items() if k not in skip and v is not None}
+    if o["num_items"] is not None:
+        out["num_items"] = o["num_items"]
+    return out
+
+
+def grpo_case(B, T, V, dtype, o, policy, isr):
+    logits = as_dtype(torch.randn(B, T, V) * 2.5, dtype)
+    targets = torch.randint(0, V, (B, T))
+    mask = (torch.rand(B, T) > 0.25).float()
+    mask[:, 0] = 1
+    adv = torch.randn(B)
+    true_logp = torch.log_softmax(logits.double() / o["temperature"], -1).gather(-1, targets[..., None]).squeeze(-1)
+    old = (true_logp + 0.3 * torch.randn(B, T)).float() if policy == "off" else None
+    ref = (true_logp + 0.3 * torch.randn(B, T)).float() if o["beta"] != 0 else None
+    is_ratio = None if isr is None else (0.5 + torch.rand(B, T) if isr == "token" else 0.5 + torch.rand(B))
+    return logits, targets, mask, adv, old, ref, is_ratio
+
+
+def check_grpo():
+    cases = []
+    for lt, level in itertools.product(["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"], ["token", "sequence"]):
+        cases.append(grpo_options(loss_type=lt, importance_sampling_level=level,
+                                  epsilon_high=1.2 if lt == "cispo" else 0.28, temperature=0.8, entropy_coef=0.01,
+                                  use_bias_correction_kl=lt == "dapo"))
+    cases += [grpo_options(delta=1.25), grpo_options(beta=0.0), grpo_options(num_items=17.0),
+              grpo_options(loss_type="dr_grpo", max_completion_length=32)]
+    shapes = [(3, 6, 48), (2, 9, 131), (1, 4, 1000)]
+    for i, o in enumerate(cases):
+        B, T, V = shapes[i % len(shapes)]
+        for dtype, policy, isr, in_place in [("f32", "off", None, False), ("bf16", "on", "token", True),
+                                             ("f32", "off", "seq", True), ("f16", "off", None, False)]:
+            logits, targets, mask, adv, old, ref, is_ratio = grpo_case(B, T, V, dtype, o, policy, isr)
+            case = f"torch grpo {o['loss_type']} {o['importance_sampling_level']} B={B} T={T} V={V} {dtype} " \
+                   f"{policy}-policy is_ratio={isr} in_place={in_place}"
+            want = trl_grpo(logits, targets, mask, adv, old, ref, is_ratio, o)
+            x = logits.clone().requires_grad_(True)
+            try:
+                out = ft.grpo_loss(x, targets, adv, mask, old_logp=old, ref_logp=ref, is_ratio=is_ratio,
+                                   in_place=in_place, **kernel_options(o))
+                out.loss.backward()
+            except Exception as e:  # noqa: BLE001
+                fail(case, f"raised {e!r}")
+                continue
+            close(case, "loss", out.loss, want["loss"], 1e-5)
+            for name in ["per_token_loss", "logp", "entropy", "kl", "is_clipped"]:
+                got = getattr(out, name)
+                if got is None:
+                    if name != "kl" or ref is not None:
+                        fail(case, f"{name} missing")
+                    continue
+                close(case, name, got, want[name], 1e-5, mask)
+            close_norm(case, "grad_logits", x.grad, want["grad"], grad_tol(dtype) if dtype == "f32" else 1e-2)
+            CHECKS[0] += 1
+            if x.grad.dtype != logits.dtype:
+                FAILURES.append(f"{case}: grad dtype {x.grad.dtype}")
+
+
+def check_in_place_and_no_copy():
+    """`in_place=True` writes the gradient over the logits' own memory (the logits tensor the
+    caller holds is the gradient afterwards), and no gradient buffer is allocated."""
+    B, T, V = 2, 5, 300
+    logits = torch.randn(B, T, V)
+    targets = torch.randint(0, V, (B, T))
+    adv = torch.randn(B)
+    x = logits.clone().requires_grad_(True)
+    address = x.data_ptr()
+    out = ft.grpo_loss(x, targets, adv, in_place=True, beta=0.0)
+    out.loss.backward()
+    case = "torch grpo in_place"
+    CHECKS[0] += 1
+    if x.grad.data_ptr() != address:
+        FAILURES.append(f"{case}: the gradient is not the logits' memory")
+    want = trl_grpo(logits, targets, torch.ones(B, T), adv, None, None, None, grpo_options(beta=0.0))
+    close_norm(case, "grad", x.grad, want["grad"], 1e-5)
+    # The caller's logits tensor now holds the gradient: the kernels wrote to its memory.
+    close_norm(case, "logits overwritten by the gradient", x.detach(), want["grad"], 1e-5)
+
+
+def check_cross_entropy():
+    for (shape, V), dtype, red, s, z in itertools.product([((4, 7), 61), ((13,), 1000)], ["f32", "bf16"],
+                                                          ["mean", "sum", "none"], [0.0, 0.1], [0.0, 1e-3]):
+        logits = as_dtype(torch.randn(*shape, V) * 2, dtype)
+        targets = torch.randint(0, V, shape)
+        targets.view(-1)[1] = -100
+        case = f"torch cross_entropy {list(shape)} V={V} {dtype} {red} s={s} z={z}"
+        x = logits.clone().requires_grad_(True)
+        got = ft.cross_entropy(x, targets, reduction=red, label_smoothing=s, z_loss=z)
+        upstream = torch.rand(shape) if red == "none" else torch.tensor(1.7)
+        (got * upstream).sum().backward()
+        r = logits.double().requires_grad_(True)
+        flat = r.reshape(-1, V)
+        per = F.cross_entropy(flat, targets.reshape(-1), label_smoothing=s, reduction="none")
+        lse = torch.logsumexp(flat, -1)
+        valid = (targets.reshape(-1) != -100).double()
+        per = (per + z * lse**2 * valid).reshape(shape)
+        want = per if red == "none" else per.sum() / (valid.sum() if red == "mean" else 1.0)
+        (want * upstream.double()).sum().backward()
+        close(case, "loss", got.detach(), want.detach(), 1e-5)
+        close_norm(case, "grad", x.grad, r.grad, grad_tol(dtype))
+
+
+def check_logprob_entropy():
+    for (B, T, V), temp, dtype in itertools.product([(2, 5, 40), (1, 3, 3001)], [1.0, 0.6], ["f32", "bf16"]):
+        logits = as_dtype(torch.randn(B, T, V) * 2.5, dtype)
+        targets = torch.randint(0, V, (B, T))
+        case = f"torch logprob/entropy B={B} T={T} V={V} temperature={temp} {dtype}"
+        r = logits.double().requires_grad_(True)
+        logsm = torch.log_softmax(r / temp, -1)
+        want_logp = logsm.gather(-1, targets[..., None]).squeeze(-1)
+        want_entropy = -(logsm.exp() * logsm).sum(-1)
+        upstream = torch.randn(B, T)
+        (want_logp * upstream.double()).sum().backward()
+        x = logits.clone().requires_grad_(True)
+        logp = ft.logprob(x, targets, temperature=temp)
+        (logp * upstream).sum().backward()
+        close(case, "logp", logp.detach(), want_logp.detach(), 1e-5)
+        close_norm(case, "grad (per-token upstream)", x.grad, r.grad, grad_tol(dtype))
+        close(case, "entropy", ft.entropy(logits, temperature=temp), want_entropy.detach(), 1e-5)
+        close(case, "entropy [N, V]", ft.entropy(logits.reshape(-1, V), temperature=temp),
+              want_entropy.detach().reshape(-1), 1e-5)
+
+
+def check_fused_linear():
+    for lt, level, with_bias, dtype in [("dapo", "token", False, "f32"), ("grpo", "sequence", True, "f32"),
+                                        ("bnpo", "token", True, "bf16"), ("cispo", "token", True, "f32"),
+                                        ("sapo", "token", False, "f32")]:
+        B, T, H, V = 3, 5, 24, 70
+        o = grpo_options(loss_type=lt, importance_sampling_level=level,
+                         epsilon_high=1.2 if lt == "cispo" else 0.28, temperature=0.9)
+        hidden, weight, bias = linear_inputs(B, T, H, V, with_bias)
+        hidden, weight = as_dtype(hidden, dtype), as_dtype(weight, dtype)
+        bias = None if bias is None else as_dtype(bias, dtype)
+        targets = torch.randint(0, V, (B, T))
+        mask = (torch.rand(B, T) > 0.25).float()
+        mask[:, 0] = 1
+        adv = torch.randn(B)
+        with torch.no_grad():
+            base = torch.log_softmax(materialised(hidden, weight, bias)[3] / o["temperature"], -1)
+            true_logp = base.gather(-1, targets[..., None]).squeeze(-1)
+        old = (true_logp + 0.3 * torch.randn(B, T)).float()
+        ref = (true_logp + 0.3 * torch.randn(B, T)).float()
+        case = f"torch fused_linear_grpo {lt} {level} bias={with_bias} {dtype}"
+        h, w, b, logits = materialised(hidden, weight, bias)
+        want = trl_grpo(logits.detach(), targets, mask, adv, old, ref, None, o)
+        logits.backward(want["grad"])
+        xh, xw = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        xb = None if bias is None else bias.clone().requires_grad_(True)
+        out = ft.fused_linear_grpo_loss(xh, xw, targets, adv, mask, bias=xb, old_logp=old, ref_logp=ref,
+                                        chunk_memory_mb=1, **kernel_options(o))
+        (out.loss * 0.5).backward()
+        tol = 1e-4 if dtype == "f32" else 2e-2
+        close(case, "loss", out.loss, want["loss"], tol)
+        close(case, "per_token_loss", out.per_token_loss, want["per_token_loss"], tol, mask)
+        close_norm(case, "grad_hidden", xh.grad, 0.5 * h.grad, tol)
+        close_norm(case, "grad_weight", xw.grad, 0.5 * w.grad, tol)
+        if with_bias:
+            close_norm(case, "grad_bias", xb.grad, 0.5 * b.grad, tol)
+        CHECKS[0] += 1
+        if xh.grad.dtype != hidden.dtype or xw.grad.dtype != weight.dtype:
+            FAILURES.append(f"{case}: gradient dtypes {xh.grad.dtype}, {xw.grad.dtype}")
+    # A frozen lm_head: only the hidden states' gradient.
+    hidden, weight, _ = linear_inputs(2, 3, 8, 50, False)
+    xh = hidden.clone().requires_grad_(True)
+    ft.fused_linear_grpo_loss(xh, weight, torch.randint(0, 50, (2, 3)), torch.randn(2)).loss.backward()
+    CHECKS[0] += 1
+    if xh.grad is None or weight.grad is not None:
+        FAILURES.append("torch fused_linear_grpo frozen weight: wrong gradients")
+    # Cross-entropy, log-probabilities and entropy against the materialised logits.
+    for s, red, with_bias in [(0.0, "mean", True), (0.1, "sum", False), (0.05, "none", True)]:
+        B, T, H, V = 2, 7, 16, 90
+        hidden, weight, bias = linear_inputs(B, T, H, V, with_bias)
+        targets = torch.randint(0, V, (B, T))
+        targets[0, 1] = -100
+        h, w, b, logits = materialised(hidden, weight, bias)
+        ref = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), label_smoothing=s, reduction=red)
+        ref.sum().backward()
+        xh, xw = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        xb = None if bias is None else bias.clone().requires_grad_(True)
+        got = ft.fused_linear_cross_entropy(xh, xw, targets, bias=xb, label_smoothing=s, reduction=red,
+                                            chunk_memory_mb=1)
+        got.sum().backward()
+        case = f"torch fused_linear_cross_entropy s={s} {red} bias={with_bias}"
+        close(case, "loss", got.detach().reshape(-1), ref.detach().reshape(-1), 1e-4)
+        close_norm(case, "grad_hidden", xh.grad, h.grad, 1e-4)
+        close_norm(case, "grad_weight", xw.grad, w.grad, 1e-4)
+        if with_bias:
+            close_norm(case, "grad_bias", xb.grad, b.grad, 1e-4)
+    hidden, weight, bias = linear_inputs(2, 4, 12, 77, True)
+    targets = torch.randint(0, 77, (2, 4))
+    h, w, b, logits = materialised(hidden, weight, bias)
+    logsm = torch.log_softmax(logits / 0.7, -1)
+    want_logp = logsm.gather(-1, targets[..., None]).squeeze(-1)
+    want_logp.sum().backward()
+    xh = hidden.clone().requires_grad_(True)
+    logp = ft.fused_linear_logprob(xh, weight, targets, bias=bias, temperature=0.7)
+    logp.sum().backward()
+    close("torch fused_linear_logprob", "logp", logp.detach(), want_logp.detach(), 1e-5)
+    close_norm("torch fused_linear_logprob", "grad_hidden", xh.grad, h.grad, 1e-4)
+    close("torch fused_linear_entropy", "entropy", ft.fused_linear_entropy(hidden, weight, bias=bias, temperature=0.7),
+          -(logsm.exp() * logsm).sum(-1).detach(), 1e-5)
+
+
+def check_liger_drop_in():
+    """`FusedLinearGRPOLoss` against `LigerFusedLinearGRPOLoss` with the same arguments: loss,
+    metrics and every gradient."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    for lt, level, beta, with_bias in [("dapo", "token", 0.04, True), ("grpo", "sequence", 0.0, False),
+                                       ("bnpo", "token", 0.1, False), ("dr_grpo", "token", 0.04, True)]:
+        B, T, H, V = 3, 6, 16, 83
+        hidden, weight, bias = linear_inputs(B, T, H, V, with_bias)
+        targets = torch.randint(0, V, (B, T))
+        mask = (torch.rand(B, T) > 0.25).float()
+        mask[:, 0] = 1
+        adv = torch.randn(B)
+        with torch.no_grad():
+            true_logp = torch.log_softmax(hidden @ weight.T + (0 if bias is None else bias), -1).gather(
+                -1, targets[..., None]).squeeze(-1)
+        old = true_logp + 0.2 * torch.randn(B, T)
+        ref = true_logp + 0.2 * torch.randn(B, T)
+        kwargs = dict(beta=beta, compiled=False, use_ref_model=beta != 0, chunk_size=1, epsilon_low=0.2,
+                      epsilon_high=0.28, loss_type=lt, max_completion_length=T, importance_sampling_level=level)
+        results = []
+        for module in (LigerFusedLinearGRPOLoss(**kwargs), ft.FusedLinearGRPOLoss(**kwargs)):
+            h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            b = None if bias is None else bias.clone().requires_grad_(True)
+            loss, metrics = module(h, w, targets, mask, adv, bias=b, ref_per_token_logps=ref if beta else None,
+                                   old_per_token_logps=old)
+            loss.backward()
+            results.append((loss.detach(), [m.detach() for m in metrics], h.grad, w.grad, None if b is None else b.grad))
+        (l_loss, l_metrics, l_h, l_w, l_b), (loss, metrics, h, w, b) = results
+        case = f"FusedLinearGRPOLoss vs Liger {lt} {level} beta={beta} bias={with_bias}"
+        close(case, "loss", loss, l_loss, 2e-5)
+        CHECKS[0] += 1
+        if len(metrics) != len(l_metrics):
+            FAILURES.append(f"{case}: {len(metrics)} metrics, Liger {len(l_metrics)}")
+        for i, (m, lm) in enumerate(zip(metrics, l_metrics)):
+            close(case, f"metric {i}", m, lm, 2e-5)
+        close_norm(case, "grad_hidden", h, l_h, 1e-4)
+        close_norm(case, "grad_weight", w, l_w, 1e-4)
+        if with_bias:
+            close_norm(case, "grad_bias", b, l_b, 1e-4)
+
+
+def check_logits_level_modules():
+    """`GRPOLoss` / `triton_grpo_loss` on Liger's `[B, L+1, V]` logits equal `grpo_loss` on the
+    first L positions; `FusedLinearCrossEntropyLoss` equals `F.cross_entropy`."""
+    B, L, V = 3, 5, 64
+    logits = torch.randn(B, L + 1, V)
+    ids = torch.randint(0, V, (B, L))
+    mask = (torch.rand(B, L) > 0.3).float()
+    mask[:, 0] = 1
+    adv, old, ref = torch.randn(B), torch.randn(B, L) - 4, torch.randn(B, L) - 4
+    for lt in ["dapo", "grpo", "dr_grpo", "bnpo"]:
+        case = f"GRPOLoss [B, L+1, V] {lt}"
+        x = logits.clone().requires_grad_(True)
+        loss, metrics = ft.GRPOLoss(loss_type=lt, inplace=False)(x, old, ref, ids, adv, mask)
+        loss.backward()
+        o = grpo_options(loss_type=lt, temperature=0.9, epsilon_high=0.4, max_completion_length=L)
+        want = trl_grpo(logits[:, :L].contiguous(), ids, mask, adv, old, ref, None, o)
+        close(case, "loss", loss, want["loss"], 1e-5)
+        close(case, "kl_mean", metrics[0], (want["kl"] * mask).sum() / mask.sum(), 1e-5)
+        close(case, "clip_ratio", metrics[1], (want["is_clipped"] * mask).sum() / mask.sum(), 1e-5)
+        close_norm(case, "grad (first L positions)", x.grad[:, :L], want["grad"], 1e-5)
+        CHECKS[0] += 1
+        if x.grad[:, L].abs().max() != 0:
+            FAILURES.append(f"{case}: gradient at the unscored last position")
+    hidden, weight, bias = linear_inputs(2, 4, 8, 40, True)
+    targets = torch.randint(0, 40, (8,))
+    targets[3] = -100
+    module = ft.FusedLinearCrossEntropyLoss(lse_square_scale=1e-3, label_smoothing=0.1)
+    got = module(weight, hidden.reshape(8, 8), targets, bias)
+    logits = hidden.reshape(8, 8).double() @ weight.double().T + bias.double()
+    valid = targets != -100
+    per = F.cross_entropy(logits, targets, label_smoothing=0.1, reduction="none") + 1e-3 * torch.logsumexp(
+        logits, -1) ** 2 * valid
+    close("FusedLinearCrossEntropyLoss", "loss", got, per.sum() / valid.sum(), 1e-5)
+
+
+def expect_error(case, kind, words, fn):
+    CHECKS[0] += 1
+    try:
+        fn()
+    except kind as e:
+        if not all(w in str(e) for w in words):
+            FAILURES.append(f"{case}: message {str(e)!r} lacks {words}")
+        return
+    except Exception as e:  # noqa: BLE001
+        FAILURES.append(f"{case}: raised {type(e).__name__}: {e}")
+        return
+    FAILURES.append(f"{case}: no error")
+
+
+def check_errors():
+    logits, targets, adv = torch.randn(2, 3, 10), torch.randint(0, 10, (2, 3)), torch.randn(2)
+    expect_error("unknown option", TypeError, ["epsilon_hgh", "epsilon_high"],
+                 lambda: ft.grpo_loss(logits, targets, adv, epsilon_hgh=0.3))
+    expect_error("bad option value", ValueError, ["loss_type"], lambda: ft.grpo_loss(logits, targets, adv,
+                                                                                      loss_type="nope"))
+    expect_error("advantages shape", ValueError, ["advantages", "[3]"],
+                 lambda: ft.grpo_loss(logits, targets, torch.randn(3)))
+    expect_error("targets shape", ValueError, ["targets"], lambda: ft.grpo_loss(logits, targets[:, :2], adv))
+    expect_error("float64 logits", TypeError, ["logits", "float64"],
+                 lambda: ft.grpo_loss(logits.double(), targets, adv))
+    bad = targets.clone()
+    bad[1, 2] = 10
+    expect_error("target out of range", ValueError, ["targets[1, 2]", "10"], lambda: ft.grpo_loss(logits, bad, adv))
+    expect_error("ref_logp required", ValueError, ["ref_logp"], lambda: ft.grpo_loss(logits, targets, adv, beta=0.1))
+    expect_error("weight shape", ValueError, ["weight"],
+                 lambda: ft.fused_linear_grpo_loss(torch.randn(2, 3, 4), torch.randn(10, 5), targets, adv))
+    expect_error("Liger option we lack", NotImplementedError, ["softcap"],
+                 lambda: ft.FusedLinearCrossEntropyLoss(softcap=30.0))
+
+
+def main():
+    torch.set_num_threads(1)
+    check_grpo()
+    check_in_place_and_no_copy()
+    check_cross_entropy()
+    check_logprob_entropy()
+    check_fused_linear()
+    check_liger_drop_in()
+    check_logits_level_modules()
+    check_errors()
+    sys.exit(report("flashgrpo.torch"))
+
+
+if __name__ == "__main__":
+    main()
