@@ -102,6 +102,27 @@ def check_in_place_and_no_copy():
     close_norm(case, "logits overwritten by the gradient", x.detach(), want["grad"], 1e-5)
 
 
+def check_reused_gradient_buffers():
+    """Large gradients come from buffers that return to the native module when PyTorch frees
+    them: correct values in every dtype, and the second step's gradient in the first's memory."""
+    for dtype in ["f32", "bf16", "f16"]:
+        B, T, V = 2, 4, 70000  # > 1 MiB of gradient in every dtype
+        logits = as_dtype(torch.randn(B, T, V) * 2, dtype)
+        targets = torch.randint(0, V, (B, T))
+        r = logits.double().requires_grad_(True)
+        F.cross_entropy(r.reshape(-1, V), targets.reshape(-1)).backward()
+        addresses = []
+        for step in range(2):
+            x = logits.clone().requires_grad_(True)
+            ft.cross_entropy(x, targets).backward()
+            close_norm(f"reused gradient buffer {dtype} step {step}", "grad", x.grad, r.grad, grad_tol(dtype))
+            addresses.append(x.grad.data_ptr())
+            del x
+        CHECKS[0] += 1
+        if addresses[0] != addresses[1]:
+            FAILURES.append(f"reused gradient buffer {dtype}: the second step's gradient is in new memory")
+
+
 def check_cross_entropy():
     for (shape, V), dtype, red, s, z in itertools.product([((4, 7), 61), ((13,), 1000)], ["f32", "bf16"],
                                                           ["mean", "sum", "none"], [0.0, 0.1], [0.0, 1e-3]):
@@ -342,6 +363,7 @@ def main():
     torch.set_num_threads(1)
     check_grpo()
     check_in_place_and_no_copy()
+    check_reused_gradient_buffers()
     check_cross_entropy()
     check_logprob_entropy()
     check_fused_linear()

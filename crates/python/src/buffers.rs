@@ -22,7 +22,7 @@ impl Address {
     }
 
     fn check<T>(&self) -> PyResult<()> {
-        if self.address % align_of::<T>() != 0 {
+        if !self.address.is_multiple_of(align_of::<T>()) {
             return Err(PyValueError::new_err(format!(
                 "`{}` at address {:#x} is not aligned to {} bytes",
                 self.name,

@@ -54,7 +54,13 @@ impl RowAddresses {
                 advantages: unsafe { Address::new("advantages", self.advantages, b).required()? },
                 old_logp: unsafe { per_row("old_logp", self.old_logp).slice()? },
                 ref_logp: unsafe { per_row("ref_logp", self.ref_logp).slice()? },
-                is_ratio: is_ratio.map(|v| if self.is_ratio_per_sequence { IsRatio::PerSequence(v) } else { IsRatio::PerToken(v) }),
+                is_ratio: is_ratio.map(|v| {
+                    if self.is_ratio_per_sequence {
+                        IsRatio::PerSequence(v)
+                    } else {
+                        IsRatio::PerToken(v)
+                    }
+                }),
                 sampling_logp: unsafe { per_row("sampling_logp", self.sampling_logp).slice()? },
             })
         } else {
@@ -173,7 +179,8 @@ pub fn linear_loss(
     let (op, dtype) = parse_op_and_dtype(op, dtype)?;
     let options = parse_options(options)?;
     let (n, v, h) = (rows.rows(), rows.vocab, hidden_size);
-    let inputs = [Address::new("hidden", hidden, n * h), Address::new("weight", weight, v * h), Address::new("bias", bias, v)];
+    let inputs =
+        [Address::new("hidden", hidden, n * h), Address::new("weight", weight, v * h), Address::new("bias", bias, v)];
     let gradients = [
         Address::new("grad_hidden", grads.hidden, n * h),
         Address::new("grad_weight", grads.weight, v * h),

@@ -8,6 +8,7 @@
 
 mod buffers;
 mod call;
+mod pool;
 mod result;
 
 use pyo3::prelude::*;
@@ -17,6 +18,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(call::loss, m)?)?;
     m.add_function(wrap_pyfunction!(call::linear_loss, m)?)?;
     m.add_class::<result::LossResult>()?;
+    m.add_class::<pool::GradientBuffer>()?;
+    m.add_function(wrap_pyfunction!(pool::gradient_buffer, m)?)?;
+    m.add_function(wrap_pyfunction!(pool::release_cached_buffers, m)?)?;
     m.add("OPTION_NAMES", flashgrpo_kernels::LossOptions::NAMES.to_vec())?;
     m.add("DEFAULT_CHUNK_MEMORY_MB", flashgrpo_kernels::ChunkBudget::DEFAULT_MB)?;
     Ok(())

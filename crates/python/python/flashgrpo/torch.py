@@ -24,6 +24,8 @@ constructor and forward arguments of Liger-Kernel's ``LigerFusedLinearGRPOLoss``
 ``triton_grpo_loss`` and ``LigerFusedLinearCrossEntropyLoss`` and return what they return.
 """
 
+import math
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -50,7 +52,13 @@ __all__ = [
     "GRPOLoss",
     "FusedLinearCrossEntropyLoss",
     "triton_grpo_loss",
+    "release_cached_memory",
 ]
+
+# Gradients at least this large come from the native module's reusable buffers (see
+# `_gradient_tensor`); FLASHGRPO_GRADIENT_CACHE=0 turns that off.
+_CACHED_MIN_BYTES = 1 << 20
+_CACHE = os.environ.get("FLASHGRPO_GRADIENT_CACHE", "1") != "0"
 
 
 class LossOutputs(NamedTuple):
@@ -66,6 +74,24 @@ class LossOutputs(NamedTuple):
 
 
 # ---------------------------------------------------------------- checking and addressing tensors
+
+
+def release_cached_memory():
+    """Frees the gradient buffers kept for reuse (at most three, each the size of a gradient
+    this process asked for)."""
+    _native.release_cached_buffers()
+
+
+def _gradient_tensor(shape, dtype):
+    """An uninitialised tensor for a gradient. A large one lives in a buffer of the native module
+    that returns to a free list when PyTorch frees the tensor, so the next step's gradient of the
+    same size reuses memory whose pages are already mapped: a fresh `[N, V]` buffer would cost
+    its page faults on every step (more than the kernels' sweep at N=1024, V=151936)."""
+    n = math.prod(shape)
+    size = n * torch.tensor([], dtype=dtype).element_size()
+    if not _CACHE or size < _CACHED_MIN_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(_native.gradient_buffer(size), dtype=dtype, count=n).view(shape)
 
 
 def _address(t):
@@ -200,7 +226,7 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
     wants_grad = op != "entropy" and _wants_gradient(logits)
     if wants_grad and in_place and x.data_ptr() != logits.data_ptr():
         raise ValueError("`in_place=True` needs contiguous logits (the gradient is written over them)")
-    grad = torch.empty_like(x) if wants_grad and not in_place else None
+    grad = _gradient_tensor(x.shape, x.dtype) if wants_grad and not in_place else None
     result = _native.loss(op, _DTYPES[x.dtype], _address(x), request.native, options_json(options),
                           grad=_address(grad), in_place=wants_grad and in_place)
     per_token = _per_token(result, batch * seq_len, out_shape)
@@ -230,8 +256,8 @@ def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None
     wants_grad = op != "entropy" and _wants_gradient(hidden, weight, bias)
     f32 = torch.float32
     grads = (
-        torch.empty(h.shape, dtype=f32) if wants_grad else None,
-        torch.empty(w.shape, dtype=f32) if wants_grad and weight.requires_grad else None,
+        _gradient_tensor(h.shape, f32) if wants_grad else None,
+        _gradient_tensor(w.shape, f32) if wants_grad and weight.requires_grad else None,
         torch.empty(vocab, dtype=f32) if wants_grad and bias is not None and bias.requires_grad else None,
     )
     result = _native.linear_loss(

@@ -1,0 +1,59 @@
+//! The `flashgrpo` wheel from a clean checkout: built and installed into the peers' venv by
+//! `crates/python/install.sh` (once per test run), then the Python tests of `tests/python`, each
+//! ending with "N checks, 0 failures":
+//! - `test_torch.py`: `flashgrpo.torch` against TRL-style float64 autograd, `F.cross_entropy`,
+//!   materialised fused-linear logits and Liger-Kernel's `LigerFusedLinearGRPOLoss`;
+//! - `test_arrays.py`: `flashgrpo.arrays` on NumPy and JAX arrays against the same references;
+//! - `test_no_copy.py`: the logits are read and the gradient written in place (peak memory).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The venv's python with the wheel installed (the venv and the wheel built once).
+fn python() -> &'static str {
+    static PYTHON: OnceLock<String> = OnceLock::new();
+    PYTHON.get_or_init(|| {
+        let setup = Command::new("bash").arg(root().join("bench/peers/setup.sh")).output().expect("bash runs");
+        assert!(setup.status.success(), "peer venv setup failed:\n{}", String::from_utf8_lossy(&setup.stderr));
+        let python = String::from_utf8_lossy(&setup.stdout).lines().last().expect("the python path").to_string();
+        let install = Command::new("bash").arg(root().join("crates/python/install.sh")).arg(&python).output();
+        let install = install.expect("bash runs");
+        assert!(install.status.success(), "building the wheel failed:\n{}", String::from_utf8_lossy(&install.stderr));
+        python
+    })
+}
+
+/// A script of `tests/python` in the venv, outside the repository's package sources (so that the
+/// installed wheel is what is imported).
+fn run_script(script: &str) {
+    let out = Command::new(python())
+        .arg(root().join("tests/python").join(script))
+        .current_dir(std::env::temp_dir())
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "{script} failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains(" 0 failures"), "{stdout}");
+}
+
+#[test]
+fn torch_functions_and_modules_match_references() {
+    run_script("test_torch.py");
+}
+
+#[test]
+fn numpy_and_jax_arrays_match_references() {
+    run_script("test_arrays.py");
+}
+
+#[test]
+fn inputs_are_read_and_gradients_written_in_place() {
+    run_script("test_no_copy.py");
+}
