@@ -3,11 +3,18 @@ materialised logits, forward + backward (`value_and_grad`), in PyTorch eager, `t
 or `jax.jit`. Prints one JSON object: step times, the RSS before the timed steps (inputs and
 framework) and its peak during them.
 
-Usage: python peer_loss.py --framework torch-eager|torch-compile|jax|liger --op grpo|cross_entropy|logprob
+Usage: python peer_loss.py --framework torch-eager|torch-compile|jax|liger|flashgrpo-torch|flashgrpo-torch-inplace|flashgrpo-jax-arrays
+                           --op grpo|cross_entropy|logprob
                            --n N --vocab V --dtype f32|bf16 [--hidden H] [--warmup 2] [--steps 5]
 
 With --hidden, GRPO is computed from hidden states and an lm_head: TRL's loss on materialised
-`hidden @ weight.T` (torch-eager / torch-compile), or Liger-Kernel's `LigerFusedLinearGRPOLoss`.
+`hidden @ weight.T` (torch-eager / torch-compile), or Liger-Kernel's `LigerFusedLinearGRPOLoss`,
+or flashgrpo's drop-in `flashgrpo.torch.FusedLinearGRPOLoss` (flashgrpo-torch).
+
+The flashgrpo-* frameworks time the `flashgrpo` wheel from Python on the same inputs, to measure
+the cost of the Python boundary against `flashgrpo bench`: `flashgrpo.torch`'s functions with a
+gradient buffer from PyTorch (flashgrpo-torch) or written over the logits (flashgrpo-torch-inplace,
+the logits restored between steps, untimed), and `flashgrpo.arrays` on JAX arrays.
 
 The losses are written the way TRL and the original system write them: GRPO (dapo, token level,
 beta = 0.04, eps 0.2 / 0.28) as TRL's `_compute_loss` (log_softmax, gather, ratio, clamp, min,
@@ -58,8 +65,11 @@ def torch_linear_step(args):
     ref = base + 0.3 * torch.randn(b, t)
     adv = torch.randn(b)
 
-    if args.framework == "liger":
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    if args.framework in ("liger", "flashgrpo-torch"):
+        if args.framework == "liger":
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        else:
+            from flashgrpo.torch import FusedLinearGRPOLoss as LigerFusedLinearGRPOLoss
 
         loss_module = LigerFusedLinearGRPOLoss(beta=BETA, compiled=False, use_ref_model=True, chunk_size=1,
                                                epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, loss_type="dapo")
@@ -106,6 +116,9 @@ def torch_step(args):
     ref = base + 0.3 * torch.randn(n)
     adv = torch.randn(n)
 
+    if args.framework.startswith("flashgrpo"):
+        return flashgrpo_torch_step(args, logits, ids, mask, old, ref, adv)
+
     def grpo(logits):
         logp = torch.gather(logits.float().log_softmax(-1), -1, ids[:, None]).squeeze(-1)
         ratio = torch.exp(logp - old)
@@ -132,6 +145,74 @@ def torch_step(args):
         return float(loss.detach())
 
     return step, logits.numel() * logits.element_size(), logits.numel() * logits.element_size()
+
+
+def flashgrpo_torch_step(args, logits, ids, mask, old, ref, adv):
+    """The same losses through `flashgrpo.torch` (logits `[N, V]` as `[1, N, V]` for GRPO, whose
+    per-sequence advantages are then one per row: `[N, 1, V]`)."""
+    import torch
+    import flashgrpo.torch as ft
+
+    n, v = logits.shape
+    in_place = args.framework == "flashgrpo-torch-inplace"
+    x = logits.detach().clone().requires_grad_(True)
+    pristine = logits.detach()
+
+    def f():
+        if args.op == "grpo":
+            return ft.grpo_loss(x.view(n, 1, v), ids.view(n, 1), adv, mask.view(n, 1), old_logp=old.view(n, 1),
+                                ref_logp=ref.view(n, 1), in_place=in_place, beta=BETA, epsilon_low=EPS_LOW,
+                                epsilon_high=EPS_HIGH, loss_type="dapo").loss
+        if args.op == "cross_entropy":
+            return ft.cross_entropy(x, torch.where(mask > 0, ids, -100), in_place=in_place)
+        return (ft.logprob(x, ids, in_place=in_place) * mask).sum()
+
+    def step():
+        if in_place:
+            with torch.no_grad():
+                x.copy_(pristine)  # restores the logits the previous step overwrote
+        x.grad = None
+        start = time.perf_counter()
+        loss = f()
+        loss.backward()
+        return float(loss.detach()), time.perf_counter() - start
+
+    return step, logits.numel() * logits.element_size(), 0 if in_place else logits.numel() * logits.element_size()
+
+
+def jax_arrays_step(args):
+    """`flashgrpo.arrays` on JAX arrays (read in place; the gradient is a NumPy array)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import flashgrpo.arrays as fa
+
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]
+    n, v = args.n, args.vocab
+    k = jax.random.split(jax.random.PRNGKey(0), 6)
+    logits = (jax.random.normal(k[0], (n, v)) * LOGIT_STD).astype(dtype).block_until_ready()
+    ids = np.asarray(jax.random.randint(k[1], (n,), 0, v))
+    base = np.asarray(jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), ids[:, None], -1)[:, 0])
+    old = base + 0.3 * np.asarray(jax.random.normal(k[2], (n,)))
+    ref = base + 0.3 * np.asarray(jax.random.normal(k[3], (n,)))
+    adv = np.asarray(jax.random.normal(k[4], (n,)))
+    mask = np.asarray(jax.random.uniform(k[5], (n,)) > 0.1, dtype=np.float32)
+    out = np.empty(logits.shape, dtype=logits.dtype)
+    out.fill(0)
+    rows3 = logits.reshape(n, 1, v).block_until_ready()  # GRPO's [B, T, V] with B = N, made once
+
+    def step():
+        if args.op == "grpo":
+            r = fa.loss("grpo", rows3, ids.reshape(n, 1), adv, mask.reshape(n, 1),
+                        old_logp=old.reshape(n, 1), ref_logp=ref.reshape(n, 1), out=out.reshape(n, 1, v),
+                        beta=BETA, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, loss_type="dapo")
+        elif args.op == "cross_entropy":
+            r = fa.loss("cross_entropy", logits, np.where(mask > 0, ids, -100), out=out)
+        else:
+            r = fa.loss("logprob", logits, ids, mask=mask, out=out)
+        return r["loss"]
+
+    return step, logits.size * logits.dtype.itemsize, out.nbytes
 
 
 def jax_step(args):
@@ -178,7 +259,9 @@ def jax_step(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--framework", required=True, choices=["torch-eager", "torch-compile", "jax", "liger"])
+    p.add_argument("--framework", required=True, choices=["torch-eager", "torch-compile", "jax", "liger",
+                                                          "flashgrpo-torch", "flashgrpo-torch-inplace",
+                                                          "flashgrpo-jax-arrays"])
     p.add_argument("--op", default="grpo", choices=["grpo", "cross_entropy", "logprob"])
     p.add_argument("--n", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=151936)
@@ -188,11 +271,13 @@ def main():
     p.add_argument("--hidden", type=int, help="fused-linear mode: GRPO from hidden states [N, H] and an lm_head [V, H]")
     args = p.parse_args()
     if args.hidden:
-        if args.op != "grpo" or args.framework == "jax":
-            p.error("--hidden times GRPO in torch-eager, torch-compile or liger")
+        if args.op != "grpo" or args.framework not in ("torch-eager", "torch-compile", "liger", "flashgrpo-torch"):
+            p.error("--hidden times GRPO in torch-eager, torch-compile, liger or flashgrpo-torch")
         step, input_bytes, grad_bytes = torch_linear_step(args)
     elif args.framework == "liger":
         p.error("liger is timed in fused-linear mode (--hidden)")
+    elif args.framework == "flashgrpo-jax-arrays":
+        step, input_bytes, grad_bytes = jax_arrays_step(args)
     else:
         step, input_bytes, grad_bytes = (jax_step if args.framework == "jax" else torch_step)(args)
     reset_peak_rss()
@@ -201,8 +286,11 @@ def main():
     for i in range(args.warmup + args.steps):
         start = time.perf_counter()
         loss = step()
+        elapsed = time.perf_counter() - start
+        if isinstance(loss, tuple):  # the step timed itself (it restores its inputs first)
+            loss, elapsed = loss
         if i >= args.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
     times.sort()
     print(json.dumps({
         "framework": args.framework, "op": args.op, "n": args.n, "vocab": args.vocab, "dtype": args.dtype,
