@@ -5,8 +5,8 @@
 
 use std::mem::{align_of, size_of};
 
-use pyo3::exceptions::PyValueError;
-use pyo3::PyResult;
+/// What went wrong, in words for the user (turned into a `ValueError`, or an XLA error).
+pub type Result<T> = std::result::Result<T, String>;
 
 /// One buffer: where it starts and how many elements it holds; address 0 means absent.
 #[derive(Debug, Clone, Copy)]
@@ -21,17 +21,12 @@ impl Address {
         Self { name, address, len }
     }
 
-    fn check<T>(&self) -> PyResult<()> {
+    fn check<T>(&self) -> Result<()> {
         if !self.address.is_multiple_of(align_of::<T>()) {
-            return Err(PyValueError::new_err(format!(
-                "`{}` at address {:#x} is not aligned to {} bytes",
-                self.name,
-                self.address,
-                align_of::<T>()
-            )));
+            return Err(format!("`{}` at address {:#x} is not aligned to {} bytes", self.name, self.address, align_of::<T>()));
         }
         if self.len.checked_mul(size_of::<T>()).is_none_or(|bytes| bytes > isize::MAX as usize) {
-            return Err(PyValueError::new_err(format!("`{}`: {} elements is too many", self.name, self.len)));
+            return Err(format!("`{}`: {} elements is too many", self.name, self.len));
         }
         Ok(())
     }
@@ -41,7 +36,7 @@ impl Address {
     /// # Safety
     /// The module's contract: a live buffer of `len` `T`s at `address`, not written by anyone
     /// else during `'a`.
-    pub unsafe fn slice<'a, T>(&self) -> PyResult<Option<&'a [T]>> {
+    pub unsafe fn slice<'a, T>(&self) -> Result<Option<&'a [T]>> {
         if self.address == 0 {
             return Ok(None);
         }
@@ -53,7 +48,7 @@ impl Address {
     ///
     /// # Safety
     /// As [`slice`](Self::slice), and no one else reads or writes the buffer during `'a`.
-    pub unsafe fn slice_mut<'a, T>(&self) -> PyResult<Option<&'a mut [T]>> {
+    pub unsafe fn slice_mut<'a, T>(&self) -> Result<Option<&'a mut [T]>> {
         if self.address == 0 {
             return Ok(None);
         }
@@ -65,7 +60,7 @@ impl Address {
     ///
     /// # Safety
     /// As [`slice`](Self::slice).
-    pub unsafe fn required<'a, T>(&self) -> PyResult<&'a [T]> {
-        unsafe { self.slice()? }.ok_or_else(|| PyValueError::new_err(format!("`{}` is required", self.name)))
+    pub unsafe fn required<'a, T>(&self) -> Result<&'a [T]> {
+        unsafe { self.slice()? }.ok_or_else(|| format!("`{}` is required", self.name))
     }
 }

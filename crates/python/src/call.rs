@@ -10,11 +10,11 @@ use flashgrpo_kernels::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::buffers::Address;
+use crate::buffers::{Address, Result};
 use crate::result::LossResult;
 
-fn value_error(e: impl std::fmt::Display) -> PyErr {
-    PyValueError::new_err(e.to_string())
+fn message(e: impl std::fmt::Display) -> String {
+    e.to_string()
 }
 
 /// The shapes and the per-row inputs of a call: a dict from the Python side, every key present,
@@ -22,17 +22,17 @@ fn value_error(e: impl std::fmt::Display) -> PyErr {
 #[derive(Debug, Clone, Copy, FromPyObject)]
 #[pyo3(from_item_all)]
 pub struct RowAddresses {
-    batch: usize,
-    seq_len: usize,
-    vocab: usize,
-    targets: usize,
-    mask: usize,
-    advantages: usize,
-    old_logp: usize,
-    ref_logp: usize,
-    is_ratio: usize,
-    is_ratio_per_sequence: bool,
-    sampling_logp: usize,
+    pub batch: usize,
+    pub seq_len: usize,
+    pub vocab: usize,
+    pub targets: usize,
+    pub mask: usize,
+    pub advantages: usize,
+    pub old_logp: usize,
+    pub ref_logp: usize,
+    pub is_ratio: usize,
+    pub is_ratio_per_sequence: bool,
+    pub sampling_logp: usize,
 }
 
 impl RowAddresses {
@@ -44,7 +44,7 @@ impl RowAddresses {
     ///
     /// # Safety
     /// The module's contract (see [`crate::buffers`]) for every address.
-    unsafe fn spec<'a>(&self, op: Op, options: &'a LossOptions) -> PyResult<LossSpec<'a>> {
+    unsafe fn spec<'a>(&self, op: Op, options: &'a LossOptions) -> Result<LossSpec<'a>> {
         let (n, b) = (self.rows(), self.batch);
         let per_row = |name, address| Address::new(name, address, n);
         let policy = if op == Op::Grpo {
@@ -67,7 +67,7 @@ impl RowAddresses {
             None
         };
         Ok(LossSpec {
-            loss: op.loss(policy).map_err(value_error)?,
+            loss: op.loss(policy).map_err(message)?,
             rows: Rows {
                 batch: self.batch,
                 seq_len: self.seq_len,
@@ -83,8 +83,8 @@ impl RowAddresses {
 
 /// LOSSES.md's options from a JSON object (the Python keyword arguments): an unknown key or a
 /// value of the wrong type is an error that names it.
-fn parse_options(json: &str) -> PyResult<LossOptions> {
-    serde_json::from_str(json).map_err(|e| PyValueError::new_err(format!("{}: {e}", option_at_fault(json))))
+fn parse_options(json: &str) -> Result<LossOptions> {
+    serde_json::from_str(json).map_err(|e| format!("{}: {e}", option_at_fault(json)))
 }
 
 /// The option a JSON object failed to deserialise on (serde's message names the value, not the
@@ -97,12 +97,37 @@ fn option_at_fault(json: &str) -> String {
         .map_or("loss options".into(), |(k, _)| format!("loss option `{k}`"))
 }
 
-fn parse_op_and_dtype(op: &str, dtype: &str) -> PyResult<(Op, DType)> {
-    Ok((op.parse().map_err(value_error)?, dtype.parse().map_err(value_error)?))
+fn parse_op_and_dtype(op: &str, dtype: &str) -> Result<(Op, DType)> {
+    Ok((op.parse().map_err(message)?, dtype.parse().map_err(message)?))
 }
 
-/// The loss of `op` over logits `[B, T, V]` of `dtype`, with the gradient written into `grad`
-/// (same dtype and shape), or over the logits with `in_place`, or not computed (`grad` 0).
+/// One loss over logits `[B, T, V]` of `dtype`, with the gradient written into `grad` (same dtype
+/// and shape), or over the logits with `in_place`, or not computed (`grad` absent).
+pub struct LogitsCall<'a> {
+    pub op: &'a str,
+    pub dtype: &'a str,
+    pub options: &'a str,
+    pub rows: RowAddresses,
+    pub logits: usize,
+    pub grad: usize,
+    pub in_place: bool,
+}
+
+impl LogitsCall<'_> {
+    /// # Safety
+    /// The module's contract (see [`crate::buffers`]) for every address; `grad` does not overlap
+    /// the logits.
+    pub unsafe fn run(self) -> Result<LossOutput> {
+        let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
+        let options = parse_options(self.options)?;
+        let len = self.rows.rows() * self.rows.vocab;
+        let (logits, grad) = (Address::new("logits", self.logits, len), Address::new("grad", self.grad, len));
+        let spec = unsafe { self.rows.spec(op, &options)? };
+        with_element!(dtype, T => unsafe { logits_call::<T>(spec, logits, grad, self.in_place) })
+    }
+}
+
+/// [`LogitsCall`] from Python, with the GIL released.
 #[pyfunction]
 #[pyo3(signature = (op, dtype, logits, rows, options, grad = 0, in_place = false))]
 #[allow(clippy::too_many_arguments)]
@@ -116,16 +141,10 @@ pub fn loss(
     grad: usize,
     in_place: bool,
 ) -> PyResult<LossResult> {
-    let (op, dtype) = parse_op_and_dtype(op, dtype)?;
-    let options = parse_options(options)?;
-    let len = rows.rows() * rows.vocab;
-    let (logits, grad) = (Address::new("logits", logits, len), Address::new("grad", grad, len));
-    let output = py.detach(|| {
-        // SAFETY: the module's contract, for the length of this call.
-        let spec = unsafe { rows.spec(op, &options)? };
-        with_element!(dtype, T => unsafe { logits_call::<T>(spec, logits, grad, in_place) })
-    })?;
-    Ok(LossResult::new(output))
+    let call = LogitsCall { op, dtype, options, rows, logits, grad, in_place };
+    // SAFETY: the module's contract, for the length of this call.
+    let output = py.detach(|| unsafe { call.run() });
+    output.map(LossResult::new).map_err(PyValueError::new_err)
 }
 
 /// # Safety
@@ -135,31 +154,68 @@ unsafe fn logits_call<T: Element>(
     logits: Address,
     grad: Address,
     in_place: bool,
-) -> PyResult<LossOutput> {
+) -> Result<LossOutput> {
     let output = if in_place {
-        let logits = unsafe { logits.slice_mut::<T>()? }.ok_or_else(|| value_error("`logits` is required"))?;
+        let logits = unsafe { logits.slice_mut::<T>()? }.ok_or_else(|| message("`logits` is required"))?;
         forward_backward_in_place(spec, logits)
     } else if let Some(grad) = unsafe { grad.slice_mut::<T>()? } {
         forward_backward(spec, unsafe { logits.required()? }, grad)
     } else {
         forward(spec, unsafe { logits.required::<T>()? })
     };
-    output.map_err(value_error)
+    output.map_err(message)
 }
 
 /// The f32 gradient buffers of a fused-linear call (0: not asked for).
 #[derive(Debug, Clone, Copy, FromPyObject)]
 #[pyo3(from_item_all)]
 pub struct GradientAddresses {
-    hidden: usize,
-    weight: usize,
-    bias: usize,
-    accumulate: bool,
+    pub hidden: usize,
+    pub weight: usize,
+    pub bias: usize,
+    pub accumulate: bool,
 }
 
-/// The loss of `op` over `hidden [B, T, H] @ weight[V, H]^T (+ bias [V])`, all of `dtype`,
-/// streamed over the vocabulary in chunks of at most `chunk_memory_mb`; with `grads.hidden`
-/// set, the f32 gradients of those asked for.
+/// One loss over `hidden [B, T, H] @ weight[V, H]^T (+ bias [V])`, all of `dtype`, streamed over
+/// the vocabulary in chunks of at most `chunk_memory_mb`; with `grads.hidden` set, the f32
+/// gradients of those asked for.
+pub struct LinearCall<'a> {
+    pub op: &'a str,
+    pub dtype: &'a str,
+    pub options: &'a str,
+    pub rows: RowAddresses,
+    pub hidden: usize,
+    pub weight: usize,
+    pub bias: usize,
+    pub hidden_size: usize,
+    pub grads: GradientAddresses,
+    pub chunk_memory_mb: usize,
+}
+
+impl LinearCall<'_> {
+    /// # Safety
+    /// The module's contract for every address; no gradient buffer overlaps another buffer.
+    pub unsafe fn run(self) -> Result<LossOutput> {
+        let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
+        let options = parse_options(self.options)?;
+        let (n, v, h, g) = (self.rows.rows(), self.rows.vocab, self.hidden_size, self.grads);
+        let inputs = [
+            Address::new("hidden", self.hidden, n * h),
+            Address::new("weight", self.weight, v * h),
+            Address::new("bias", self.bias, v),
+        ];
+        let gradients = [
+            Address::new("grad_hidden", g.hidden, n * h),
+            Address::new("grad_weight", g.weight, v * h),
+            Address::new("grad_bias", g.bias, v),
+        ];
+        let budget = ChunkBudget::from_mb(self.chunk_memory_mb);
+        let spec = unsafe { self.rows.spec(op, &options)? };
+        with_element!(dtype, T => unsafe { linear_call::<T>(spec, inputs, h, gradients, g.accumulate, budget) })
+    }
+}
+
+/// [`LinearCall`] from Python, with the GIL released.
 #[pyfunction]
 #[pyo3(signature = (op, dtype, hidden, weight, bias, hidden_size, rows, options, grads, chunk_memory_mb))]
 #[allow(clippy::too_many_arguments)]
@@ -176,23 +232,10 @@ pub fn linear_loss(
     grads: GradientAddresses,
     chunk_memory_mb: usize,
 ) -> PyResult<LossResult> {
-    let (op, dtype) = parse_op_and_dtype(op, dtype)?;
-    let options = parse_options(options)?;
-    let (n, v, h) = (rows.rows(), rows.vocab, hidden_size);
-    let inputs =
-        [Address::new("hidden", hidden, n * h), Address::new("weight", weight, v * h), Address::new("bias", bias, v)];
-    let gradients = [
-        Address::new("grad_hidden", grads.hidden, n * h),
-        Address::new("grad_weight", grads.weight, v * h),
-        Address::new("grad_bias", grads.bias, v),
-    ];
-    let budget = ChunkBudget::from_mb(chunk_memory_mb);
-    let output = py.detach(|| {
-        // SAFETY: the module's contract, for the length of this call.
-        let spec = unsafe { rows.spec(op, &options)? };
-        with_element!(dtype, T => unsafe { linear_call::<T>(spec, inputs, h, gradients, grads.accumulate, budget) })
-    })?;
-    Ok(LossResult::new(output))
+    let call = LinearCall { op, dtype, options, rows, hidden, weight, bias, hidden_size, grads, chunk_memory_mb };
+    // SAFETY: the module's contract, for the length of this call.
+    let output = py.detach(|| unsafe { call.run() });
+    output.map(LossResult::new).map_err(PyValueError::new_err)
 }
 
 /// # Safety
@@ -204,7 +247,7 @@ unsafe fn linear_call<T: Element>(
     [grad_hidden, grad_weight, grad_bias]: [Address; 3],
     accumulate: bool,
     budget: ChunkBudget,
-) -> PyResult<LossOutput> {
+) -> Result<LossOutput> {
     let inputs = LinearInputs::<T> {
         hidden: unsafe { hidden.required()? },
         weight: unsafe { weight.required()? },
@@ -223,5 +266,5 @@ unsafe fn linear_call<T: Element>(
             linear_forward_backward(spec, inputs, grads, budget)
         }
     };
-    output.map_err(value_error)
+    output.map_err(message)
 }

@@ -8,8 +8,10 @@
 
 mod buffers;
 mod call;
+mod jax_handlers;
 mod pool;
 mod result;
+mod xla_ffi;
 
 use pyo3::prelude::*;
 
@@ -21,6 +23,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::GradientBuffer>()?;
     m.add_function(wrap_pyfunction!(pool::gradient_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(pool::release_cached_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(jax_handlers::ffi_handlers, m)?)?;
     m.add("OPTION_NAMES", flashgrpo_kernels::LossOptions::NAMES.to_vec())?;
     m.add("DEFAULT_CHUNK_MEMORY_MB", flashgrpo_kernels::ChunkBudget::DEFAULT_MB)?;
     Ok(())

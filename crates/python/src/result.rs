@@ -51,7 +51,7 @@ impl LossResult {
             return Err(PyValueError::new_err(format!("`{name}` has {} values, the buffer {len}", values.len())));
         }
         // SAFETY: the module's contract for `address`.
-        let out = unsafe { Address::new("out", address, len).slice_mut::<f32>()? };
+        let out = unsafe { Address::new("out", address, len).slice_mut::<f32>() }.map_err(PyValueError::new_err)?;
         out.ok_or_else(|| PyValueError::new_err("null output buffer"))?.copy_from_slice(values);
         Ok(())
     }

@@ -1,0 +1,276 @@
+"""flashgrpo's losses for JAX (CPU): ``jax.custom_vjp`` functions whose forward and backward are
+XLA FFI custom calls into the Rust kernels, so they work under ``jax.jit``, ``jax.grad`` and
+``jax.vmap``. JAX's buffers are read in place; the gradient is computed in the forward's sweep
+(as the kernels always do) and kept as the residual, so the backward only scales it.
+
+Functions (logits ``[B, T, V]``; cross-entropy, entropy and log-probabilities also ``[N, V]``):
+
+- ``grpo_loss(logits, targets, advantages, mask=None, *, old_logp=None, ref_logp=None,
+  is_ratio=None, sampling_logp=None, return_outputs=False, **options)``: the loss (float32
+  scalar), or ``(loss, outputs)`` with the per-token outputs (no gradient through them);
+- ``cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, ...)``;
+- ``entropy(logits, mask=None, *, temperature=1.0)``: per token, no gradient;
+- ``logprob(logits, targets, *, temperature=1.0)``: per token, differentiable;
+- ``fused_linear_grpo_loss``, ``fused_linear_cross_entropy`` (from ``hidden``, ``weight [V, H]``
+  and ``bias``; gradients to all three), ``fused_linear_logprob`` and ``fused_linear_entropy``
+  (values only).
+
+``vmap`` runs the custom call once per mapped element (each element its own loss).
+Options are docs/LOSSES.md's, as keyword arguments.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import _native
+from ._calls import PER_TOKEN, options_json
+
+__all__ = [
+    "grpo_loss",
+    "cross_entropy",
+    "entropy",
+    "logprob",
+    "fused_linear_grpo_loss",
+    "fused_linear_cross_entropy",
+    "fused_linear_entropy",
+    "fused_linear_logprob",
+]
+
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+# The per-row inputs after the scores (targets, mask, advantages, old_logp, ref_logp, is_ratio,
+# sampling_logp): they get no cotangent.
+_NO_COTANGENTS = (None,) * 7
+
+
+@functools.cache
+def _register():
+    for name, capsule in _native.ffi_handlers().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    return True
+
+
+def _float_input(name, x):
+    x = jnp.asarray(x)
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"`{name}` has dtype {x.dtype}; expected float32, bfloat16 or float16")
+    return x
+
+
+def _rows(name, x, last):
+    if x.ndim not in (2, 3):
+        raise ValueError(f"`{name}` must be [B, T, {last}] or [N, {last}], got shape {list(x.shape)}")
+    return (1, x.shape[0]) if x.ndim == 2 else tuple(x.shape[:2])
+
+
+def _per_row(batch, seq_len, targets=None, mask=None, advantages=None, old_logp=None, ref_logp=None, is_ratio=None,
+             sampling_logp=None):
+    """The seven per-row inputs in the custom call's order; an empty array for each one absent."""
+    bt = [(batch, seq_len)] + ([(seq_len,)] if batch == 1 else [])
+
+    def take(name, x, shapes, dtype):
+        if x is None:
+            return jnp.zeros((0,), dtype)
+        x = jnp.asarray(x)
+        if tuple(x.shape) not in shapes:
+            want = " or ".join(str(list(s)) for s in shapes)
+            raise ValueError(f"`{name}` has shape {list(x.shape)}, expected {want}")
+        if dtype == jnp.int32 and x.dtype in (jnp.int64, jnp.uint32, jnp.uint64):
+            dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+        return x.astype(dtype).reshape(-1)
+
+    f32 = jnp.float32
+    return (
+        take("targets", targets, bt, jnp.int32),
+        take("mask", mask, bt, f32),
+        take("advantages", advantages, [(batch,), (batch, 1)], f32),
+        take("old_logp", old_logp, bt, f32),
+        take("ref_logp", ref_logp, bt, f32),
+        take("is_ratio", is_ratio, bt + [(batch,), (batch, 1)], f32),
+        take("sampling_logp", sampling_logp, bt, f32),
+    )
+
+
+def _outputs_of(results):
+    per_token = dict(zip(PER_TOKEN, results[1:6]))
+    return results[0], per_token
+
+
+# ---------------------------------------------------------------- logits-level
+
+
+def _logits_call(op, opts, logits, side, with_grad):
+    _register()
+    rows = logits.size // logits.shape[-1]
+    shapes = [jax.ShapeDtypeStruct((), jnp.float32)] + [jax.ShapeDtypeStruct((rows,), jnp.float32)] * 5
+    if with_grad:
+        shapes.append(jax.ShapeDtypeStruct(logits.shape, logits.dtype))
+    target = "flashgrpo_loss_grad" if with_grad else "flashgrpo_loss"
+    return jax.ffi.ffi_call(target, shapes, vmap_method="sequential")(logits, *side, op=op, options=opts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _logits_loss(op, value, opts, logits, *side):
+    """``(value, per_token)``: ``value`` is the loss, or the per-token output named ``value``."""
+    loss, per_token = _outputs_of(_logits_call(op, opts, logits, side, False))
+    return (loss if value == "loss" else per_token[value]), per_token
+
+
+def _logits_loss_fwd(op, value, opts, logits, *side):
+    results = _logits_call(op, opts, logits, side, True)
+    loss, per_token = _outputs_of(results)
+    return ((loss if value == "loss" else per_token[value]), per_token), results[6]
+
+
+def _logits_loss_bwd(op, value, opts, grad, cotangents):
+    g = cotangents[0].astype(jnp.float32)
+    if value == "loss":
+        scaled = grad.astype(jnp.float32) * g
+    else:  # per token: the kernels' gradient is of the sum, row i scaled by g[i]
+        scaled = grad.astype(jnp.float32) * g.reshape(grad.shape[:-1] + (1,))
+    return (scaled.astype(grad.dtype),) + _NO_COTANGENTS
+
+
+_logits_loss.defvjp(_logits_loss_fwd, _logits_loss_bwd)
+
+
+def _run_logits(op, value, logits, options, **row_inputs):
+    logits = _float_input("logits", logits)
+    batch, seq_len = _rows("logits", logits, "V")
+    side = _per_row(batch, seq_len, **row_inputs)
+    out, per_token = _logits_loss(op, value, options_json(options), logits, *side)
+    shape = logits.shape[:-1]
+    per_token = {k: jax.lax.stop_gradient(v).reshape(shape) for k, v in per_token.items()}
+    return out, per_token
+
+
+def _with_outputs(loss, per_token, op, given, return_outputs):
+    if not return_outputs:
+        return loss
+    present = {"per_token_loss": True, "logp": op != "entropy", "entropy": True,
+               "kl": op == "grpo" and given.get("ref_logp") is not None, "is_clipped": op == "grpo"}
+    return loss, {k: (v if present[k] else None) for k, v in per_token.items()}
+
+
+def grpo_loss(logits, targets, advantages, mask=None, *, old_logp=None, ref_logp=None, is_ratio=None,
+              sampling_logp=None, return_outputs=False, **options):
+    """The GRPO loss (``loss_type`` and every LOSSES.md option) of logits ``[B, T, V]``."""
+    if jnp.ndim(logits) != 3:
+        raise ValueError(f"`logits` must be [B, T, V], got shape {list(jnp.shape(logits))}")
+    given = dict(targets=targets, mask=mask, advantages=advantages, old_logp=old_logp, ref_logp=ref_logp,
+                 is_ratio=is_ratio, sampling_logp=sampling_logp)
+    loss, per_token = _run_logits("grpo", "loss", logits, options, **given)
+    return _with_outputs(loss, per_token, "grpo", given, return_outputs)
+
+
+def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0, mask=None,
+                  **options):
+    """Cross-entropy of logits ``[N, V]`` or ``[B, T, V]``; ``reduction`` mean (default), sum or none."""
+    value = "per_token_loss" if reduction == "none" else "loss"
+    options = dict(options, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                   z_loss=z_loss)
+    out, _ = _run_logits("cross_entropy", value, logits, options, targets=targets, mask=mask)
+    return out.reshape(jnp.shape(targets)) if reduction == "none" else out
+
+
+def entropy(logits, mask=None, *, temperature=1.0):
+    """Per-token entropy of ``softmax(logits / temperature)``; no gradient."""
+    _, per_token = _run_logits("entropy", "loss", jax.lax.stop_gradient(jnp.asarray(logits)),
+                               dict(temperature=temperature), mask=mask)
+    return per_token["entropy"]
+
+
+def logprob(logits, targets, *, temperature=1.0):
+    """Per-token ``log_softmax(logits / temperature)[target]``, differentiable."""
+    out, _ = _run_logits("logprob", "logp", logits, dict(temperature=temperature), targets=targets)
+    return out.reshape(jnp.shape(targets))
+
+
+# ---------------------------------------------------------------- fused-linear
+
+
+def _linear_call(op, opts, chunk, hidden, weight, bias, side, with_grad):
+    _register()
+    rows = hidden.size // hidden.shape[-1]
+    shapes = [jax.ShapeDtypeStruct((), jnp.float32)] + [jax.ShapeDtypeStruct((rows,), jnp.float32)] * 5
+    if with_grad:
+        shapes += [jax.ShapeDtypeStruct(hidden.shape, jnp.float32), jax.ShapeDtypeStruct(weight.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(bias.shape, jnp.float32)]
+    target = "flashgrpo_linear_loss_grad" if with_grad else "flashgrpo_linear_loss"
+    return jax.ffi.ffi_call(target, shapes, vmap_method="sequential")(
+        hidden, weight, bias, *side, op=op, options=opts, chunk_memory_mb=str(chunk))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _linear_loss(op, opts, chunk, hidden, weight, bias, *side):
+    return _outputs_of(_linear_call(op, opts, chunk, hidden, weight, bias, side, False))
+
+
+def _linear_loss_fwd(op, opts, chunk, hidden, weight, bias, *side):
+    results = _linear_call(op, opts, chunk, hidden, weight, bias, side, True)
+    # Empty arrays of the inputs' dtypes: the cotangents are cast back to them.
+    dtypes = tuple(jnp.zeros((0,), x.dtype) for x in (hidden, weight, bias))
+    return _outputs_of(results), (results[6:9], dtypes)
+
+
+def _linear_loss_bwd(op, opts, chunk, residual, cotangents):
+    grads, dtypes = residual
+    g = cotangents[0].astype(jnp.float32)
+    return tuple((grad * g).astype(like.dtype) for grad, like in zip(grads, dtypes)) + _NO_COTANGENTS
+
+
+_linear_loss.defvjp(_linear_loss_fwd, _linear_loss_bwd)
+
+
+def _run_linear(op, hidden, weight, bias, options, chunk_memory_mb, **row_inputs):
+    hidden, weight = _float_input("hidden", hidden), _float_input("weight", weight)
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.dtype != hidden.dtype:
+        raise ValueError(f"`hidden` {list(hidden.shape)} {hidden.dtype} and `weight` {list(weight.shape)} "
+                         f"{weight.dtype}: expected [.., H] and [V, H] of one dtype")
+    bias = jnp.zeros((0,), hidden.dtype) if bias is None else _float_input("bias", bias).astype(hidden.dtype)
+    batch, seq_len = _rows("hidden", hidden, "H")
+    side = _per_row(batch, seq_len, **row_inputs)
+    chunk = chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB
+    loss, per_token = _linear_loss(op, options_json(options), chunk, hidden, weight, bias, *side)
+    shape = hidden.shape[:-1]
+    return loss, {k: jax.lax.stop_gradient(v).reshape(shape) for k, v in per_token.items()}
+
+
+def fused_linear_grpo_loss(hidden, weight, targets, advantages, mask=None, *, bias=None, old_logp=None, ref_logp=None,
+                           is_ratio=None, sampling_logp=None, chunk_memory_mb=None, return_outputs=False, **options):
+    """``grpo_loss`` of ``hidden [B, T, H] @ weight[V, H]^T (+ bias)``, streamed over the vocabulary;
+    differentiable in ``hidden``, ``weight`` and ``bias``."""
+    given = dict(targets=targets, mask=mask, advantages=advantages, old_logp=old_logp, ref_logp=ref_logp,
+                 is_ratio=is_ratio, sampling_logp=sampling_logp)
+    loss, per_token = _run_linear("grpo", hidden, weight, bias, options, chunk_memory_mb, **given)
+    return _with_outputs(loss, per_token, "grpo", given, return_outputs)
+
+
+def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, reduction="mean", ignore_index=-100,
+                               label_smoothing=0.0, z_loss=0.0, mask=None, chunk_memory_mb=None, **options):
+    """``cross_entropy`` of ``hidden @ weight^T (+ bias)`` with reduction mean or sum (differentiable)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError("fused_linear_cross_entropy under JAX reduces with 'mean' or 'sum'; use cross_entropy "
+                         "on logits for per-token losses")
+    options = dict(options, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                   z_loss=z_loss)
+    loss, _ = _run_linear("cross_entropy", hidden, weight, bias, options, chunk_memory_mb, targets=targets, mask=mask)
+    return loss
+
+
+def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, chunk_memory_mb=None):
+    """Per-token log-probabilities of ``targets`` under ``hidden @ weight^T + bias`` (values only)."""
+    _, per_token = _run_linear("logprob", jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(weight),
+                               None if bias is None else jax.lax.stop_gradient(bias), dict(temperature=temperature),
+                               chunk_memory_mb, targets=targets)
+    return per_token["logp"]
+
+
+def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, chunk_memory_mb=None):
+    """Per-token entropy under ``hidden @ weight^T + bias`` (values only)."""
+    _, per_token = _run_linear("entropy", jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(weight),
+                               None if bias is None else jax.lax.stop_gradient(bias), dict(temperature=temperature),
+                               chunk_memory_mb, mask=mask)
+    return per_token["entropy"]

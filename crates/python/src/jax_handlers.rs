@@ -1,0 +1,205 @@
+//! The losses as XLA FFI custom calls on the CPU, for `flashgrpo.jax`: JAX hands the handlers
+//! its own buffers (read in place; the gradient is written into the result buffer XLA
+//! allocated), under `jit`, `grad` and `vmap`. Each handler decodes the call frame into the same
+//! [`LogitsCall`] / [`LinearCall`] that the Python functions run.
+//!
+//! Arguments, in order: the scores (`logits`; or `hidden`, `weight`, `bias`), then the seven
+//! per-row inputs `targets` (int32 or int64), `mask`, `advantages`, `old_logp`, `ref_logp`,
+//! `is_ratio`, `sampling_logp` (float32), an empty array for each one not given. Attributes:
+//! `op` and `options` (LOSSES.md's options as JSON), and for the fused-linear call
+//! `chunk_memory_mb`, all strings. Results: the loss (float32 scalar), the five per-token outputs
+//! (float32 `[B*T]`, zeros where the op computes none), then, in the `_grad` variants, the
+//! gradient: of the logits (their dtype and shape), or of hidden, weight and bias (float32).
+
+use std::ffi::c_void;
+
+use flashgrpo_kernels::LossOutput;
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyDict};
+
+use crate::buffers::Result;
+use crate::call::{GradientAddresses, LinearCall, LogitsCall, RowAddresses};
+use crate::xla_ffi::{self, Buffer, Call, CallFrame, Error};
+
+fn dtype_name(buffer: &Buffer, what: &str) -> Result<&'static str> {
+    match buffer.dtype {
+        xla_ffi::DTYPE_F32 => Ok("f32"),
+        xla_ffi::DTYPE_BF16 => Ok("bf16"),
+        xla_ffi::DTYPE_F16 => Ok("f16"),
+        other => Err(format!("`{what}` has XLA dtype {other}; expected float32, bfloat16 or float16")),
+    }
+}
+
+/// A buffer's address, 0 when it is empty (an input not given).
+fn address(buffer: &Buffer) -> usize {
+    if buffer.len() == 0 {
+        0
+    } else {
+        buffer.data as usize
+    }
+}
+
+/// The shape `[B, T, last]` of a rank-3 buffer, or `[1, N, last]` of a rank-2 one.
+fn rows_of(buffer: &Buffer, what: &str) -> Result<(usize, usize, usize)> {
+    match *buffer.dims() {
+        [b, t, last] => Ok((b as usize, t as usize, last as usize)),
+        [n, last] => Ok((1, n as usize, last as usize)),
+        ref d => Err(format!("`{what}` must be [B, T, {what}_dim] or [N, {what}_dim], got shape {d:?}")),
+    }
+}
+
+/// The per-row inputs from argument `first` on. Targets of int32 (JAX's default integer) are
+/// widened into `widened`, which must outlive the call.
+fn per_row_inputs(
+    call: &Call<'_>,
+    first: usize,
+    (batch, seq_len, vocab): (usize, usize, usize),
+    widened: &mut Vec<i64>,
+) -> Result<RowAddresses> {
+    let arg = |i: usize| call.arg(first + i);
+    let targets = arg(0)?;
+    let targets = match targets.dtype {
+        _ if targets.len() == 0 => 0,
+        xla_ffi::DTYPE_S64 => targets.data as usize,
+        xla_ffi::DTYPE_S32 => {
+            // SAFETY: XLA's int32 buffer of `len` elements.
+            let narrow = unsafe { std::slice::from_raw_parts(targets.data as *const i32, targets.len()) };
+            *widened = narrow.iter().map(|&t| i64::from(t)).collect();
+            widened.as_ptr() as usize
+        }
+        other => return Err(format!("`targets` has XLA dtype {other}; expected int32 or int64")),
+    };
+    for (i, name) in ["mask", "advantages", "old_logp", "ref_logp", "is_ratio", "sampling_logp"].iter().enumerate() {
+        let b = arg(i + 1)?;
+        if b.len() != 0 && b.dtype != xla_ffi::DTYPE_F32 {
+            return Err(format!("`{name}` must be float32 (XLA dtype {})", b.dtype));
+        }
+    }
+    let is_ratio = arg(5)?;
+    Ok(RowAddresses {
+        batch,
+        seq_len,
+        vocab,
+        targets,
+        mask: address(arg(1)?),
+        advantages: address(arg(2)?),
+        old_logp: address(arg(3)?),
+        ref_logp: address(arg(4)?),
+        is_ratio: address(is_ratio),
+        is_ratio_per_sequence: is_ratio.len() == batch && seq_len != 1,
+        sampling_logp: address(arg(6)?),
+    })
+}
+
+/// Writes the loss and the per-token outputs into results 0..=5.
+fn write_outputs(call: &Call<'_>, output: &LossOutput, rows: usize) -> Result<()> {
+    let loss = call.ret(0)?;
+    // SAFETY: XLA's float32 scalar result.
+    unsafe { *(loss.data as *mut f32) = output.loss as f32 };
+    let per_token =
+        [Some(&output.per_token_loss), output.logp.as_ref(), Some(&output.entropy), output.kl.as_ref(), output.is_clipped.as_ref()];
+    for (i, values) in per_token.into_iter().enumerate() {
+        let ret = call.ret(1 + i)?;
+        if ret.len() != rows {
+            return Err(format!("result {} has {} elements, expected {rows}", 1 + i, ret.len()));
+        }
+        // SAFETY: XLA's float32 result of `rows` elements.
+        let out = unsafe { std::slice::from_raw_parts_mut(ret.data as *mut f32, rows) };
+        match values {
+            Some(v) => out.copy_from_slice(v),
+            None => out.fill(0.0),
+        }
+    }
+    Ok(())
+}
+
+fn logits_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
+    let logits = call.arg(0)?;
+    let shape = rows_of(logits, "logits")?;
+    let mut widened = Vec::new();
+    let rows = per_row_inputs(call, 1, shape, &mut widened)?;
+    let grad = if with_gradient { address(call.ret(1 + 5)?) } else { 0 };
+    let run = LogitsCall {
+        op: call.string_attr("op")?,
+        dtype: dtype_name(logits, "logits")?,
+        options: call.string_attr("options")?,
+        rows,
+        logits: address(logits),
+        grad,
+        in_place: false,
+    };
+    // SAFETY: XLA's buffers, live for the call; the gradient is a result of its own.
+    let output = unsafe { run.run() }?;
+    write_outputs(call, &output, shape.0 * shape.1)
+}
+
+fn linear_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
+    let (hidden, weight, bias) = (call.arg(0)?, call.arg(1)?, call.arg(2)?);
+    let (batch, seq_len, hidden_size) = rows_of(hidden, "hidden")?;
+    let vocab = weight.dims().first().copied().unwrap_or(0) as usize;
+    let mut widened = Vec::new();
+    let rows = per_row_inputs(call, 3, (batch, seq_len, vocab), &mut widened)?;
+    let grads = if with_gradient {
+        let grad = |i: usize| call.ret(6 + i).map(address);
+        GradientAddresses { hidden: grad(0)?, weight: grad(1)?, bias: grad(2)?, accumulate: false }
+    } else {
+        GradientAddresses { hidden: 0, weight: 0, bias: 0, accumulate: false }
+    };
+    let chunk_memory_mb = call.string_attr("chunk_memory_mb")?;
+    let run = LinearCall {
+        op: call.string_attr("op")?,
+        dtype: dtype_name(hidden, "hidden")?,
+        options: call.string_attr("options")?,
+        rows,
+        hidden: address(hidden),
+        weight: address(weight),
+        bias: address(bias),
+        hidden_size,
+        grads,
+        chunk_memory_mb: chunk_memory_mb.parse().map_err(|e| format!("chunk_memory_mb `{chunk_memory_mb}`: {e}"))?,
+    };
+    // SAFETY: XLA's buffers, live for the call; each gradient is a result of its own.
+    let output = unsafe { run.run() }?;
+    write_outputs(call, &output, batch * seq_len)
+}
+
+unsafe extern "C" fn flashgrpo_loss(frame: *mut CallFrame) -> *mut Error {
+    unsafe { xla_ffi::handle(frame, |call| logits_loss(call, false)) }
+}
+
+unsafe extern "C" fn flashgrpo_loss_grad(frame: *mut CallFrame) -> *mut Error {
+    unsafe { xla_ffi::handle(frame, |call| logits_loss(call, true)) }
+}
+
+unsafe extern "C" fn flashgrpo_linear_loss(frame: *mut CallFrame) -> *mut Error {
+    unsafe { xla_ffi::handle(frame, |call| linear_loss(call, false)) }
+}
+
+unsafe extern "C" fn flashgrpo_linear_loss_grad(frame: *mut CallFrame) -> *mut Error {
+    unsafe { xla_ffi::handle(frame, |call| linear_loss(call, true)) }
+}
+
+type Handler = unsafe extern "C" fn(*mut CallFrame) -> *mut Error;
+
+/// The handlers by target name, each as the PyCapsule of its address that
+/// `jax.ffi.register_ffi_target` takes.
+#[pyfunction]
+pub fn ffi_handlers(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let handlers: [(&str, Handler); 4] = [
+        ("flashgrpo_loss", flashgrpo_loss),
+        ("flashgrpo_loss_grad", flashgrpo_loss_grad),
+        ("flashgrpo_linear_loss", flashgrpo_linear_loss),
+        ("flashgrpo_linear_loss_grad", flashgrpo_linear_loss_grad),
+    ];
+    let out = PyDict::new(py);
+    for (name, handler) in handlers {
+        // SAFETY: a capsule of a function address, with no name and no destructor, as JAX's
+        // `jax.ffi.pycapsule` makes.
+        let capsule = unsafe {
+            let raw = pyo3::ffi::PyCapsule_New(handler as *mut c_void, std::ptr::null(), None);
+            Bound::from_owned_ptr_or_err(py, raw)?.cast_into::<PyCapsule>()?
+        };
+        out.set_item(name, capsule)?;
+    }
+    Ok(out)
+}
