@@ -3,7 +3,9 @@
 # against the peers, in one run, the arms alternated over ROUNDS rounds (this VM's speed drifts).
 # GRPO (dapo, beta 0.04, eps 0.2 / 0.28), forward + backward, N=1024 rows, V=151936, f32:
 # - logits-level: Rust `fused` (gradient into a buffer) and `fused-inplace`; flashgrpo.torch's
-#   `grpo_loss` with a gradient tensor and with `in_place=True`; flashgrpo.arrays on JAX arrays;
+#   `grpo_loss` with a gradient tensor and with `in_place=True`; flashgrpo.jax under
+#   jit(value_and_grad), with a new gradient buffer and in place (logits donated);
+#   flashgrpo.arrays on JAX arrays;
 #   TRL's loss code in PyTorch eager and under torch.compile; jax.jit(value_and_grad) of the
 #   reference;
 # - fused-linear (H=896): Rust `fused-linear`; flashgrpo.torch.FusedLinearGRPOLoss; Liger-Kernel's
@@ -22,7 +24,8 @@ ours() { "$bin" bench "$@" | awk '$1 == "bench/step_s_p50" {print $2}'; }
 peer() { "$python" bench/peers/peer_loss.py "$@" | "$python" -c 'import json, sys; print(json.load(sys.stdin)["step_s_p50"])'; }
 logits=(--config configs/bench-grpo-n1024-f32.yaml)
 declare -A times
-order=(rust-fused python-torch rust-fused-inplace python-torch-inplace python-jax-arrays torch-eager torch-compile jax
+order=(rust-fused python-torch rust-fused-inplace python-torch-inplace python-jax python-jax-inplace python-jax-arrays
+       torch-eager torch-compile jax
        rust-fused-linear python-torch-fused-linear liger-fused-linear torch-eager-fused-linear)
 for r in $(seq "$rounds"); do
   for arm in "${order[@]}"; do
@@ -31,6 +34,8 @@ for r in $(seq "$rounds"); do
       rust-fused-inplace) t=$(ours "${logits[@]}" --set impl=fused-inplace) ;;
       python-torch) t=$(peer --framework flashgrpo-torch --steps 10) ;;
       python-torch-inplace) t=$(peer --framework flashgrpo-torch-inplace --steps 10) ;;
+      python-jax) t=$(peer --framework flashgrpo-jax --steps 10) ;;
+      python-jax-inplace) t=$(peer --framework flashgrpo-jax-inplace --steps 10) ;;
       python-jax-arrays) t=$(peer --framework flashgrpo-jax-arrays --steps 10) ;;
       torch-eager) t=$(peer --framework torch-eager) ;;
       torch-compile) t=$(peer --framework torch-compile) ;;
@@ -51,7 +56,8 @@ for arm in "${order[@]}"; do
   echo "$arm step_s median ${median[$arm]} (rounds:${times[$arm]})"
 done
 for pair in "python-torch rust-fused" "python-torch-inplace rust-fused-inplace" \
-            "python-jax-arrays rust-fused" "python-torch-fused-linear rust-fused-linear"; do
+            "python-jax rust-fused" "python-jax-inplace rust-fused-inplace" "python-jax-arrays rust-fused" \
+            "python-torch-fused-linear rust-fused-linear"; do
   set -- $pair
   awk -v a="${median[$1]}" -v b="${median[$2]}" -v n="$1 vs $2" 'BEGIN {printf "boundary %s: %+.1f%%\n", n, 100 * (a / b - 1)}'
 done

@@ -110,7 +110,9 @@ VOCAB = 64
 
 
 def tiny_model_and_tokenizer(directory, seed=0):
-    """A 2-layer Qwen2 over a 64-token word-level vocabulary, saved to `directory`."""
+    """A 2-layer Qwen2 over a 64-token word-level vocabulary, saved to `directory`; returns the
+    directory and the tokenizer (passed to the trainer as it is: loaded back by `AutoTokenizer`,
+    the model's type would make it a Qwen2 BPE tokenizer)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -124,8 +126,7 @@ def tiny_model_and_tokenizer(directory, seed=0):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False, eos_token_id=0, pad_token_id=0, bos_token_id=None)
     Qwen2ForCausalLM(config).float().save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return directory, tokenizer
 
 
 def reward_even_tokens(completions, **kwargs):
@@ -137,7 +138,7 @@ def reward_even_tokens(completions, **kwargs):
     return out
 
 
-def make_trainer(kind, model_dir, output_dir, steps, **config):
+def make_trainer(kind, model_dir, tokenizer, output_dir, steps, **config):
     from datasets import Dataset
 
     args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, seed=0, max_steps=steps,
@@ -146,10 +147,8 @@ def make_trainer(kind, model_dir, output_dir, steps, **config):
                       model_init_kwargs={"dtype": torch.float32}, **config)
     prompts = [{"prompt": " ".join(f"t{(3 * i + j) % VOCAB + 1}" for j in range(4))} for i in range(64)]
     cls = FlashGRPOTrainer if kind == "flashgrpo" else GRPOTrainer
-    from transformers import AutoTokenizer
-
     return cls(model=model_dir, reward_funcs=[reward_even_tokens], args=args,
-               train_dataset=Dataset.from_list(prompts), processing_class=AutoTokenizer.from_pretrained(model_dir))
+               train_dataset=Dataset.from_list(prompts), processing_class=tokenizer)
 
 
 def main():
@@ -161,8 +160,13 @@ def main():
     p.add_argument("--beta", type=float, default=0.0)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        model_dir = a.model or tiny_model_and_tokenizer(os.path.join(d, "model"))
-        trainer = make_trainer(a.loss, model_dir, os.path.join(d, "out"), a.steps, loss_type=a.loss_type,
+        if a.model:
+            from transformers import AutoTokenizer
+
+            model_dir, tokenizer = a.model, AutoTokenizer.from_pretrained(a.model)
+        else:
+            model_dir, tokenizer = tiny_model_and_tokenizer(os.path.join(d, "model"))
+        trainer = make_trainer(a.loss, model_dir, tokenizer, os.path.join(d, "out"), a.steps, loss_type=a.loss_type,
                                beta=a.beta)
         trainer.train()
         for entry in trainer.state.log_history:

@@ -3,7 +3,8 @@ materialised logits, forward + backward (`value_and_grad`), in PyTorch eager, `t
 or `jax.jit`. Prints one JSON object: step times, the RSS before the timed steps (inputs and
 framework) and its peak during them.
 
-Usage: python peer_loss.py --framework torch-eager|torch-compile|jax|liger|flashgrpo-torch|flashgrpo-torch-inplace|flashgrpo-jax-arrays
+Usage: python peer_loss.py --framework torch-eager|torch-compile|jax|liger|flashgrpo-torch|flashgrpo-torch-inplace|
+                                       flashgrpo-jax|flashgrpo-jax-inplace|flashgrpo-jax-arrays
                            --op grpo|cross_entropy|logprob
                            --n N --vocab V --dtype f32|bf16 [--hidden H] [--warmup 2] [--steps 5]
 
@@ -14,7 +15,9 @@ or flashgrpo's drop-in `flashgrpo.torch.FusedLinearGRPOLoss` (flashgrpo-torch).
 The flashgrpo-* frameworks time the `flashgrpo` wheel from Python on the same inputs, to measure
 the cost of the Python boundary against `flashgrpo bench`: `flashgrpo.torch`'s functions with a
 gradient buffer from PyTorch (flashgrpo-torch) or written over the logits (flashgrpo-torch-inplace,
-the logits restored between steps, untimed), and `flashgrpo.arrays` on JAX arrays.
+the logits restored between steps, untimed), `flashgrpo.jax` (the XLA FFI custom calls under
+`jax.jit(jax.value_and_grad)`, flashgrpo-jax; with `in_place=True` and the logits donated, a
+fresh copy each step made untimed, flashgrpo-jax-inplace) and `flashgrpo.arrays` on JAX arrays.
 
 The losses are written the way TRL and the original system write them: GRPO (dapo, token level,
 beta = 0.04, eps 0.2 / 0.28) as TRL's `_compute_loss` (log_softmax, gather, ratio, clamp, min,
@@ -215,6 +218,46 @@ def jax_arrays_step(args):
     return step, logits.size * logits.dtype.itemsize, out.nbytes
 
 
+def flashgrpo_jax_step(args):
+    """`flashgrpo.jax.grpo_loss` (XLA FFI custom calls) under `jax.jit(jax.value_and_grad)`, on the
+    inputs of `jax_step`."""
+    import jax
+    import jax.numpy as jnp
+    import flashgrpo.jax as fj
+
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]
+    n, v = args.n, args.vocab
+    k = jax.random.split(jax.random.PRNGKey(0), 6)
+    logits = (jax.random.normal(k[0], (n, v)) * LOGIT_STD).astype(dtype).reshape(n, 1, v)
+    ids = jax.random.randint(k[1], (n, 1), 0, v)
+    base = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), ids[..., None], -1)[..., 0]
+    old = base + 0.3 * jax.random.normal(k[2], (n, 1))
+    ref = base + 0.3 * jax.random.normal(k[3], (n, 1))
+    adv = jax.random.normal(k[4], (n,))
+    mask = (jax.random.uniform(k[5], (n, 1)) > 0.1).astype(jnp.float32)
+    if args.op != "grpo":
+        raise SystemExit("flashgrpo-jax times grpo")
+    in_place = args.framework == "flashgrpo-jax-inplace"
+    loss_fn = jax.value_and_grad(lambda x: fj.grpo_loss(x, ids, adv, mask, old_logp=old, ref_logp=ref, beta=BETA,
+                                                        epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH,
+                                                        in_place=in_place))
+    f = jax.jit(loss_fn, donate_argnums=0 if in_place else ())
+    copy = jax.jit(lambda x: x + 0)
+
+    def step():
+        if not in_place:
+            loss, grad = f(logits)
+            grad.block_until_ready()
+            return float(loss)
+        work = copy(logits).block_until_ready()  # donated below: a fresh copy each step, untimed
+        start = time.perf_counter()
+        loss, grad = f(work)
+        grad.block_until_ready()
+        return float(loss), time.perf_counter() - start
+
+    return step, logits.size * logits.dtype.itemsize, logits.size * logits.dtype.itemsize
+
+
 def jax_step(args):
     import jax
     import jax.numpy as jnp
@@ -261,7 +304,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--framework", required=True, choices=["torch-eager", "torch-compile", "jax", "liger",
                                                           "flashgrpo-torch", "flashgrpo-torch-inplace",
-                                                          "flashgrpo-jax-arrays"])
+                                                          "flashgrpo-jax-arrays", "flashgrpo-jax",
+                                                          "flashgrpo-jax-inplace"])
     p.add_argument("--op", default="grpo", choices=["grpo", "cross_entropy", "logprob"])
     p.add_argument("--n", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=151936)
@@ -278,6 +322,8 @@ def main():
         p.error("liger is timed in fused-linear mode (--hidden)")
     elif args.framework == "flashgrpo-jax-arrays":
         step, input_bytes, grad_bytes = jax_arrays_step(args)
+    elif args.framework in ("flashgrpo-jax", "flashgrpo-jax-inplace"):
+        step, input_bytes, grad_bytes = flashgrpo_jax_step(args)
     else:
         step, input_bytes, grad_bytes = (jax_step if args.framework == "jax" else torch_step)(args)
     reset_peak_rss()

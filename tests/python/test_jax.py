@@ -102,6 +102,20 @@ def check_grpo():
         close(case, "entropy", outs["entropy"], -(jnp.exp(lp) * lp).sum(-1), 1e-5, mask)
 
 
+def check_in_place():
+    """`in_place=True`: the same gradient, written into the logits' buffer (donated to `jit`)."""
+    logits, targets, mask, adv, old, ref = inputs(jax.random.PRNGKey(5), 2, 7, 300)
+    opts = dict(beta=0.04, epsilon_high=0.28)
+    want = jax.grad(lambda x: fj.grpo_loss(x, targets, adv, mask, old_logp=old, ref_logp=ref, **opts))(logits)
+    f = jax.jit(jax.grad(lambda x: fj.grpo_loss(x, targets, adv, mask, old_logp=old, ref_logp=ref, in_place=True,
+                                                 **opts)), donate_argnums=0)
+    got = f(logits + 0.0)
+    close_norm("jax in_place (donated)", "grad", got, want, 1e-7)
+    got = jax.jit(jax.grad(lambda x: fj.cross_entropy(x, targets, in_place=True)))(logits)
+    want = jax.grad(lambda x: fj.cross_entropy(x, targets))(logits)
+    close_norm("jax in_place (not donated: XLA copies)", "grad", got, want, 1e-7)
+
+
 def check_cross_entropy_logprob_entropy():
     key = jax.random.PRNGKey(7)
     logits = jax.random.normal(key, (13, 777)) * 2
@@ -207,6 +221,7 @@ def gradcheck_original():
 
 def main():
     check_grpo()
+    check_in_place()
     check_cross_entropy_logprob_entropy()
     check_vmap()
     check_fused_linear()

@@ -39,6 +39,20 @@ if framework == "torch":
     if mode == "in_place":
         out.loss.backward()
         assert logits.grad.data_ptr() == logits.data_ptr()
+elif framework == "jax-ffi":
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    import jax.numpy as jnp
+    import flashgrpo.jax as fj
+    logits = jax.random.normal(jax.random.PRNGKey(0), (B, T, V), dtype=jnp.float32).block_until_ready()
+    t, a = jnp.asarray(targets), jnp.asarray(adv)
+    if mode == "in_place":  # the gradient in the donated logits' buffer
+        f = jax.jit(jax.grad(lambda x: fj.grpo_loss(x, t, a, in_place=True)), donate_argnums=0)
+    else:
+        f = jax.jit(lambda x: fj.grpo_loss(x, t, a))
+    f.lower(logits).compile()
+    reset_peak(); before = peak_mib()
+    jax.block_until_ready(f(logits))
 else:
     import flashgrpo.arrays as fa
     if framework == "jax":
@@ -59,7 +73,8 @@ print(peak_mib() - before)
 def main():
     checks, failures = 0, []
     for framework, mode in [("torch", "forward"), ("torch", "in_place"), ("numpy", "forward"),
-                            ("numpy", "in_place"), ("jax", "forward")]:
+                            ("numpy", "in_place"), ("jax", "forward"), ("jax-ffi", "forward"),
+                            ("jax-ffi", "in_place")]:
         child = CHILD.replace("{B}", str(B)).replace("{T}", str(T)).replace("{V}", str(V))
         r = subprocess.run([sys.executable, "-c", child, framework, mode], capture_output=True, text=True)
         checks += 1

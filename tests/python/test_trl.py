@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(here, "..", "..", "examples"))
 sys.path.insert(0, os.path.join(here, "..", "peers"))
 
 import torch  # noqa: E402
+from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
 import trl_grpo  # noqa: E402
 from loss_cli import CHECKS, FAILURES, close, report  # noqa: E402
@@ -27,9 +28,10 @@ CASES = [
 ]
 
 
-def run(kind, model_dir, out_dir, case):
+def run(kind, model_dir, tokenizer, out_dir, case):
     torch.manual_seed(0)
-    trainer = trl_grpo.make_trainer(kind, model_dir, out_dir, 2, optim="sgd", **case)
+    trainer = trl_grpo.make_trainer(kind, model_dir, tokenizer, out_dir, 2, optim="sgd", **case)
+    trainer.remove_callback(PrinterCallback)
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e and "train_runtime" not in e]
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -39,11 +41,11 @@ def run(kind, model_dir, out_dir, case):
 def main():
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
-        model_dir = trl_grpo.tiny_model_and_tokenizer(os.path.join(d, "model"))
+        model_dir, tokenizer = trl_grpo.tiny_model_and_tokenizer(os.path.join(d, "model"))
         for case in CASES:
             name = f"TRL GRPOTrainer {case}"
-            trl_logs, trl_params = run("trl", model_dir, os.path.join(d, "trl"), case)
-            our_logs, our_params = run("flashgrpo", model_dir, os.path.join(d, "ours"), case)
+            trl_logs, trl_params = run("trl", model_dir, tokenizer, os.path.join(d, "trl"), case)
+            our_logs, our_params = run("flashgrpo", model_dir, tokenizer, os.path.join(d, "ours"), case)
             CHECKS[0] += 1
             if len(trl_logs) != 2 or len(our_logs) != 2:
                 FAILURES.append(f"{name}: {len(trl_logs)} and {len(our_logs)} logged steps, expected 2")

@@ -23,7 +23,12 @@ impl Address {
 
     fn check<T>(&self) -> Result<()> {
         if !self.address.is_multiple_of(align_of::<T>()) {
-            return Err(format!("`{}` at address {:#x} is not aligned to {} bytes", self.name, self.address, align_of::<T>()));
+            return Err(format!(
+                "`{}` at address {:#x} is not aligned to {} bytes",
+                self.name,
+                self.address,
+                align_of::<T>()
+            ));
         }
         if self.len.checked_mul(size_of::<T>()).is_none_or(|bytes| bytes > isize::MAX as usize) {
             return Err(format!("`{}`: {} elements is too many", self.name, self.len));

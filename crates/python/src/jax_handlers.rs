@@ -9,7 +9,8 @@
 //! `op` and `options` (LOSSES.md's options as JSON), and for the fused-linear call
 //! `chunk_memory_mb`, all strings. Results: the loss (float32 scalar), the five per-token outputs
 //! (float32 `[B*T]`, zeros where the op computes none), then, in the `_grad` variants, the
-//! gradient: of the logits (their dtype and shape), or of hidden, weight and bias (float32).
+//! gradient: of the logits (their dtype and shape), or of hidden, weight and bias (float32). A
+//! logits gradient aliased to the logits (`input_output_aliases`) is written over them.
 
 use std::ffi::c_void;
 
@@ -28,6 +29,10 @@ fn dtype_name(buffer: &Buffer, what: &str) -> Result<&'static str> {
         xla_ffi::DTYPE_F16 => Ok("f16"),
         other => Err(format!("`{what}` has XLA dtype {other}; expected float32, bfloat16 or float16")),
     }
+}
+
+fn grad_element_size(buffer: &Buffer) -> Result<usize> {
+    Ok(if dtype_name(buffer, "grad")? == "f32" { 4 } else { 2 })
 }
 
 /// A buffer's address, 0 when it is empty (an input not given).
@@ -96,8 +101,13 @@ fn write_outputs(call: &Call<'_>, output: &LossOutput, rows: usize) -> Result<()
     let loss = call.ret(0)?;
     // SAFETY: XLA's float32 scalar result.
     unsafe { *(loss.data as *mut f32) = output.loss as f32 };
-    let per_token =
-        [Some(&output.per_token_loss), output.logp.as_ref(), Some(&output.entropy), output.kl.as_ref(), output.is_clipped.as_ref()];
+    let per_token = [
+        Some(&output.per_token_loss),
+        output.logp.as_ref(),
+        Some(&output.entropy),
+        output.kl.as_ref(),
+        output.is_clipped.as_ref(),
+    ];
     for (i, values) in per_token.into_iter().enumerate() {
         let ret = call.ret(1 + i)?;
         if ret.len() != rows {
@@ -118,7 +128,16 @@ fn logits_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
     let shape = rows_of(logits, "logits")?;
     let mut widened = Vec::new();
     let rows = per_row_inputs(call, 1, shape, &mut widened)?;
-    let grad = if with_gradient { address(call.ret(1 + 5)?) } else { 0 };
+    let grad = if with_gradient { Some(call.ret(1 + 5)?) } else { None };
+    // The gradient result aliased to the logits (`in_place=True`): written over them.
+    let in_place = grad.is_some_and(|g| g.data == logits.data);
+    let grad = match grad {
+        Some(g) if !in_place => {
+            crate::huge_pages::advise(g.data as usize, g.len() * grad_element_size(g)?);
+            address(g)
+        }
+        _ => 0,
+    };
     let run = LogitsCall {
         op: call.string_attr("op")?,
         dtype: dtype_name(logits, "logits")?,
@@ -126,7 +145,7 @@ fn logits_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
         rows,
         logits: address(logits),
         grad,
-        in_place: false,
+        in_place,
     };
     // SAFETY: XLA's buffers, live for the call; the gradient is a result of its own.
     let output = unsafe { run.run() }?;
@@ -140,7 +159,12 @@ fn linear_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
     let mut widened = Vec::new();
     let rows = per_row_inputs(call, 3, (batch, seq_len, vocab), &mut widened)?;
     let grads = if with_gradient {
-        let grad = |i: usize| call.ret(6 + i).map(address);
+        let grad = |i: usize| {
+            call.ret(6 + i).map(|b| {
+                crate::huge_pages::advise(b.data as usize, 4 * b.len());
+                address(b)
+            })
+        };
         GradientAddresses { hidden: grad(0)?, weight: grad(1)?, bias: grad(2)?, accumulate: false }
     } else {
         GradientAddresses { hidden: 0, weight: 0, bias: 0, accumulate: false }

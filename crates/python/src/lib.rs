@@ -8,6 +8,7 @@
 
 mod buffers;
 mod call;
+mod huge_pages;
 mod jax_handlers;
 mod pool;
 mod result;

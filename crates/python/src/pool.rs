@@ -36,7 +36,12 @@ pub fn gradient_buffer(len: usize) -> GradientBuffer {
     let mut free = FREE.lock().unwrap_or_else(|e| e.into_inner());
     let reused = free.iter().rposition(|w| w.len() == words).map(|i| free.swap_remove(i));
     drop(free);
-    GradientBuffer { words: Mutex::new(reused.unwrap_or_else(|| vec![0; words])), len }
+    let words = reused.unwrap_or_else(|| {
+        let fresh = vec![0; words];
+        crate::huge_pages::advise(fresh.as_ptr() as usize, 8 * fresh.len());
+        fresh
+    });
+    GradientBuffer { words: Mutex::new(words), len }
 }
 
 /// Frees the buffers kept for reuse.

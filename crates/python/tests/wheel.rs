@@ -4,6 +4,10 @@
 //! - `test_torch.py`: `flashgrpo.torch` against TRL-style float64 autograd, `F.cross_entropy`,
 //!   materialised fused-linear logits and Liger-Kernel's `LigerFusedLinearGRPOLoss`;
 //! - `test_arrays.py`: `flashgrpo.arrays` on NumPy and JAX arrays against the same references;
+//! - `test_jax.py`: `flashgrpo.jax` (XLA FFI custom calls) under `jit`, `grad` and `vmap` against
+//!   plain JAX reference code, and the original's gradcheck at its shape;
+//! - `test_trl.py`: TRL's `GRPOTrainer` with our loss (`examples/trl_grpo.py`) against TRL's own,
+//!   two training steps;
 //! - `test_no_copy.py`: the logits are read and the gradient written in place (peak memory).
 
 use std::path::PathBuf;
@@ -51,6 +55,16 @@ fn torch_functions_and_modules_match_references() {
 #[test]
 fn numpy_and_jax_arrays_match_references() {
     run_script("test_arrays.py");
+}
+
+#[test]
+fn jax_custom_calls_match_plain_jax_under_jit_grad_and_vmap() {
+    run_script("test_jax.py");
+}
+
+#[test]
+fn trl_grpo_trainer_with_our_loss_matches_trl() {
+    run_script("test_trl.py");
 }
 
 #[test]

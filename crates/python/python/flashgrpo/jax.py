@@ -101,30 +101,34 @@ def _outputs_of(results):
 # ---------------------------------------------------------------- logits-level
 
 
-def _logits_call(op, opts, logits, side, with_grad):
+def _logits_call(op, opts, logits, side, with_grad, in_place=False):
     _register()
     rows = logits.size // logits.shape[-1]
     shapes = [jax.ShapeDtypeStruct((), jnp.float32)] + [jax.ShapeDtypeStruct((rows,), jnp.float32)] * 5
     if with_grad:
         shapes.append(jax.ShapeDtypeStruct(logits.shape, logits.dtype))
     target = "flashgrpo_loss_grad" if with_grad else "flashgrpo_loss"
-    return jax.ffi.ffi_call(target, shapes, vmap_method="sequential")(logits, *side, op=op, options=opts)
+    # In place: the gradient result shares the logits' buffer (XLA copies the logits first unless
+    # they are donated or an intermediate no one reads afterwards).
+    aliases = {0: 6} if with_grad and in_place else None
+    return jax.ffi.ffi_call(target, shapes, vmap_method="sequential", input_output_aliases=aliases)(
+        logits, *side, op=op, options=opts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _logits_loss(op, value, opts, logits, *side):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _logits_loss(op, value, opts, in_place, logits, *side):
     """``(value, per_token)``: ``value`` is the loss, or the per-token output named ``value``."""
     loss, per_token = _outputs_of(_logits_call(op, opts, logits, side, False))
     return (loss if value == "loss" else per_token[value]), per_token
 
 
-def _logits_loss_fwd(op, value, opts, logits, *side):
-    results = _logits_call(op, opts, logits, side, True)
+def _logits_loss_fwd(op, value, opts, in_place, logits, *side):
+    results = _logits_call(op, opts, logits, side, True, in_place)
     loss, per_token = _outputs_of(results)
     return ((loss if value == "loss" else per_token[value]), per_token), results[6]
 
 
-def _logits_loss_bwd(op, value, opts, grad, cotangents):
+def _logits_loss_bwd(op, value, opts, in_place, grad, cotangents):
     g = cotangents[0].astype(jnp.float32)
     if value == "loss":
         scaled = grad.astype(jnp.float32) * g
@@ -136,11 +140,11 @@ def _logits_loss_bwd(op, value, opts, grad, cotangents):
 _logits_loss.defvjp(_logits_loss_fwd, _logits_loss_bwd)
 
 
-def _run_logits(op, value, logits, options, **row_inputs):
+def _run_logits(op, value, logits, options, in_place=False, **row_inputs):
     logits = _float_input("logits", logits)
     batch, seq_len = _rows("logits", logits, "V")
     side = _per_row(batch, seq_len, **row_inputs)
-    out, per_token = _logits_loss(op, value, options_json(options), logits, *side)
+    out, per_token = _logits_loss(op, value, options_json(options), bool(in_place), logits, *side)
     shape = logits.shape[:-1]
     per_token = {k: jax.lax.stop_gradient(v).reshape(shape) for k, v in per_token.items()}
     return out, per_token
@@ -155,23 +159,25 @@ def _with_outputs(loss, per_token, op, given, return_outputs):
 
 
 def grpo_loss(logits, targets, advantages, mask=None, *, old_logp=None, ref_logp=None, is_ratio=None,
-              sampling_logp=None, return_outputs=False, **options):
-    """The GRPO loss (``loss_type`` and every LOSSES.md option) of logits ``[B, T, V]``."""
+              sampling_logp=None, return_outputs=False, in_place=False, **options):
+    """The GRPO loss (``loss_type`` and every LOSSES.md option) of logits ``[B, T, V]``. With
+    ``in_place=True`` the gradient's buffer is the logits' (no second ``[B, T, V]`` buffer when
+    the logits are donated to ``jit`` or are an intermediate of the same computation)."""
     if jnp.ndim(logits) != 3:
         raise ValueError(f"`logits` must be [B, T, V], got shape {list(jnp.shape(logits))}")
     given = dict(targets=targets, mask=mask, advantages=advantages, old_logp=old_logp, ref_logp=ref_logp,
                  is_ratio=is_ratio, sampling_logp=sampling_logp)
-    loss, per_token = _run_logits("grpo", "loss", logits, options, **given)
+    loss, per_token = _run_logits("grpo", "loss", logits, options, in_place, **given)
     return _with_outputs(loss, per_token, "grpo", given, return_outputs)
 
 
 def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0, mask=None,
-                  **options):
+                  in_place=False, **options):
     """Cross-entropy of logits ``[N, V]`` or ``[B, T, V]``; ``reduction`` mean (default), sum or none."""
     value = "per_token_loss" if reduction == "none" else "loss"
     options = dict(options, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                    z_loss=z_loss)
-    out, _ = _run_logits("cross_entropy", value, logits, options, targets=targets, mask=mask)
+    out, _ = _run_logits("cross_entropy", value, logits, options, in_place, targets=targets, mask=mask)
     return out.reshape(jnp.shape(targets)) if reduction == "none" else out
 
 
@@ -182,9 +188,9 @@ def entropy(logits, mask=None, *, temperature=1.0):
     return per_token["entropy"]
 
 
-def logprob(logits, targets, *, temperature=1.0):
+def logprob(logits, targets, *, temperature=1.0, in_place=False):
     """Per-token ``log_softmax(logits / temperature)[target]``, differentiable."""
-    out, _ = _run_logits("logprob", "logp", logits, dict(temperature=temperature), targets=targets)
+    out, _ = _run_logits("logprob", "logp", logits, dict(temperature=temperature), in_place, targets=targets)
     return out.reshape(jnp.shape(targets))
 
 
