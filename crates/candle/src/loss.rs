@@ -13,119 +13,13 @@ use candle_core::{
     bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, InplaceOp1, Layout, Result, Shape, Tensor,
 };
 use flashgrpo_kernels::{
-    forward, forward_backward, linear_forward, linear_forward_backward, BatchShard, ChunkBudget, Element, IsRatio,
-    LinearGradients, LinearInputs, Loss, LossOptions, LossOutput, LossSpec, PolicyInputs, Rows,
+    forward, forward_backward, linear_forward, linear_forward_backward, Element, LinearGradients, LinearInputs,
+    LossOutput,
 };
+pub use flashgrpo_kernels::{LossInputs, LossKind};
 use half::{bf16, f16};
 
 use crate::storage::{floats, Floats};
-
-/// Which loss, with the inputs only GRPO needs (host data: they carry no gradient).
-#[derive(Debug, Clone)]
-pub enum LossKind {
-    Grpo {
-        /// `[B]`.
-        advantages: Vec<f32>,
-        /// `[B*T]`; `None`: on-policy.
-        old_logp: Option<Vec<f32>>,
-        /// `[B*T]`; required when `beta != 0`.
-        ref_logp: Option<Vec<f32>>,
-        /// `[B*T]` (or `[B]` with `per_sequence`).
-        is_ratio: Option<(Vec<f32>, bool)>,
-        /// `[B*T]`: the sampler's own log-probabilities (rollout correction, off-policy mask).
-        sampling_logp: Option<Vec<f32>>,
-    },
-    CrossEntropy,
-    Entropy,
-    Logprob,
-}
-
-/// Everything a loss needs besides the scores.
-#[derive(Debug, Clone)]
-pub struct LossInputs {
-    pub kind: LossKind,
-    pub batch: usize,
-    pub seq_len: usize,
-    /// `[B*T]`.
-    pub targets: Option<Vec<i64>>,
-    /// `[B*T]`, 0 / 1.
-    pub mask: Option<Vec<f32>>,
-    pub options: LossOptions,
-    /// Fused-linear memory budget.
-    pub budget: ChunkBudget,
-    /// The whole batch's normalisers when this call is one micro-batch (or one data-parallel
-    /// shard) of it: the micro-batches' losses then sum to the batch's loss.
-    pub batch_shard: Option<BatchShard>,
-}
-
-impl LossInputs {
-    /// An owned copy of a kernels' loss spec.
-    pub fn from_spec(spec: &LossSpec<'_>, budget: ChunkBudget) -> Self {
-        let kind = match spec.loss {
-            Loss::Grpo(p) => LossKind::Grpo {
-                advantages: p.advantages.to_vec(),
-                old_logp: p.old_logp.map(<[f32]>::to_vec),
-                ref_logp: p.ref_logp.map(<[f32]>::to_vec),
-                is_ratio: p.is_ratio.map(|r| match r {
-                    IsRatio::PerToken(v) => (v.to_vec(), false),
-                    IsRatio::PerSequence(v) => (v.to_vec(), true),
-                }),
-                sampling_logp: p.sampling_logp.map(<[f32]>::to_vec),
-            },
-            Loss::CrossEntropy => LossKind::CrossEntropy,
-            Loss::Entropy => LossKind::Entropy,
-            Loss::Logprob => LossKind::Logprob,
-        };
-        Self {
-            kind,
-            batch: spec.rows.batch,
-            seq_len: spec.rows.seq_len,
-            targets: spec.rows.targets.map(<[i64]>::to_vec),
-            mask: spec.rows.mask.map(<[f32]>::to_vec),
-            options: spec.options.clone(),
-            budget,
-            batch_shard: spec.batch_shard,
-        }
-    }
-
-    /// The kernels' description of this loss over a vocabulary of `vocab` columns.
-    pub fn spec(&self, vocab: usize) -> LossSpec<'_> {
-        let loss = match &self.kind {
-            LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio, sampling_logp } => Loss::Grpo(PolicyInputs {
-                advantages,
-                old_logp: old_logp.as_deref(),
-                ref_logp: ref_logp.as_deref(),
-                is_ratio: is_ratio.as_ref().map(|(v, per_sequence)| {
-                    if *per_sequence {
-                        IsRatio::PerSequence(v)
-                    } else {
-                        IsRatio::PerToken(v)
-                    }
-                }),
-                sampling_logp: sampling_logp.as_deref(),
-            }),
-            LossKind::CrossEntropy => Loss::CrossEntropy,
-            LossKind::Entropy => Loss::Entropy,
-            LossKind::Logprob => Loss::Logprob,
-        };
-        LossSpec {
-            loss,
-            rows: Rows {
-                batch: self.batch,
-                seq_len: self.seq_len,
-                vocab,
-                targets: self.targets.as_deref(),
-                mask: self.mask.as_deref(),
-            },
-            options: &self.options,
-            batch_shard: self.batch_shard,
-        }
-    }
-
-    fn has_gradient(&self) -> bool {
-        !matches!(self.kind, LossKind::Entropy)
-    }
-}
 
 /// A loss call's results: the differentiable scalar `loss`, and the per-token outputs `[B, T]`
 /// (f32, no gradient).

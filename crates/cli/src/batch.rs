@@ -2,22 +2,17 @@
 //! `flashgrpo loss`) or generated, with every shape checked against the logits'.
 
 use anyhow::{bail, Result};
-use clap::ValueEnum;
-use flashgrpo_kernels::{IsRatio, Loss, LossOptions, LossSpec, PolicyInputs, Rows};
-use serde::{Deserialize, Serialize};
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use flashgrpo_kernels::{IsRatio, LossOptions, LossSpec, Op, PolicyInputs, Rows};
 
 use crate::tensor_io::{expect_shape, FloatData, TensorFile};
 
-/// The ops of LOSSES.md.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum OpName {
-    #[default]
-    Grpo,
-    #[value(name = "cross_entropy", alias = "cross-entropy")]
-    CrossEntropy,
-    Entropy,
-    Logprob,
+/// `--op NAME`: the kernels' [`Op`] by name (`cross-entropy` accepted for `cross_entropy`), with
+/// the names listed in `--help`.
+pub fn op_parser() -> impl TypedValueParser<Value = Op> {
+    let mut names: Vec<PossibleValue> = Op::ALL.iter().map(|op| PossibleValue::new(op.name())).collect();
+    names.push(PossibleValue::new("cross-entropy").hide(true));
+    PossibleValuesParser::new(names).map(|name| name.parse::<Op>().expect("one of the possible values"))
 }
 
 /// Every tensor name `flashgrpo loss` reads; others are reported and ignored.
@@ -77,7 +72,7 @@ impl Scores {
 
 /// Owned inputs; [`Batch::spec`] borrows them for the kernels.
 pub struct Batch {
-    pub op: OpName,
+    pub op: Op,
     pub scores: Scores,
     pub batch: usize,
     pub seq_len: usize,
@@ -94,7 +89,7 @@ pub struct Batch {
 
 impl Batch {
     /// Reads the inputs of `op` from `file`, checking each shape against the logits'.
-    pub fn read(file: &TensorFile, op: OpName) -> Result<Self> {
+    pub fn read(file: &TensorFile, op: Op) -> Result<Self> {
         for name in file.names() {
             if !INPUT_NAMES.contains(&name.as_str()) {
                 eprintln!(
@@ -119,7 +114,7 @@ impl Batch {
             is_ratio: None,
             sampling_logp: None,
         };
-        if op != OpName::Entropy || file.shape("targets").is_some() {
+        if op != Op::Entropy || file.shape("targets").is_some() {
             let (targets, s) = file.ids("targets", "the chosen token of each row, [B, T]")?;
             expect_shape("targets", &s, &bt, &per_row)?;
             b.targets = Some(targets);
@@ -128,7 +123,7 @@ impl Batch {
             expect_shape("mask", &s, &bt, &per_row)?;
             b.mask = Some(mask);
         }
-        if op == OpName::Grpo {
+        if op == Op::Grpo {
             let Some((adv, s)) = file.floats("advantages")? else {
                 bail!("missing tensor `advantages` (GRPO needs one advantage per sequence, [B] = [{batch}]); it holds: {}", file.names().join(", "));
             };
@@ -156,24 +151,20 @@ impl Batch {
     }
 
     pub fn spec<'a>(&'a self, options: &'a LossOptions) -> LossSpec<'a> {
-        let loss = match self.op {
-            OpName::Grpo => Loss::Grpo(PolicyInputs {
-                advantages: &self.advantages,
-                old_logp: self.old_logp.as_deref(),
-                ref_logp: self.ref_logp.as_deref(),
-                is_ratio: self.is_ratio.as_ref().map(|(v, per_sequence)| {
-                    if *per_sequence {
-                        IsRatio::PerSequence(v)
-                    } else {
-                        IsRatio::PerToken(v)
-                    }
-                }),
-                sampling_logp: self.sampling_logp.as_deref(),
+        let policy = (self.op == Op::Grpo).then(|| PolicyInputs {
+            advantages: &self.advantages,
+            old_logp: self.old_logp.as_deref(),
+            ref_logp: self.ref_logp.as_deref(),
+            is_ratio: self.is_ratio.as_ref().map(|(v, per_sequence)| {
+                if *per_sequence {
+                    IsRatio::PerSequence(v)
+                } else {
+                    IsRatio::PerToken(v)
+                }
             }),
-            OpName::CrossEntropy => Loss::CrossEntropy,
-            OpName::Entropy => Loss::Entropy,
-            OpName::Logprob => Loss::Logprob,
-        };
+            sampling_logp: self.sampling_logp.as_deref(),
+        });
+        let loss = self.op.loss(policy).expect("a grpo batch has its advantages");
         LossSpec {
             loss,
             rows: Rows {

@@ -8,17 +8,17 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use flashgrpo_kernels::linear::{matmul_bf16_gflops, matmul_gflops};
 use flashgrpo_kernels::{
-    forward, forward_backward, forward_backward_in_place, linear_forward, linear_forward_backward, ChunkBudget,
-    LinearGradients, LinearInputs, LossOptions, LossSpec,
+    forward, forward_backward, forward_backward_in_place, linear_forward, linear_forward_backward, ChunkBudget, DType,
+    LinearGradients, LinearInputs, LossOptions, LossSpec, Op,
 };
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::baseline;
-use crate::batch::{Batch, LinearData, OpName, Scores};
+use crate::batch::{Batch, LinearData, Scores};
 use crate::config::{self, ConfigArgs};
-use crate::input_spec::{DTypeName, InputSpec};
+use crate::input_spec::InputSpec;
 use crate::memory;
 use crate::run::Device;
 use crate::tensor_io::{FloatData, FloatElement, FloatVisitor, FloatVisitorMut};
@@ -79,7 +79,7 @@ const DEFAULT_CONFIG: &str = include_str!("../../../configs/bench-grpo-n1024-f32
 pub fn main(args: ConfigArgs) -> Result<()> {
     let source = args.source("configs/bench-grpo-n1024-f32.yaml (built in)", DEFAULT_CONFIG);
     let loaded = config::load::<BenchConfig, InputSpec>(source, &args.sets)?;
-    if loaded.inputs.dtype == DTypeName::F16 && loaded.command.implementation == BenchImpl::Baseline {
+    if loaded.inputs.dtype == DType::F16 && loaded.command.implementation == BenchImpl::Baseline {
         bail!("the candle baseline is benchmarked in f32 and bf16 only");
     }
     let run = || -> Result<Report> {
@@ -297,7 +297,7 @@ fn run(cfg: &BenchConfig, inputs: &InputSpec, options: &LossOptions) -> Result<R
             let lt = LinearTimer { timer, linear, budget: inputs.budget(), vocab: v };
             let measured = linear.hidden.visit(lt)?;
             let grad_bytes = 4 * (n * h + v * h + if linear.bias.is_some() { v } else { 0 });
-            let products = if batch.op == OpName::Entropy { 1.0 } else { 3.0 };
+            let products = if batch.op == Op::Entropy { 1.0 } else { 3.0 };
             let flops = products * 2.0 * (n * h * v) as f64;
             let matmul = matmul_gflops(n.min(256), h, v);
             // bf16 on AMX: the rate to compare with is that of the bf16 products.

@@ -8,10 +8,10 @@
 
 use anyhow::{bail, Context, Result};
 use flashgrpo_kernels::cuda::{CudaDevice, CudaElement, CudaLinearGradients};
-use flashgrpo_kernels::{ChunkBudget, LossSpec};
+use flashgrpo_kernels::{ChunkBudget, LossSpec, Op};
 use serde_json::{json, Value};
 
-use crate::batch::{Batch, LinearData, OpName, Scores};
+use crate::batch::{Batch, LinearData, Scores};
 use crate::bench::{median, step_rows, BenchConfig, BenchImpl, Report};
 use crate::cuda_run::{gpu, DeviceLinear};
 use crate::input_spec::InputSpec;
@@ -124,7 +124,7 @@ pub fn run(cfg: &BenchConfig, inputs: &InputSpec, options: &flashgrpo_kernels::L
             let (n, h, v) = (batch.batch * batch.seq_len, linear.hidden_size, batch.vocab);
             // Entropy: one product (no gradient); sequence-level importance sampling recomputes the
             // logits in a second pass (four); otherwise three.
-            let products = if batch.op == OpName::Entropy {
+            let products = if batch.op == Op::Entropy {
                 1.0
             } else if options.importance_sampling_level == flashgrpo_kernels::ImportanceSamplingLevel::Sequence {
                 4.0

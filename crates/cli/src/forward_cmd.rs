@@ -22,21 +22,12 @@ pub struct ForwardArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// The dtype to run the model in.
-    #[arg(long, value_enum, default_value_t = ForwardDType::F32)]
-    pub dtype: ForwardDType,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ForwardDType {
-    F32,
-    Bf16,
+    #[arg(long, default_value = "f32")]
+    pub dtype: flashgrpo_kernels::DType,
 }
 
 pub fn main(args: ForwardArgs) -> Result<()> {
-    let dtype = match args.dtype {
-        ForwardDType::F32 => DType::F32,
-        ForwardDType::Bf16 => DType::BF16,
-    };
+    let dtype = flashgrpo_train::train_config::parameter_dtype(args.dtype)?;
     let model = load_model(&args.model, Some(dtype))?;
     let file = TensorFile::read(&args.inputs)?;
     let (ids, shape) = file.ids("input_ids", "the token ids [B, T]")?;

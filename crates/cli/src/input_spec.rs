@@ -6,31 +6,22 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use flashgrpo_kernels::synthetic::{normal_matrix, Rng, SyntheticRows, SyntheticSpec};
-use flashgrpo_kernels::{linear_forward, ChunkBudget, LinearInputs, Loss, LossOptions, LossSpec, Rows};
+use flashgrpo_kernels::{linear_forward, ChunkBudget, DType, LinearInputs, Loss, LossOptions, LossSpec, Op, Rows};
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{Batch, LinearData, OpName, Scores};
+use crate::batch::{Batch, LinearData, Scores};
 use crate::tensor_io::{expect_shape, FloatData, TensorFile};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum DTypeName {
-    #[default]
-    F32,
-    Bf16,
-    F16,
-}
 
 /// Which op, which shape, and how its inputs are made.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct InputSpec {
-    pub op: OpName,
+    pub op: Op,
     pub batch: usize,
     pub seq_len: usize,
     pub vocab: usize,
-    pub dtype: DTypeName,
+    pub dtype: DType,
     pub seed: u64,
     /// Logits are `N(0, logit_std^2)`.
     pub logit_std: f64,
@@ -60,11 +51,11 @@ pub struct InputSpec {
 impl Default for InputSpec {
     fn default() -> Self {
         Self {
-            op: OpName::Grpo,
+            op: Op::Grpo,
             batch: 1,
             seq_len: 129,
             vocab: 151_936,
-            dtype: DTypeName::F32,
+            dtype: DType::F32,
             seed: 0,
             logit_std: 2.5,
             logp_noise: 0.3,
@@ -81,11 +72,11 @@ impl Default for InputSpec {
     }
 }
 
-fn cast(values: Vec<f32>, dtype: DTypeName) -> FloatData {
+fn cast(values: Vec<f32>, dtype: DType) -> FloatData {
     match dtype {
-        DTypeName::F32 => FloatData::F32(values),
-        DTypeName::Bf16 => FloatData::BF16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
-        DTypeName::F16 => FloatData::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
+        DType::F32 => FloatData::F32(values),
+        DType::BF16 => FloatData::BF16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
+        DType::F16 => FloatData::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
     }
 }
 
@@ -136,14 +127,14 @@ impl InputSpec {
             }
         };
         let mut targets = rows.targets;
-        if self.op == OpName::CrossEntropy {
+        if self.op == Op::CrossEntropy {
             for y in targets.iter_mut() {
                 if rng.uniform() < self.ignore_fraction {
                     *y = options.ignore_index;
                 }
             }
         }
-        let grpo = self.op == OpName::Grpo;
+        let grpo = self.op == Op::Grpo;
         // The sampler's log-probabilities: the old ones with a small deterministic mismatch.
         let sampling_logp = (grpo && self.with_sampling_logp)
             .then(|| old_ref.0.iter().enumerate().map(|(i, &x)| x + 0.05 * (i as f32 * 0.37).sin()).collect());
@@ -213,7 +204,7 @@ fn overlay_file_inputs(batch: &mut Batch, file: &TensorFile) -> Result<()> {
         expect_shape("mask", &s, &bt, &because)?;
         batch.mask = Some(m);
     }
-    if batch.op == OpName::Grpo {
+    if batch.op == Op::Grpo {
         if let Some((a, s)) = file.floats("advantages")? {
             expect_shape("advantages", &s, &[batch.batch], &because)?;
             batch.advantages = a;

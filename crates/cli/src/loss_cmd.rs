@@ -5,19 +5,19 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-use crate::batch::{Batch, OpName};
+use crate::batch::{op_parser, Batch};
 use crate::config::{self, NoKeys};
 use crate::run::{run_on, Device, Impl, Results};
 use crate::tensor_io::{write_atomically, Output, TensorFile};
 use crate::vocab_parallel_run::run_vocab_parallel;
-use flashgrpo_kernels::ChunkBudget;
+use flashgrpo_kernels::{ChunkBudget, Op};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, clap::Args)]
 pub struct LossArgs {
     /// Which loss.
-    #[arg(long, value_enum)]
-    pub op: OpName,
+    #[arg(long, value_parser = op_parser())]
+    pub op: Op,
     /// safetensors file with `logits [B,T,V]` (or `hidden [B,T,H]`, `weight [V,H]`, optional
     /// `bias [V]`), `targets [B,T]`, optional `mask [B,T]`, and for GRPO `advantages [B]`, optional
     /// `old_logp`, `ref_logp`, `is_ratio`.

@@ -3,11 +3,15 @@
 
 use half::{bf16, f16};
 
-/// Storage type of logits and of their gradient.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Storage type of logits and of their gradient; in configs `f32`, `bf16` or `f16`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum DType {
+    #[default]
+    #[serde(rename = "f32", alias = "float32")]
     F32,
+    #[serde(rename = "bf16", alias = "bfloat16")]
     BF16,
+    #[serde(rename = "f16", alias = "float16")]
     F16,
 }
 

@@ -77,9 +77,12 @@ impl<'a> PolicyInputs<'a> {
 
 /// The ops of LOSSES.md, by name: what every front end (CLI, candle, Python) parses an op into
 /// before it gathers the op's inputs into a [`Loss`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Op {
+    #[default]
     Grpo,
+    #[serde(alias = "cross-entropy")]
     CrossEntropy,
     Entropy,
     Logprob,

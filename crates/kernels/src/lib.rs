@@ -48,6 +48,7 @@ pub mod matmul;
 pub mod matmul_bf16;
 pub mod objective;
 pub mod options;
+pub mod owned;
 pub mod reference;
 pub mod stats;
 pub mod synthetic;
@@ -67,4 +68,5 @@ pub use options::{
     Aggregation, EntropyBonus, ImportanceSamplingLevel, KlEstimator, LossOptions, LossType, Reduction,
     RolloutCorrection,
 };
+pub use owned::{LossInputs, LossKind};
 pub use stats::{PartialRowStats, RowStats};

@@ -34,7 +34,7 @@ fn load_tokenizer_path(path: &Path) -> Result<Tokenizer> {
 
 /// Builds the tokenizer and model of `config`; `corpus` is the text a new tokenizer learns from.
 pub fn setup<S: AsRef<str> + Send>(config: &TrainConfig, corpus: impl Iterator<Item = S> + Send) -> Result<Setup> {
-    let dtype = config.model.dtype.dtype();
+    let dtype = crate::train_config::parameter_dtype(config.model.dtype)?;
     if let Some(dir) = config.model.path.as_deref().filter(|d| !d.is_dir()) {
         return Err(TrainError::Config {
             origin: "model.path".into(),

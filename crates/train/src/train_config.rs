@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use candle_core::DType;
+use flashgrpo_kernels::DType as ElementType;
 use serde::{Deserialize, Serialize};
 
 use crate::data::TaskSection;
@@ -24,21 +25,16 @@ pub enum Algo {
     Grpo,
 }
 
-/// Parameter dtype.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ParamDType {
-    #[default]
-    F32,
-    Bf16,
-}
-
-impl ParamDType {
-    pub fn dtype(self) -> DType {
-        match self {
-            Self::F32 => DType::F32,
-            Self::Bf16 => DType::BF16,
-        }
+/// The candle dtype of a model's parameters (`model.dtype`): the kernels' [`ElementType`] by
+/// the same names; f32 or bf16 (the model layers have no f16 path).
+pub fn parameter_dtype(dtype: ElementType) -> Result<DType> {
+    match dtype {
+        ElementType::F32 => Ok(DType::F32),
+        ElementType::BF16 => Ok(DType::BF16),
+        ElementType::F16 => Err(TrainError::Config {
+            origin: "model.dtype".into(),
+            why: "f16 parameters are not supported; use f32 or bf16".into(),
+        }),
     }
 }
 
@@ -49,7 +45,7 @@ impl ParamDType {
 pub struct ModelSection {
     pub path: Option<PathBuf>,
     /// Parameters are converted to this dtype (bf16: f32 master weights in the optimiser).
-    pub dtype: ParamDType,
+    pub dtype: ElementType,
     pub hidden_size: usize,
     pub num_layers: usize,
     pub num_heads: usize,
@@ -72,7 +68,7 @@ impl Default for ModelSection {
     fn default() -> Self {
         Self {
             path: None,
-            dtype: ParamDType::F32,
+            dtype: ElementType::F32,
             hidden_size: 128,
             num_layers: 2,
             num_heads: 4,
@@ -203,6 +199,7 @@ impl TrainConfig {
                 why: format!("a share of the warm start's solutions, in [0, 1]; got {share}"),
             });
         }
+        parameter_dtype(self.model.dtype)?;
         if self.model.path.is_none() {
             // The architecture's checks; the vocabulary is checked against the tokenizer later.
             self.model.new_config(1)?;

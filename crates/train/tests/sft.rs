@@ -141,7 +141,7 @@ fn accumulation_equals_one_large_batch() {
 #[test]
 fn bf16_parameters_train() {
     let mut c = tiny(25);
-    c.model.dtype = flashgrpo_train::train_config::ParamDType::Bf16;
+    c.model.dtype = flashgrpo_kernels::DType::BF16;
     let out = out_dir("bf16");
     let s = run_sft_job(&c, &out, &flashgrpo_collective::SingleProcess).unwrap();
     assert!(s.eval_after.unwrap() < s.eval_before.unwrap() - 1.0, "{s:?}");
