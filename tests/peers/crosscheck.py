@@ -91,9 +91,11 @@ def check_cross_entropy(binary, quick):
 # ---------------------------------------------------------------- GRPO vs Liger and TRL
 
 
-def trl_grpo(logits, targets, mask, adv, old, ref, is_ratio, o):
+def trl_grpo(logits, targets, mask, adv, old, ref, is_ratio, o, upstream=None):
     """TRL's GRPOTrainer._compute_loss in float64 autograd, with LOSSES.md's entropy bonus
-    (per token, inside the reduction) and per-token outputs."""
+    (per token, inside the reduction) and per-token outputs. With ``upstream [B, T]``, ``grad`` is
+    that of ``sum(upstream * mask * per_token_loss)`` instead of the loss's (Liger's per-token
+    loss, back-propagated with a per-token upstream gradient)."""
     B, T, V = logits.shape
     x = logits.double().requires_grad_(True)
     u = x / o["temperature"]
@@ -143,7 +145,7 @@ def trl_grpo(logits, targets, mask, adv, old, ref, is_ratio, o):
     else:
         n = o["num_items"] if o["num_items"] is not None else m.sum()
         loss = (per * m).sum() / torch.clamp(torch.as_tensor(n, dtype=torch.float64), min=1.0)
-    loss.backward()
+    (loss if upstream is None else (per * m * upstream.double()).sum()).backward()
     return dict(loss=loss.detach(), per_token_loss=per.detach(), logp=logp.detach(), entropy=entropy.detach(),
                 kl=kl.detach().expand(B, T), is_clipped=clipped.expand(B, T).double(), grad=x.grad)
 

@@ -252,8 +252,12 @@ def check_liger_drop_in():
     metrics and every gradient."""
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-    for lt, level, beta, with_bias in [("dapo", "token", 0.04, True), ("grpo", "sequence", 0.0, False),
-                                       ("bnpo", "token", 0.1, False), ("dr_grpo", "token", 0.04, True)]:
+    for lt, level, beta, with_bias, use_ref in [("dapo", "token", 0.04, True, True),
+                                                ("grpo", "sequence", 0.0, False, False),
+                                                ("bnpo", "token", 0.1, False, True),
+                                                ("dr_grpo", "token", 0.04, True, True),
+                                                ("dapo", "token", 0.04, False, False),
+                                                ("grpo", "sequence", 0.1, True, False)]:
         B, T, H, V = 3, 6, 16, 83
         hidden, weight, bias = linear_inputs(B, T, H, V, with_bias)
         targets = torch.randint(0, V, (B, T))
@@ -265,18 +269,19 @@ def check_liger_drop_in():
                 -1, targets[..., None]).squeeze(-1)
         old = true_logp + 0.2 * torch.randn(B, T)
         ref = true_logp + 0.2 * torch.randn(B, T)
-        kwargs = dict(beta=beta, compiled=False, use_ref_model=beta != 0, chunk_size=1, epsilon_low=0.2,
+        kwargs = dict(beta=beta, compiled=False, use_ref_model=use_ref, chunk_size=1, epsilon_low=0.2,
                       epsilon_high=0.28, loss_type=lt, max_completion_length=T, importance_sampling_level=level)
         results = []
         for module in (LigerFusedLinearGRPOLoss(**kwargs), ft.FusedLinearGRPOLoss(**kwargs)):
             h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
             b = None if bias is None else bias.clone().requires_grad_(True)
+            # Without a reference model, Liger ignores the reference given (the policy is its own).
             loss, metrics = module(h, w, targets, mask, adv, bias=b, ref_per_token_logps=ref if beta else None,
                                    old_per_token_logps=old)
             loss.backward()
             results.append((loss.detach(), [m.detach() for m in metrics], h.grad, w.grad, None if b is None else b.grad))
         (l_loss, l_metrics, l_h, l_w, l_b), (loss, metrics, h, w, b) = results
-        case = f"FusedLinearGRPOLoss vs Liger {lt} {level} beta={beta} bias={with_bias}"
+        case = f"FusedLinearGRPOLoss vs Liger {lt} {level} beta={beta} bias={with_bias} use_ref_model={use_ref}"
         close(case, "loss", loss, l_loss, 2e-5)
         CHECKS[0] += 1
         if len(metrics) != len(l_metrics):
@@ -324,6 +329,113 @@ def check_logits_level_modules():
     close("FusedLinearCrossEntropyLoss", "loss", got, per.sum() / valid.sum(), 1e-5)
 
 
+def check_triton_per_token():
+    """`triton_grpo_loss(reduce=False)`: the per-token loss back-propagated with a per-token
+    upstream gradient (`loss.backward(dy)`, as Liger's tests do), in place (written in the
+    backward: the logits keep their values until then) or not, against float64 autograd."""
+    B, L, V = 3, 7, 97
+    for lt, level, inplace, dtype in [("dapo", "token", True, "f32"), ("grpo", "token", False, "f32"),
+                                      ("cispo", "token", True, "bf16"), ("sapo", "token", False, "f32"),
+                                      ("bnpo", "sequence", True, "f32"), ("dr_grpo", "sequence", False, "f32"),
+                                      ("dapo", "token", True, "f16")]:
+        logits = as_dtype(torch.randn(B, L + 1, V) * 2, dtype)
+        ids = torch.randint(0, V, (B, L))
+        mask = (torch.rand(B, L) > 0.3).float()
+        mask[:, 0] = 1
+        adv = torch.randn(B)
+        true_logp = torch.log_softmax(logits[:, :L].double() / 0.9, -1).gather(-1, ids[..., None]).squeeze(-1)
+        old = (true_logp + 0.2 * torch.randn(B, L)).float()
+        ref = (true_logp + 0.2 * torch.randn(B, L)).float()
+        dy = torch.rand(B, L) if level == "token" else (mask / mask.sum()).expand(B, L).contiguous()
+        o = grpo_options(loss_type=lt, temperature=0.9, epsilon_high=1.5 if lt == "cispo" else 0.4,
+                         importance_sampling_level=level, max_completion_length=L)
+        want = trl_grpo(logits[:, :L].contiguous(), ids, mask, adv, old, ref, None, o, upstream=dy)
+        case = f"triton_grpo_loss reduce=False {lt} {level} inplace={inplace} {dtype}"
+        x = logits.clone().requires_grad_(True)
+        try:
+            loss, kl, clipped = ft.triton_grpo_loss(x, old, ref, ids, adv, mask, eps_high=o["epsilon_high"],
+                                                    loss_type=lt, importance_sampling_level=level, inplace=inplace)
+            if not torch.equal(x.detach(), logits):
+                FAILURES.append(f"{case}: the forward changed the logits")
+            loss.backward(dy)
+        except Exception as e:  # noqa: BLE001
+            fail(case, f"raised {e!r}")
+            continue
+        close(case, "per_token_loss", loss, want["per_token_loss"], 1e-5, mask)
+        close(case, "kl", kl, want["kl"], 1e-5, mask)
+        if lt != "sapo":
+            close(case, "is_clipped", clipped, want["is_clipped"], 1e-5, mask)
+        elif clipped.abs().max() != 0:
+            FAILURES.append(f"{case}: sapo reports clipped tokens (Liger reports none)")
+        close_norm(case, "grad (first L positions)", x.grad[:, :L], want["grad"], 1e-5 if dtype == "f32" else 1e-2)
+        CHECKS[0] += 1
+        if x.grad[:, L].abs().max() != 0 or x.grad.dtype != logits.dtype:
+            FAILURES.append(f"{case}: gradient at the unscored position, or of dtype {x.grad.dtype}")
+    x = torch.randn(B, L + 1, V, requires_grad=True)
+    loss, _, _ = ft.triton_grpo_loss(x, None, None, ids, adv, mask, beta=0.0, importance_sampling_level="sequence")
+    expect_error("sequence level, per-token upstream not uniform in a sequence", NotImplementedError,
+                 ["sequence"], lambda: loss.backward(torch.rand(B, L)))
+
+
+def check_per_token_fused_linear():
+    """Per-token fused-linear outputs back-propagated with a per-token upstream gradient
+    (`FusedLinearCrossEntropyLoss(reduction="none")`, `fused_linear_logprob`), and a weight of
+    another dtype than the hidden states (cast as Liger casts it), against float64 autograd."""
+    B, T, H, V = 2, 5, 12, 71
+    for with_bias in (False, True):
+        hidden, weight, bias = linear_inputs(B, T, H, V, with_bias)
+        targets = torch.randint(0, V, (B * T,))
+        targets[3] = -100
+        dy = torch.rand(B * T)
+        h64, w64 = hidden.reshape(B * T, H).double().requires_grad_(True), weight.double().requires_grad_(True)
+        b64 = None if bias is None else bias.double().requires_grad_(True)
+        logits = h64 @ w64.T + (0 if b64 is None else b64)
+        per = F.cross_entropy(logits, targets, reduction="none", label_smoothing=0.1)
+        (per * dy.double()).sum().backward()
+        h, w = hidden.reshape(B * T, H).clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        b = None if bias is None else bias.clone().requires_grad_(True)
+        case = f"FusedLinearCrossEntropyLoss reduction=none, per-token upstream, bias={with_bias}"
+        got = ft.FusedLinearCrossEntropyLoss(reduction="none", label_smoothing=0.1)(w, h, targets, b)
+        got.backward(dy)
+        close(case, "per-token loss", got, per.detach(), 1e-5)
+        close_norm(case, "grad_hidden", h.grad, h64.grad, 1e-4)
+        close_norm(case, "grad_weight", w.grad, w64.grad, 1e-4)
+        if with_bias:
+            close_norm(case, "grad_bias", b.grad, b64.grad, 1e-4)
+        CHECKS[0] += 1
+
+        ids = targets.clamp(min=0).reshape(B, T)
+        h64.grad = w64.grad = None
+        lp = torch.log_softmax(h64.reshape(B, T, H) @ w64.T + (0 if b64 is None else b64.detach()), -1)
+        lp = lp.gather(-1, ids[..., None]).squeeze(-1)
+        (lp * dy.reshape(B, T).double()).sum().backward()
+        h3, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        case = f"fused_linear_logprob, per-token upstream, bias={with_bias}"
+        got = ft.fused_linear_logprob(h3, w, ids, bias=bias)
+        got.backward(dy.reshape(B, T))
+        close(case, "logp", got, lp.detach(), 1e-5)
+        close_norm(case, "grad_hidden", h3.grad.reshape(B * T, H), h64.grad, 1e-4)
+        close_norm(case, "grad_weight", w.grad, w64.grad, 1e-4)
+        CHECKS[0] += 1
+
+    hidden, weight, _ = linear_inputs(B, T, H, V, False)
+    ids, adv = torch.randint(0, V, (B, T)), torch.randn(B)
+    case = "fused-linear GRPO, bf16 hidden states with an f32 lm_head"
+    hb = hidden.to(torch.bfloat16)
+    results = []
+    for w_in in (weight.clone(), weight.to(torch.bfloat16).clone()):
+        h, w = hb.clone().requires_grad_(True), w_in.requires_grad_(True)
+        out = ft.fused_linear_grpo_loss(h, w, ids, adv, beta=0.0)
+        out.loss.backward()
+        results.append((out.loss.detach(), h.grad, w.grad))
+    (loss_mixed, gh_mixed, gw_mixed), (loss_same, gh_same, _) = results
+    close(case, "loss", loss_mixed, loss_same, 1e-6)
+    close_norm(case, "grad_hidden", gh_mixed.float(), gh_same.float(), 1e-6)
+    CHECKS[0] += 1
+    if gw_mixed.dtype != torch.float32 or gh_mixed.dtype != torch.bfloat16:
+        FAILURES.append(f"{case}: gradient dtypes {gh_mixed.dtype}, {gw_mixed.dtype}")
+
+
 def expect_error(case, kind, words, fn):
     CHECKS[0] += 1
     try:
@@ -369,6 +481,8 @@ def main():
     check_fused_linear()
     check_liger_drop_in()
     check_logits_level_modules()
+    check_triton_per_token()
+    check_per_token_fused_linear()
     check_errors()
     sys.exit(report("flashgrpo.torch"))
 

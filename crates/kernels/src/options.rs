@@ -94,6 +94,11 @@ pub enum Aggregation {
     /// the unmasked tokens).
     #[serde(rename = "num-items")]
     NumItems,
+    /// flashgrpo's: the plain sum over the unmasked tokens, no normaliser. The gradient is then
+    /// that of each token's own loss, which a front end scales by a per-token upstream gradient
+    /// (Liger's `triton_grpo_loss(reduce=False)`, whose per-token losses carry gradients).
+    #[serde(rename = "token-sum")]
+    TokenSum,
     /// TRL's `grpo` / `sapo`: each sequence's token sum / max(1, its tokens), averaged over all `B`.
     #[serde(skip)]
     SequenceMean,

@@ -179,6 +179,7 @@ fn newer_options() -> Vec<(&'static str, Case)> {
         Aggregation::SeqMeanTokenSum,
         Aggregation::SeqMeanTokenMean,
         Aggregation::SeqMeanTokenSumNorm,
+        Aggregation::TokenSum,
         Aggregation::NumItems,
     ] {
         cases.push(("loss_agg_mode", base(3, 6, 29).with(|o| o.loss_agg_mode = Some(mode))));

@@ -114,6 +114,7 @@ fn batch_shards_sum_to_unsharded() {
         Aggregation::SeqMeanTokenSum,
         Aggregation::SeqMeanTokenMean,
         Aggregation::SeqMeanTokenSumNorm,
+        Aggregation::TokenSum,
     ] {
         cases.push(Case::new(Op::Grpo, 6, 5, 23).with(|o| o.loss_agg_mode = Some(mode)));
     }

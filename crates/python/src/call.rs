@@ -11,6 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::buffers::{Address, Result};
+use crate::deferred::{self, DeferredGradient};
 use crate::result::LossResult;
 
 fn message(e: impl std::fmt::Display) -> String {
@@ -147,6 +148,30 @@ pub fn loss(
     output.map(LossResult::new).map_err(PyValueError::new_err)
 }
 
+/// Steps 1 and 2 of a loss over logits, the gradient left for [`DeferredGradient::write_logits`]
+/// (from Python, with the GIL released).
+#[pyfunction]
+#[pyo3(signature = (op, dtype, logits, rows, options))]
+pub fn loss_deferred(
+    py: Python<'_>,
+    op: &str,
+    dtype: &str,
+    logits: usize,
+    rows: RowAddresses,
+    options: &str,
+) -> PyResult<(LossResult, DeferredGradient)> {
+    let run = || -> Result<(LossOutput, DeferredGradient)> {
+        let (op, dtype) = parse_op_and_dtype(op, dtype)?;
+        let options = parse_options(options)?;
+        // SAFETY: the module's contract, for the length of this call.
+        let spec = unsafe { rows.spec(op, &options)? };
+        let logits = Address::new("logits", logits, rows.rows() * rows.vocab);
+        unsafe { deferred::logits_forward(spec, dtype, logits) }
+    };
+    let (output, gradient) = py.detach(run).map_err(PyValueError::new_err)?;
+    Ok((LossResult::new(output), gradient))
+}
+
 /// # Safety
 /// The module's contract; `grad` does not overlap `logits`.
 unsafe fn logits_call<T: Element>(
@@ -236,6 +261,40 @@ pub fn linear_loss(
     // SAFETY: the module's contract, for the length of this call.
     let output = py.detach(|| unsafe { call.run() });
     output.map(LossResult::new).map_err(PyValueError::new_err)
+}
+
+/// Steps 1 and 2 of a fused-linear loss, the gradients left for
+/// [`DeferredGradient::write_linear`] (from Python, with the GIL released).
+#[pyfunction]
+#[pyo3(signature = (op, dtype, hidden, weight, bias, hidden_size, rows, options, chunk_memory_mb))]
+#[allow(clippy::too_many_arguments)]
+pub fn linear_loss_deferred(
+    py: Python<'_>,
+    op: &str,
+    dtype: &str,
+    hidden: usize,
+    weight: usize,
+    bias: usize,
+    hidden_size: usize,
+    rows: RowAddresses,
+    options: &str,
+    chunk_memory_mb: usize,
+) -> PyResult<(LossResult, DeferredGradient)> {
+    let run = || -> Result<(LossOutput, DeferredGradient)> {
+        let (op, dtype) = parse_op_and_dtype(op, dtype)?;
+        let options = parse_options(options)?;
+        let (n, v, h) = (rows.rows(), rows.vocab, hidden_size);
+        let inputs = [
+            Address::new("hidden", hidden, n * h),
+            Address::new("weight", weight, v * h),
+            Address::new("bias", bias, v),
+        ];
+        // SAFETY: the module's contract, for the length of this call.
+        let spec = unsafe { rows.spec(op, &options)? };
+        unsafe { deferred::linear_forward(spec, dtype, inputs, h, ChunkBudget::from_mb(chunk_memory_mb)) }
+    };
+    let (output, gradient) = py.detach(run).map_err(PyValueError::new_err)?;
+    Ok((LossResult::new(output), gradient))
 }
 
 /// # Safety

@@ -8,6 +8,7 @@
 
 mod buffers;
 mod call;
+mod deferred;
 mod huge_pages;
 mod jax_handlers;
 mod pool;
@@ -20,6 +21,9 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(call::loss, m)?)?;
     m.add_function(wrap_pyfunction!(call::linear_loss, m)?)?;
+    m.add_function(wrap_pyfunction!(call::loss_deferred, m)?)?;
+    m.add_function(wrap_pyfunction!(call::linear_loss_deferred, m)?)?;
+    m.add_class::<deferred::DeferredGradient>()?;
     m.add_class::<result::LossResult>()?;
     m.add_class::<pool::GradientBuffer>()?;
     m.add_function(wrap_pyfunction!(pool::gradient_buffer, m)?)?;

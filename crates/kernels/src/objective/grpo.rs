@@ -216,6 +216,7 @@ impl<'a> Grpo<'a> {
             }
             Aggregation::SeqMeanTokenSum => 1.0 / n.sequences_with_tokens.max(1.0),
             Aggregation::SeqMeanTokenSumNorm => 1.0 / n.max_completion_length,
+            Aggregation::TokenSum => 1.0,
         }
     }
 

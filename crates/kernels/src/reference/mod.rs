@@ -455,6 +455,7 @@ impl Grpo<'_> {
             Aggregation::SeqMeanTokenMean => sum / c(on.len() as f64 + 1e-8) / c(n.sequences_with_tokens.max(1.0)),
             Aggregation::SeqMeanTokenSum => sum / c(n.sequences_with_tokens.max(1.0)),
             Aggregation::SeqMeanTokenSumNorm => sum / c(n.max_completion_length),
+            Aggregation::TokenSum => sum,
         };
         result.total = result.total + policy - c(o.entropy_coef) * bonus / c(self.bonus_rows);
         result

@@ -164,14 +164,16 @@ def _per_token(result, n, shape):
 
 class _KernelGradients(torch.autograd.Function):
     """``value``, whose backward hands out the gradients the kernels computed in the forward,
-    scaled by the upstream gradient. ``per_row``: ``value`` is per token and the gradients are
-    of its sum, so row ``i`` of the logits' gradient is scaled by ``upstream[i]`` (logits-level
-    ops only; a fused-linear gradient mixes rows, so there the upstream must be uniform)."""
+    scaled by the upstream gradient. ``per_row="rows"``: ``value`` is per token and the gradients
+    are of its sum, so row ``i`` of the logits' gradient is scaled by ``upstream[i]`` (logits-level
+    ops only: a fused-linear gradient mixes the rows, and takes ``_DeferredGradients`` instead);
+    ``sequences``: the mask of a loss whose rows mix within a sequence."""
 
     @staticmethod
-    def forward(ctx, value, grads, per_row, *inputs):
+    def forward(ctx, value, grads, per_row, sequences, *inputs):
         ctx.grads = grads
         ctx.per_row = per_row
+        ctx.sequences = sequences
         ctx.dtypes = [None if x is None else x.dtype for x in inputs]
         return value.clone()
 
@@ -181,26 +183,91 @@ class _KernelGradients(torch.autograd.Function):
         if grads is None:
             raise RuntimeError("flashgrpo: this loss's gradient was already used; backward through it twice "
                                "(retain_graph=True) is not supported")
+        if ctx.sequences is not None and ctx.per_row == "rows":
+            _check_uniform_per_sequence(upstream.detach().to(torch.float32).reshape(-1), ctx.sequences)
         out = []
         for grad, dtype in zip(grads, ctx.dtypes):
             if grad is not None:
                 grad = _scaled(grad, upstream, ctx.per_row).to(dtype)
             out.append(grad)
-        return (None, None, None, *out)
+        return (None, None, None, None, *out)
 
 
 def _scaled(grad, upstream, per_row):
     """``grad * upstream``, in place (the kernels' gradient buffer is ours to overwrite)."""
     if per_row == "rows":
         return grad.mul_(upstream.to(torch.float32).reshape(*grad.shape[:-1], 1))
-    k = upstream.reshape(-1)
-    if per_row == "uniform":
-        if k.numel() and not bool((k == k[0]).all()):
-            raise RuntimeError("flashgrpo: a fused-linear loss with a per-token output can only be back-propagated "
-                               "with the same upstream gradient for every token (e.g. `.sum().backward()`); "
-                               "use the logits-level function for per-token weights")
-    k = float(k[0]) if k.numel() else 0.0
+    k = float(upstream)
     return grad if k == 1.0 else grad.mul_(k)
+
+
+class _DeferredGradients(torch.autograd.Function):
+    """``value``, whose gradient the kernels write in the backward (``pending``, a
+    ``DeferredGradient`` of the native module): the upstream gradient is folded into each row's
+    gradient scalars before the pass that writes it, so it may differ from token to token even
+    for a fused-linear loss, and a gradient ``in_place`` over the logits is written only then
+    (Liger's ``inplace``: the logits keep their values until the backward). ``scores`` are the
+    contiguous tensors the kernels read (kept unchanged until then: the originals are saved for
+    PyTorch's in-place modification check); ``per_row``: ``value`` is per token."""
+
+    @staticmethod
+    def forward(ctx, value, pending, scores, per_row, in_place, sequences, *inputs):
+        ctx.pending, ctx.scores, ctx.per_row, ctx.in_place, ctx.sequences = pending, scores, per_row, in_place, sequences
+        ctx.dtypes = [None if x is None else x.dtype for x in inputs]
+        ctx.wants = [x is not None and x.requires_grad for x in inputs]
+        ctx.save_for_backward(*[x for x in inputs if x is not None])
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, upstream):
+        pending, ctx.pending = ctx.pending, None
+        if pending is None:
+            raise RuntimeError("flashgrpo: this loss's gradient was already used; backward through it twice "
+                               "(retain_graph=True) is not supported")
+        ctx.saved_tensors  # noqa: B018 -- raises if an input was modified in place since the forward
+        scale, row_scale = 1.0, None
+        if ctx.per_row:
+            row_scale = upstream.detach().to(torch.float32).contiguous().reshape(-1)
+            if ctx.sequences is not None:
+                _check_uniform_per_sequence(row_scale, ctx.sequences)
+        else:
+            scale = float(upstream)
+        if len(ctx.scores) == 1:
+            grads = [_write_logits_gradient(pending, ctx.scores[0], ctx.in_place, scale, row_scale)]
+        else:
+            grads = _write_linear_gradients(pending, ctx.scores, ctx.wants, scale, row_scale)
+        out = [None if g is None or not want else g.to(dtype)
+               for g, want, dtype in zip(grads, ctx.wants, ctx.dtypes)]
+        return (None, None, None, None, None, None, *out)
+
+
+def _write_logits_gradient(pending, x, in_place, scale, row_scale):
+    grad = None if in_place else _gradient_tensor(x.shape, x.dtype)
+    pending.write_logits(_address(x), _address(grad), scale, _address(row_scale))
+    return x if in_place else grad
+
+
+def _write_linear_gradients(pending, scores, wants, scale, row_scale):
+    h, w, b = scores
+    f32 = torch.float32
+    grads = (_gradient_tensor(h.shape, f32), _gradient_tensor(w.shape, f32) if wants[1] else None,
+             torch.empty(b.shape, dtype=f32) if b is not None and wants[2] else None)
+    addresses = dict(hidden=_address(grads[0]), weight=_address(grads[1]), bias=_address(grads[2]), accumulate=False)
+    pending.write_linear(_address(h), _address(w), _address(b), addresses, scale, _address(row_scale))
+    return grads
+
+
+def _check_uniform_per_sequence(row_scale, mask):
+    """Sequence-level importance sampling mixes the rows of a sequence: a per-token upstream
+    gradient is folded in exactly when it is the same on every unmasked token of a sequence (as
+    ``(loss * mask).sum() / mask.sum()`` and the per-sequence means give)."""
+    u = row_scale.reshape(mask.shape)
+    on = mask > 0
+    first = torch.where(on, u, torch.zeros_like(u)).sum(-1) / on.sum(-1).clamp(min=1)
+    if bool(((u - first[:, None]).abs() * on).max() > 1e-6 * first.abs().max().clamp(min=1e-30)):
+        raise NotImplementedError("flashgrpo: with importance_sampling_level='sequence', a per-token loss can only be "
+                                  "back-propagated with the same upstream gradient on every unmasked token of a "
+                                  "sequence (e.g. `(loss * mask).sum() / mask.sum()`)")
 
 
 def _wants_gradient(*inputs):
@@ -210,9 +277,12 @@ def _wants_gradient(*inputs):
 # ---------------------------------------------------------------- the two calls
 
 
-def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=None, **row_inputs):
+def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=None, defer=False, sequences=None,
+                 **row_inputs):
     """Runs ``op`` over logits ``[B, T, V]`` (or ``[N, V]``); returns the loss value (with the
-    kernels' gradient attached when the logits require one) and the per-token outputs."""
+    kernels' gradient attached when the logits require one) and the per-token outputs. ``defer``:
+    the gradient is written in the backward (see ``_DeferredGradients``); ``sequences``: the mask
+    of a loss whose rows mix within a sequence (sequence-level importance sampling)."""
     x = _float_input("logits", logits)
     if x.dim() not in (2, 3):
         raise ValueError(f"`logits` must be [B, T, V] or [N, V], got shape {list(x.shape)}")
@@ -226,27 +296,38 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
     wants_grad = op != "entropy" and _wants_gradient(logits)
     if wants_grad and in_place and x.data_ptr() != logits.data_ptr():
         raise ValueError("`in_place=True` needs contiguous logits (the gradient is written over them)")
+    if wants_grad and defer:
+        result, pending = _native.loss_deferred(op, _DTYPES[x.dtype], _address(x), request.native,
+                                                options_json(options))
+        per_token = _per_token(result, batch * seq_len, out_shape)
+        value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=torch.float32)
+        return _DeferredGradients.apply(value, pending, (x,), per_row is not None, in_place, sequences,
+                                        logits), per_token
     grad = _gradient_tensor(x.shape, x.dtype) if wants_grad and not in_place else None
     result = _native.loss(op, _DTYPES[x.dtype], _address(x), request.native, options_json(options),
                           grad=_address(grad), in_place=wants_grad and in_place)
     per_token = _per_token(result, batch * seq_len, out_shape)
     value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=torch.float32)
     if wants_grad:
-        value = _KernelGradients.apply(value, (x if in_place else grad,), "rows" if per_row else None, logits)
+        rows = "rows" if per_row else None
+        value = _KernelGradients.apply(value, (x if in_place else grad,), rows, sequences, logits)
     return value, per_token
 
 
 def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None, chunk_memory_mb=None,
                  **row_inputs):
-    """Runs ``op`` over ``hidden [B, T, H] (or [N, H]) @ weight[V, H]^T + bias``."""
+    """Runs ``op`` over ``hidden [B, T, H] (or [N, H]) @ weight[V, H]^T + bias``. A weight or bias
+    of another dtype than ``hidden`` is cast to it (a copy, as Liger-Kernel casts the weight); the
+    gradients come back in each input's own dtype. A per-token ``value`` (``per_row``) gets its
+    gradients in the backward, where the upstream gradient of each token is known."""
     h = _float_input("hidden", hidden)
     w = _float_input("weight", weight)
     b = None if bias is None else _float_input("bias", bias)
     if h.dim() not in (2, 3) or w.dim() != 2 or h.shape[-1] != w.shape[1]:
         raise ValueError(f"`hidden` {list(h.shape)} and `weight` {list(w.shape)}: expected [B, T, H] or [N, H] "
                          f"and [V, H] with the same H")
-    if w.dtype != h.dtype or (b is not None and b.dtype != h.dtype):
-        raise TypeError(f"`hidden` ({h.dtype}), `weight` ({w.dtype}) and `bias` must have one dtype")
+    w = w if w.dtype == h.dtype else w.to(h.dtype)
+    b = b if b is None or b.dtype == h.dtype else b.to(h.dtype)
     vocab, hidden_size = w.shape
     if b is not None and tuple(b.shape) != (vocab,):
         raise ValueError(f"`bias` has shape {list(b.shape)}, expected [{vocab}]")
@@ -254,22 +335,28 @@ def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None
     out_shape = out_shape or h.shape[:-1]
     request = _Rows(batch, seq_len, vocab, **row_inputs)
     wants_grad = op != "entropy" and _wants_gradient(hidden, weight, bias)
+    chunk = chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB
+    native = (op, _DTYPES[h.dtype], _address(h), _address(w), _address(b), hidden_size, request.native,
+              options_json(options))
+    if wants_grad and per_row:
+        result, pending = _native.linear_loss_deferred(*native, chunk)
+        per_token = _per_token(result, batch * seq_len, out_shape)
+        value = _DeferredGradients.apply(per_token[per_row], pending, (h, w, b), True, False, None,
+                                         hidden, weight, bias)
+        return value, per_token
     f32 = torch.float32
     grads = (
         _gradient_tensor(h.shape, f32) if wants_grad else None,
         _gradient_tensor(w.shape, f32) if wants_grad and weight.requires_grad else None,
         torch.empty(vocab, dtype=f32) if wants_grad and bias is not None and bias.requires_grad else None,
     )
-    result = _native.linear_loss(
-        op, _DTYPES[h.dtype], _address(h), _address(w), _address(b), hidden_size, request.native,
-        options_json(options), dict(hidden=_address(grads[0]), weight=_address(grads[1]), bias=_address(grads[2]),
-                                    accumulate=False),
-        chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB)
+    addresses = dict(hidden=_address(grads[0]), weight=_address(grads[1]), bias=_address(grads[2]), accumulate=False)
+    result = _native.linear_loss(*native, addresses, chunk)
     per_token = _per_token(result, batch * seq_len, out_shape)
     value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=f32)
     if wants_grad:
         kept = (grads[0] if hidden.requires_grad else None, grads[1], grads[2])
-        value = _KernelGradients.apply(value, kept, "uniform" if per_row else None, hidden, weight, bias)
+        value = _KernelGradients.apply(value, kept, None, None, hidden, weight, bias)
     return value, per_token
 
 
@@ -375,8 +462,8 @@ def _liger_metrics(per_token, mask, beta, loss_type):
         per_token["entropy"].shape)
     count = m.sum().clamp(min=1.0)
     metrics = []
-    if beta != 0.0:
-        metrics.append((per_token["kl"] * m).sum() / count)
+    if beta != 0.0:  # no KL computed: the reference is the policy itself, as in Liger without one
+        metrics.append(torch.zeros(()) if per_token["kl"] is None else (per_token["kl"] * m).sum() / count)
     if loss_type in ("sapo", "vespo") or per_token["is_clipped"] is None:
         metrics.append(torch.zeros(()))
     else:
@@ -403,6 +490,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                  vespo_lambda_neg=2.0, chunk_memory_mb=None, **options):
         super().__init__()
         del compiled, chunk_size
+        _check_liger_options(sapo_temperature_pos, sapo_temperature_neg, delta)
         self.use_ref_model = use_ref_model
         self.chunk_memory_mb = chunk_memory_mb
         self.options = dict(options, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
@@ -417,19 +505,35 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
                 ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
                 vllm_is_ratio=None, num_items_in_batch=None):
-        if self.use_ref_model and ref_per_token_logps is None and ref_input is not None:
+        if not self.use_ref_model:
+            ref_per_token_logps = None  # Liger ignores a reference it was told not to use
+        elif ref_per_token_logps is None and ref_input is not None:
             with torch.no_grad():
                 ref_per_token_logps = fused_linear_logprob(
                     ref_input, lin_weight if ref_weight is None else ref_weight, selected_token_ids,
                     bias=ref_bias, temperature=self.options["temperature"], chunk_memory_mb=self.chunk_memory_mb)
+        options = dict(self.options, num_items=_num_items(num_items_in_batch))
+        if ref_per_token_logps is None:
+            # Liger's reference is then the policy itself (detached): the KL term and its gradient
+            # are 0, which is the loss without it; the KL metric is still reported, as 0.
+            options["beta"] = 0.0
         out = fused_linear_grpo_loss(
             _input, lin_weight, selected_token_ids, advantages, attention_mask, bias=bias,
-            old_logp=old_per_token_logps, ref_logp=ref_per_token_logps if self.use_ref_model else None,
-            is_ratio=vllm_is_ratio, chunk_memory_mb=self.chunk_memory_mb,
-            **dict(self.options, num_items=_num_items(num_items_in_batch)))
+            old_logp=old_per_token_logps, ref_logp=ref_per_token_logps, is_ratio=vllm_is_ratio,
+            chunk_memory_mb=self.chunk_memory_mb, **options)
         per_token = out._asdict()
         return out.loss, tuple(_liger_metrics(per_token, attention_mask, self.options["beta"],
                                               self.options["loss_type"]))
+
+
+def _check_liger_options(sapo_temperature_pos, sapo_temperature_neg, delta):
+    """The option values Liger-Kernel refuses when a loss is built."""
+    for name, value in (("sapo_temperature_pos", sapo_temperature_pos), ("sapo_temperature_neg",
+                                                                         sapo_temperature_neg)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if delta is not None and delta <= 0:
+        raise ValueError(f"delta must be positive, got {delta}")
 
 
 def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, completion_mask=None, temperature=0.9,
@@ -441,7 +545,11 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
     """Drop-in for ``liger_kernel.transformers.grpo_loss.triton_grpo_loss``: logits ``[B, L+1, V]``
     (the last position is not scored, as there) or ``[B, L, V]``. ``reduce=True`` returns
     ``(loss, [kl_mean,] clip_ratio)``; ``reduce=False`` ``(per_token_loss, per_token_kl, is_clipped)``
-    (the per-token values carry no gradient here: reduce them with ``reduce=True``)."""
+    ``[B, L]``, the per-token loss differentiable per token (with sequence-level importance
+    sampling, through an upstream gradient that is the same on every unmasked token of a
+    sequence). ``inplace=True``: as in Liger, the gradient is written over the logits in the
+    backward; the logits keep their values until then."""
+    _check_liger_options(sapo_temperature_pos, sapo_temperature_neg, delta)
     batch, length = completion_ids.shape
     if logits.dim() != 3 or logits.shape[0] != batch or logits.shape[1] not in (length, length + 1):
         raise ValueError(f"`logits` has shape {list(logits.shape)}; expected [B, L+1, V] or [B, L, V] with "
@@ -458,20 +566,32 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
     isr = vllm_is_ratio
     if isr is not None and isr.dim() == 2 and isr.shape[1] == 1:
         isr = isr.reshape(batch)
-    out = grpo_loss(logits, widen(completion_ids), advantages, widen(mask), old_logp=widen(old_logp),
-                    ref_logp=widen(ref_logp), is_ratio=isr if isr is None or isr.dim() == 1 else widen(isr, 1.0),
-                    in_place=inplace, temperature=temperature, beta=beta, epsilon_low=eps_low,
-                    epsilon_high=eps_high, loss_type=loss_type, max_completion_length=max_completion_length or length,
-                    importance_sampling_level=importance_sampling_level, sapo_temperature_pos=sapo_temperature_pos,
-                    sapo_temperature_neg=sapo_temperature_neg, delta=delta,
-                    use_bias_correction_kl=use_bias_correction_kl, num_items=_num_items(num_items_in_batch),
-                    vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-                    vespo_lambda_neg=vespo_lambda_neg)
-    per_token = {k: (None if v is None else v[:, :length]) for k, v in out._asdict().items() if k != "loss"}
+    options = dict(temperature=temperature, beta=beta, epsilon_low=eps_low, epsilon_high=eps_high,
+                   loss_type=loss_type, max_completion_length=max_completion_length or length,
+                   importance_sampling_level=importance_sampling_level, sapo_temperature_pos=sapo_temperature_pos,
+                   sapo_temperature_neg=sapo_temperature_neg, delta=delta,
+                   use_bias_correction_kl=use_bias_correction_kl, num_items=_num_items(num_items_in_batch),
+                   vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                   vespo_lambda_neg=vespo_lambda_neg)
+    per_row = None
+    if not reduce:  # each token's own loss, its gradient scaled in the backward by that token's upstream
+        options["loss_agg_mode"] = "token-sum"
+        per_row = "per_token_loss"
+    full_mask = widen(mask)
+    sequences = full_mask if per_row and importance_sampling_level == "sequence" else None
+    value, per_token = _logits_call(
+        "grpo", logits, options, in_place=inplace, per_row=per_row, defer=inplace, sequences=sequences,
+        targets=widen(completion_ids), mask=full_mask, advantages=advantages, old_logp=widen(old_logp),
+        ref_logp=widen(ref_logp), is_ratio=isr if isr is None or isr.dim() == 1 else widen(isr, 1.0),
+        sampling_logp=None)
+    per_token = {k: (None if v is None else v[:, :length]) for k, v in per_token.items()}
     if not reduce:
         kl = per_token["kl"] if beta != 0.0 else None
-        return per_token["per_token_loss"], kl, per_token["is_clipped"]
-    return out.loss, _liger_metrics(per_token, mask, beta, loss_type)
+        clipped = per_token["is_clipped"]
+        if loss_type in ("sapo", "vespo") and clipped is not None:
+            clipped = torch.zeros_like(clipped)  # Liger counts no token of these as clipped
+        return value[:, :length], kl, clipped
+    return value, _liger_metrics(per_token, mask, beta, loss_type)
 
 
 class GRPOLoss(torch.nn.Module):

@@ -1,0 +1,227 @@
+//! A gradient written in the backward instead of the forward, for the front ends whose contract
+//! says so: Liger-Kernel's `triton_grpo_loss(inplace=True)` writes the gradient over the logits
+//! in the backward (the logits keep their values until then), and a per-token loss back-propagated
+//! with a per-token upstream gradient (`reduction="none"`, per-token log-probabilities) needs the
+//! upstream folded into each row's gradient before the pass that writes it, which for a
+//! fused-linear loss mixes the rows.
+//!
+//! The forward runs steps 1 and 2 of the engine (row statistics, the token objective) and keeps
+//! an owned copy of the loss description ([`LossInputs`]) and the four gradient scalars of every
+//! row; the backward scales those by the upstream gradient (they are linear in it) and runs step
+//! 3, the same pass the eager calls run. The caller keeps the logits (or hidden states and
+//! lm_head) alive and unchanged in between (PyTorch's saved-tensor version check enforces it).
+
+use std::sync::Mutex;
+
+use flashgrpo_kernels::{
+    with_element, ChunkBudget, DType, Element, GradientTarget, LinearGradients, LinearInputs, LossInputs, LossOutput,
+    LossSpec, PreparedLinearLoss, PreparedLoss, RowGradient,
+};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::buffers::{Address, Result};
+use crate::call::GradientAddresses;
+
+/// Where the scores of a deferred loss come from.
+#[derive(Debug, Clone, Copy)]
+pub enum Scores {
+    Logits,
+    Linear { hidden_size: usize, budget: ChunkBudget },
+}
+
+/// The row gradients of one loss, waiting for the backward.
+#[pyclass(frozen, module = "flashgrpo._native")]
+pub struct DeferredGradient {
+    inputs: LossInputs,
+    dtype: DType,
+    vocab: usize,
+    scores: Scores,
+    /// Taken by the one backward that writes the gradient.
+    rows: Mutex<Option<Vec<RowGradient>>>,
+}
+
+fn message(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// Steps 1 and 2 over logits `[N, V]`: the output and the deferred gradient.
+///
+/// # Safety
+/// The module's contract for `logits` (see [`crate::buffers`]).
+pub unsafe fn logits_forward(spec: LossSpec<'_>, dtype: DType, logits: Address) -> Result<(LossOutput, DeferredGradient)> {
+    let prepared = PreparedLoss::new(spec).map_err(message)?;
+    let vocab = spec.rows.vocab;
+    let stats = with_element!(dtype, T => prepared.statistics::<T>(unsafe { logits.required()? }, 0..vocab));
+    let (output, rows) = prepared.objective(&stats.map_err(message)?).map_err(message)?;
+    Ok((output, DeferredGradient::new(&spec, dtype, Scores::Logits, rows)))
+}
+
+/// Steps 1 and 2 over `hidden @ weight^T (+ bias)`: the output and the deferred gradient.
+///
+/// # Safety
+/// The module's contract for every address.
+pub unsafe fn linear_forward(
+    spec: LossSpec<'_>,
+    dtype: DType,
+    inputs: [Address; 3],
+    hidden_size: usize,
+    budget: ChunkBudget,
+) -> Result<(LossOutput, DeferredGradient)> {
+    let prepared = PreparedLinearLoss::new(spec, budget).map_err(message)?;
+    let vocab = spec.rows.vocab;
+    let stats = with_element!(dtype, T => {
+        let shard = unsafe { linear_inputs::<T>(inputs, hidden_size)? };
+        prepared.statistics(shard, 0..vocab)
+    });
+    let (output, rows) = prepared.objective(&stats.map_err(message)?).map_err(message)?;
+    Ok((output, DeferredGradient::new(&spec, dtype, Scores::Linear { hidden_size, budget }, rows)))
+}
+
+/// # Safety
+/// The module's contract for every address.
+unsafe fn linear_inputs<'a, T: Element>(
+    [hidden, weight, bias]: [Address; 3],
+    hidden_size: usize,
+) -> Result<LinearInputs<'a, T>> {
+    Ok(LinearInputs {
+        hidden: unsafe { hidden.required()? },
+        weight: unsafe { weight.required()? },
+        bias: unsafe { bias.slice()? },
+        hidden_size,
+    })
+}
+
+impl DeferredGradient {
+    fn new(spec: &LossSpec<'_>, dtype: DType, scores: Scores, rows: Vec<RowGradient>) -> Self {
+        let budget = match scores {
+            Scores::Linear { budget, .. } => budget,
+            Scores::Logits => ChunkBudget::default(),
+        };
+        Self {
+            inputs: LossInputs::from_spec(spec, budget),
+            dtype,
+            vocab: spec.rows.vocab,
+            scores,
+            rows: Mutex::new(Some(rows)),
+        }
+    }
+
+    fn rows(&self) -> usize {
+        self.inputs.batch * self.inputs.seq_len
+    }
+
+    /// The row gradients times the upstream gradient: `scale`, times `row_scale[i]` for row `i`
+    /// when given (an f32 buffer of `N`).
+    ///
+    /// # Safety
+    /// The module's contract for `row_scale`.
+    unsafe fn scaled_rows(&self, scale: f32, row_scale: usize) -> Result<Vec<RowGradient>> {
+        let taken = self.rows.lock().map_err(|_| message("a previous backward panicked"))?.take();
+        let mut rows = taken.ok_or_else(|| {
+            message(
+                "this loss's gradient was already written; backward through it twice (retain_graph=True) is not \
+                 supported",
+            )
+        })?;
+        let per_row = unsafe { Address::new("row_scale", row_scale, self.rows()).slice::<f32>()? };
+        for (i, g) in rows.iter_mut().enumerate() {
+            let k = scale * per_row.map_or(1.0, |s| s[i]);
+            (g.a, g.b, g.c, g.d) = (g.a * k, g.b * k, g.c * k, g.d * k);
+        }
+        Ok(rows)
+    }
+
+    /// # Safety
+    /// The module's contract; `grad`, when given, does not overlap the logits.
+    unsafe fn logits_gradient(&self, logits: usize, grad: usize, scale: f32, row_scale: usize) -> Result<()> {
+        if !matches!(self.scores, Scores::Logits) {
+            return Err(message("a fused-linear loss's gradient is written with `write_linear`"));
+        }
+        let rows = unsafe { self.scaled_rows(scale, row_scale)? };
+        let len = self.rows() * self.vocab;
+        let (logits, grad) = (Address::new("logits", logits, len), Address::new("grad", grad, len));
+        let prepared = PreparedLoss::new(self.inputs.spec(self.vocab)).map_err(message)?;
+        with_element!(self.dtype, T => {
+            let target = match unsafe { grad.slice_mut::<T>()? } {
+                Some(out) => GradientTarget::Into { logits: unsafe { logits.required()? }, out },
+                None => GradientTarget::InPlace(
+                    unsafe { logits.slice_mut::<T>()? }.ok_or_else(|| message("`logits` is required"))?,
+                ),
+            };
+            prepared.gradient(target, 0..self.vocab, &rows).map_err(message)
+        })
+    }
+
+    /// # Safety
+    /// The module's contract; no gradient buffer overlaps another buffer.
+    unsafe fn linear_gradients(
+        &self,
+        inputs: [usize; 3],
+        grads: GradientAddresses,
+        scale: f32,
+        row_scale: usize,
+    ) -> Result<()> {
+        let Scores::Linear { hidden_size, budget } = self.scores else {
+            return Err(message("a logits-level loss's gradient is written with `write_logits`"));
+        };
+        let rows = unsafe { self.scaled_rows(scale, row_scale)? };
+        let (n, v, h) = (self.rows(), self.vocab, hidden_size);
+        let inputs = [
+            Address::new("hidden", inputs[0], n * h),
+            Address::new("weight", inputs[1], v * h),
+            Address::new("bias", inputs[2], v),
+        ];
+        let hidden_grad = unsafe { Address::new("grad_hidden", grads.hidden, n * h).slice_mut::<f32>()? };
+        let gradients = LinearGradients {
+            hidden: hidden_grad.ok_or_else(|| message("`grad_hidden` is required"))?,
+            weight: unsafe { Address::new("grad_weight", grads.weight, v * h).slice_mut()? },
+            bias: unsafe { Address::new("grad_bias", grads.bias, v).slice_mut()? },
+            accumulate: grads.accumulate,
+        };
+        let prepared = PreparedLinearLoss::new(self.inputs.spec(v), budget).map_err(message)?;
+        with_element!(self.dtype, T => {
+            let shard = unsafe { linear_inputs::<T>(inputs, h)? };
+            prepared.gradient(shard, 0..v, &rows, gradients).map_err(message)
+        })
+    }
+}
+
+#[pymethods]
+impl DeferredGradient {
+    /// Writes the gradient of the loss times the upstream gradient (`scale`, and `row_scale[i]`
+    /// for row `i` when that address is not 0) into `grad`, or over the logits when `grad` is 0.
+    #[pyo3(signature = (logits, grad, scale = 1.0, row_scale = 0))]
+    fn write_logits(&self, py: Python<'_>, logits: usize, grad: usize, scale: f32, row_scale: usize) -> PyResult<()> {
+        // SAFETY: the module's contract, for the length of this call.
+        py.detach(|| unsafe { self.logits_gradient(logits, grad, scale, row_scale) })
+            .map_err(error)
+    }
+
+    /// Writes the f32 gradients of a fused-linear loss times the upstream gradient into the
+    /// buffers of `grads` (those not 0), reading `hidden`, `weight` and `bias` again.
+    #[pyo3(signature = (hidden, weight, bias, grads, scale = 1.0, row_scale = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn write_linear(
+        &self,
+        py: Python<'_>,
+        hidden: usize,
+        weight: usize,
+        bias: usize,
+        grads: GradientAddresses,
+        scale: f32,
+        row_scale: usize,
+    ) -> PyResult<()> {
+        // SAFETY: the module's contract, for the length of this call.
+        py.detach(|| unsafe { self.linear_gradients([hidden, weight, bias], grads, scale, row_scale) })
+            .map_err(error)
+    }
+}
+
+fn error(text: String) -> PyErr {
+    if text.contains("already written") {
+        PyRuntimeError::new_err(format!("flashgrpo: {text}"))
+    } else {
+        PyValueError::new_err(text)
+    }
+}
