@@ -4,6 +4,7 @@ TRL-style float64 autograd (tests/peers/crosscheck.py's `trl_grpo`), `F.cross_en
 `LigerFusedLinearGRPOLoss` for the drop-in module. Also: the gradient written over the logits
 (`in_place`) and errors that name the bad input. Prints "N checks, 0 failures" and exits 0."""
 
+import functools
 import itertools
 import os
 import sys
@@ -272,7 +273,9 @@ def check_liger_drop_in():
         kwargs = dict(beta=beta, compiled=False, use_ref_model=use_ref, chunk_size=1, epsilon_low=0.2,
                       epsilon_high=0.28, loss_type=lt, max_completion_length=T, importance_sampling_level=level)
         results = []
-        for module in (LigerFusedLinearGRPOLoss(**kwargs), ft.FusedLinearGRPOLoss(**kwargs)):
+        functional = functools.partial(ft.liger_fused_linear_grpo, **kwargs)
+        modules = [LigerFusedLinearGRPOLoss(**kwargs), ft.FusedLinearGRPOLoss(**kwargs)]
+        for module in modules + ([functional] if lt == "dapo" else []):
             h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
             b = None if bias is None else bias.clone().requires_grad_(True)
             # Without a reference model, Liger ignores the reference given (the policy is its own).
@@ -280,7 +283,9 @@ def check_liger_drop_in():
                                    old_per_token_logps=old)
             loss.backward()
             results.append((loss.detach(), [m.detach() for m in metrics], h.grad, w.grad, None if b is None else b.grad))
-        (l_loss, l_metrics, l_h, l_w, l_b), (loss, metrics, h, w, b) = results
+        if len(results) == 3 and not all(torch.equal(x, y) for x, y in zip(results[1][2:4], results[2][2:4])):
+            FAILURES.append(f"liger_fused_linear_grpo {lt}: gradients differ from the module's")
+        (l_loss, l_metrics, l_h, l_w, l_b), (loss, metrics, h, w, b) = results[:2]
         case = f"FusedLinearGRPOLoss vs Liger {lt} {level} beta={beta} bias={with_bias} use_ref_model={use_ref}"
         close(case, "loss", loss, l_loss, 2e-5)
         CHECKS[0] += 1

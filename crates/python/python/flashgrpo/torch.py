@@ -52,6 +52,7 @@ __all__ = [
     "GRPOLoss",
     "FusedLinearCrossEntropyLoss",
     "triton_grpo_loss",
+    "liger_fused_linear_grpo",
     "release_cached_memory",
 ]
 
@@ -524,6 +525,28 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         per_token = out._asdict()
         return out.loss, tuple(_liger_metrics(per_token, attention_mask, self.options["beta"],
                                               self.options["loss_type"]))
+
+
+def liger_fused_linear_grpo(_input, weight, selected_token_ids, attention_mask, advantages, bias=None,
+                            ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None,
+                            ref_bias=None, beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo",
+                            max_completion_length=None, importance_sampling_level="token", sapo_temperature_pos=1.0,
+                            sapo_temperature_neg=1.05, temperature=1.0, compiled=True, use_ref_model=True,
+                            chunk_size=1, vllm_is_ratio=None, delta=None, use_bias_correction_kl=False,
+                            vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
+                            num_items_in_batch=None):
+    """Drop-in for ``liger_kernel.chunked_loss.functional.liger_fused_linear_grpo``
+    (``LigerFusedLinearGRPOFunction.apply``): the same arguments in the same order, the same
+    ``(loss, metrics)``."""
+    module = FusedLinearGRPOLoss(
+        beta=beta, compiled=compiled, use_ref_model=use_ref_model, chunk_size=chunk_size, epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high, loss_type=loss_type, max_completion_length=max_completion_length,
+        importance_sampling_level=importance_sampling_level, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg, temperature=temperature, delta=delta,
+        use_bias_correction_kl=use_bias_correction_kl, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
+    return module(_input, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
+                  old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio, num_items_in_batch)
 
 
 def _check_liger_options(sapo_temperature_pos, sapo_temperature_neg, delta):
