@@ -1,27 +1,23 @@
 //! `flashgrpo bench`: the original microbenchmark. Forward + backward (the loss and its gradient,
-//! as the original timed `value_and_grad`), step time statistics, peak heap bytes from the
-//! counting allocator, peak RSS, and the memory floor from a copy bandwidth measured in the
-//! same run.
+//! as the original timed `value_and_grad`), step time statistics, peak memory, and the floor
+//! from a copy bandwidth (fused-linear: the product rate) measured in the same run, on the CPU or
+//! a GPU: one bench over [`Runner`], which says how each device times a step and counts its
+//! memory.
 
-use std::time::Instant;
-
-use anyhow::{bail, Context, Result};
-use flashgrpo_kernels::linear::{matmul_bf16_gflops, matmul_gflops};
+use anyhow::{bail, Result};
 use flashgrpo_kernels::{
-    forward, forward_backward, forward_backward_in_place, linear_forward, linear_forward_backward, ChunkBudget, DType,
-    LinearGradients, LinearInputs, LossOptions, LossSpec, Op,
+    ChunkBudget, DType, ImportanceSamplingLevel, LinearGradientBuffers, LossOptions, LossSpec, Op,
 };
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::baseline;
 use crate::batch::{Batch, LinearData, Scores};
 use crate::config::{self, ConfigArgs};
+use crate::device::{DeviceVisitor, Rows, Runner, StepMemory};
 use crate::input_spec::InputSpec;
-use crate::memory;
-use crate::run::Device;
-use crate::tensor_io::{FloatData, FloatElement, FloatVisitor, FloatVisitorMut};
+use crate::run::{Device, LinearOnBackend};
+use crate::tensor_io::{FloatData, FloatElement, FloatVisitor, FloatVisitorOwned};
 
 /// What is timed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -82,12 +78,11 @@ pub fn main(args: ConfigArgs) -> Result<()> {
     if loaded.inputs.dtype == DType::F16 && loaded.command.implementation == BenchImpl::Baseline {
         bail!("the candle baseline is benchmarked in f32 and bf16 only");
     }
-    let run = || -> Result<Report> {
-        match args.device {
-            Device::Cpu => run(&loaded.command, &loaded.inputs, &loaded.options),
-            Device::Cuda => on_gpu(&loaded.command, &loaded.inputs, &loaded.options),
-        }
-    };
+    let (cfg, inputs, options) = (&loaded.command, &loaded.inputs, &loaded.options);
+    if args.device != Device::Cpu && cfg.implementation == BenchImpl::Baseline {
+        bail!("the candle baseline runs on the CPU (`--device cpu`)");
+    }
+    let run = || args.device.run(Bench { cfg, inputs, options });
     let report = match loaded.command.threads {
         Some(n) => rayon::ThreadPoolBuilder::new().num_threads(n).build()?.install(run)?,
         None => run()?,
@@ -100,32 +95,13 @@ pub fn main(args: ConfigArgs) -> Result<()> {
     Ok(())
 }
 
-#[cfg(feature = "cuda")]
-fn on_gpu(cfg: &BenchConfig, inputs: &InputSpec, options: &LossOptions) -> Result<Report> {
-    crate::cuda_bench::run(cfg, inputs, options)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn on_gpu(_: &BenchConfig, _: &InputSpec, _: &LossOptions) -> Result<Report> {
-    bail!("this flashgrpo was built without the `cuda` feature")
-}
-
-/// Bytes per second of a parallel copy (read + written) of a 512 MiB buffer (no cache holds it,
-/// and every dtype and shape is measured against the same copy), best of six: the hardware's
-/// streaming rate.
-fn copy_bandwidth() -> f64 {
-    let n = (512 << 20) / 4;
-    let src = vec![1.0f32; n];
-    let mut dst = vec![0.0f32; n];
-    let chunk = n.div_ceil(rayon::current_num_threads()).max(1);
-    let mut best = f64::INFINITY;
-    for _ in 0..6 {
-        let start = Instant::now();
-        dst.par_chunks_mut(chunk).zip(src.par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
-        best = best.min(start.elapsed().as_secs_f64());
-    }
-    std::hint::black_box(&dst);
-    2.0 * (n * 4) as f64 / best
+/// Step times and memory of one run.
+struct Measured {
+    times: Vec<f64>,
+    loss: f64,
+    memory: StepMemory,
+    /// Bytes of the buffers the timed implementation keeps between steps (gradient buffers).
+    kept: u64,
 }
 
 impl Measured {
@@ -134,193 +110,233 @@ impl Measured {
     }
 }
 
-/// Step times and memory of one run.
-struct Measured {
-    times: Vec<f64>,
-    loss: f64,
-    /// Resident set size just before the first step, and its peak during the steps.
-    rss_before_steps: u64,
-    peak_rss: u64,
-    /// Peak heap bytes during a step above those live when it started, plus buffers the impl
-    /// keeps between steps (the `fused` gradient buffer).
-    peak_bytes: usize,
+/// One bench run on a device.
+struct Bench<'a> {
+    cfg: &'a BenchConfig,
+    inputs: &'a InputSpec,
+    options: &'a LossOptions,
 }
 
-struct Timer<'a> {
+impl DeviceVisitor for Bench<'_> {
+    type Out = Report;
+
+    fn visit<R: Runner>(self, runner: &R) -> Result<Report> {
+        let (cfg, options) = (self.cfg, self.options);
+        let mut run = runner.begin_run()?;
+        let mut batch = self.inputs.build(options)?;
+        let input_bytes = batch.scores.size_in_bytes();
+        // The scores are taken out of the batch so that the spec may borrow the rest while the
+        // steps own the scores' buffers.
+        let scores = std::mem::replace(&mut batch.scores, Scores::Logits(FloatData::F32(Vec::new())));
+        let dtype = scores.dtype();
+        let spec = batch.spec(options);
+        let timer = Timer { runner, spec, cfg, run: &mut run };
+        let (measured, extra) = match scores {
+            Scores::Logits(logits) => {
+                let measured = logits.visit_owned(LogitsSteps { timer })?;
+                // Measured after the steps, so that its buffers do not count in the steps' peaks.
+                let extra = logits_rows(runner.copy_bandwidth()?, input_bytes, measured.p50());
+                (measured, extra)
+            }
+            Scores::Linear(linear) => {
+                let budget = self.inputs.budget();
+                let steps = LinearSteps { timer, linear: &linear, budget, vocab: batch.vocab };
+                let measured = linear.hidden.visit(steps)?;
+                let extra = linear_rows(runner, &batch, &linear, options, input_bytes, &measured)?;
+                (measured, extra)
+            }
+        };
+        let mut rows = step_rows(cfg, &batch, dtype, &measured.times, measured.loss);
+        rows.extend(runner.memory_rows(run, measured.memory, measured.kept)?);
+        rows.extend(extra);
+        Ok(Report { rows })
+    }
+}
+
+/// The floor of a logits-level loss: the logits read once and the gradient written once, at the
+/// copy rate. The kernels read the logits twice at most (statistics, gradient) and write once.
+fn logits_rows(copy_bps: f64, input_bytes: usize, p50: f64) -> Rows {
+    let floor_s = 2.0 * input_bytes as f64 / copy_bps;
+    vec![
+        ("bench/copy_gbps", json!(copy_bps / 1e9)),
+        ("bench/floor_s", json!(floor_s)),
+        ("bench/p50_over_floor", json!(p50 / floor_s)),
+        ("bench/moved_gbps", json!(3.0 * input_bytes as f64 / p50 / 1e9)),
+        ("bench/moved_over_copy", json!(3.0 * input_bytes as f64 / p50 / copy_bps)),
+        ("mem/logits_bytes", json!(input_bytes)),
+    ]
+}
+
+/// A fused-linear loss against the device's product rate: the flops of its products (entropy:
+/// one, no gradient; sequence-level importance sampling recomputes the logits in a second pass:
+/// four; otherwise three) over the step time.
+fn linear_rows<R: Runner>(
+    runner: &R,
+    batch: &Batch,
+    linear: &LinearData,
+    options: &LossOptions,
+    input_bytes: usize,
+    measured: &Measured,
+) -> Result<Rows> {
+    let (n, h, v) = (batch.batch * batch.seq_len, linear.hidden_size, batch.vocab);
+    let grad_bytes = 4 * (n * h + v * h + if linear.bias.is_some() { v } else { 0 });
+    let products = if batch.op == Op::Entropy {
+        1.0
+    } else if options.importance_sampling_level == ImportanceSamplingLevel::Sequence {
+        4.0
+    } else {
+        3.0
+    };
+    let gflops = products * 2.0 * (n * h * v) as f64 / measured.p50() / 1e9;
+    let dtype = match linear.hidden {
+        FloatData::F32(_) => DType::F32,
+        FloatData::BF16(_) => DType::BF16,
+        FloatData::F16(_) => DType::F16,
+    };
+    let (rate, mut rows) = runner.product_rates(dtype, n, h, v)?;
+    rows.extend([
+        ("shape/hidden", json!(h)),
+        ("bench/gflops", json!(gflops)),
+        ("bench/gflops_over_matmul", json!(gflops / rate)),
+        ("mem/inputs_bytes", json!(input_bytes)),
+        ("mem/grads_bytes", json!(grad_bytes)),
+        (
+            "mem/peak_above_grads_bytes",
+            json!((measured.memory.above_start + measured.kept).saturating_sub(grad_bytes as u64)),
+        ),
+    ]);
+    Ok(rows)
+}
+
+struct Timer<'a, R: Runner> {
+    runner: &'a R,
     spec: LossSpec<'a>,
     cfg: &'a BenchConfig,
+    run: &'a mut R::Run,
 }
 
-impl Timer<'_> {
+impl<R: Runner> Timer<'_, R> {
     /// Runs `warmup + steps` steps of `step`, preceded each time by the untimed `prepare`.
     fn time<S>(
-        &self,
+        self,
         mut state: S,
-        prepare: impl Fn(&mut S),
+        prepare: impl Fn(&mut S) -> Result<()>,
         step: impl Fn(&mut S) -> Result<f64>,
         kept: usize,
     ) -> Result<Measured> {
-        let mut times = Vec::new();
-        let mut loss = None;
-        let mut peak = 0;
-        memory::reset_peak_rss();
-        let rss_before_steps = memory::rss_bytes();
-        for i in 0..self.cfg.warmup + self.cfg.steps.max(1) {
-            prepare(&mut state);
-            let live = memory::live_bytes();
-            memory::reset_peak();
-            let start = Instant::now();
-            let step_loss = step(&mut state)?;
-            let elapsed = start.elapsed().as_secs_f64();
-            peak = peak.max(memory::peak_bytes().saturating_sub(live));
-            if i >= self.cfg.warmup {
-                times.push(elapsed);
+        let (runner, cfg) = (self.runner, self.cfg);
+        let (mut times, mut loss, mut memory) = (Vec::new(), None, StepMemory::default());
+        runner.begin_steps(self.run);
+        for i in 0..cfg.warmup + cfg.steps.max(1) {
+            prepare(&mut state)?;
+            let start = runner.begin_step()?;
+            let (step_loss, seconds) = runner.time(|| step(&mut state))?;
+            memory = memory.max(runner.step_memory(start)?);
+            if i >= cfg.warmup {
+                times.push(seconds);
             }
-            if loss.is_none() || self.cfg.restore {
+            if loss.is_none() || cfg.restore {
                 loss = Some(step_loss);
             }
         }
-        let peak_rss = memory::peak_rss_bytes();
-        Ok(Measured { times, loss: loss.unwrap_or(f64::NAN), rss_before_steps, peak_rss, peak_bytes: peak + kept })
+        Ok(Measured { times, loss: loss.unwrap_or(f64::NAN), memory, kept: kept as u64 })
     }
 }
 
-impl FloatVisitorMut for Timer<'_> {
+/// The steps of a logits-level loss, on logits of any dtype.
+struct LogitsSteps<'a, R: Runner> {
+    timer: Timer<'a, R>,
+}
+
+impl<R: Runner> FloatVisitorOwned for LogitsSteps<'_, R> {
     type Out = Result<Measured>;
 
-    fn visit<T: FloatElement>(self, logits_mut: &mut [T]) -> Result<Measured> {
-        let spec = self.spec;
-        if self.cfg.implementation == BenchImpl::FusedInplace && !self.cfg.restore && spec.loss.has_gradient() {
-            return self.time(logits_mut, |_| {}, |work| Ok(forward_backward_in_place(spec, work)?.loss), 0);
+    fn visit<T: FloatElement>(self, host: Vec<T>) -> Result<Measured> {
+        let (runner, spec, cfg) = (self.timer.runner, self.timer.spec, self.timer.cfg);
+        let timer = self.timer;
+        if cfg.implementation == BenchImpl::Baseline {
+            let inputs = baseline::Inputs::new(spec, baseline::Source::logits(&host)?)?;
+            return timer.time((), |_| Ok(()), |_| Ok(inputs.value_and_grad()?.0), 0);
         }
-        let logits: &[T] = logits_mut;
+        let (len, bytes) = (host.len(), std::mem::size_of_val(host.as_slice()));
         if !spec.loss.has_gradient() {
-            return self.time((), |_| {}, |_| Ok(forward(spec, logits)?.loss), 0);
+            let logits = runner.upload(host)?;
+            return timer.time(logits, |_| Ok(()), |l| Ok(runner.forward(spec, l)?.loss), 0);
         }
-        match self.cfg.implementation {
+        match cfg.implementation {
+            // Restored before each step (untimed) from the host's pristine copy.
+            BenchImpl::FusedInplace if cfg.restore => {
+                let logits = runner.upload(host.clone())?;
+                let restore = |l: &mut R::Buffer<T>| Ok(runner.refill(&host, l)?);
+                timer.time(logits, restore, |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)
+            }
+            // Each step on the previous step's gradient (same work, no second logits-sized
+            // buffer: for shapes that would not fit twice).
+            BenchImpl::FusedInplace => {
+                let logits = runner.upload(host)?;
+                timer.time(logits, |_| Ok(()), |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)
+            }
             BenchImpl::Fused => {
                 // Filled once so the timed steps do not pay for the first touch of its pages.
-                let grad = vec![T::from_f32(1.0); logits.len()];
-                let bytes = std::mem::size_of_val(grad.as_slice());
-                self.time(grad, |_| {}, |g| Ok(forward_backward(spec, logits, g)?.loss), bytes)
+                let grad = runner.upload(vec![T::from_f32(1.0); len])?;
+                let logits = runner.upload(host)?;
+                let step =
+                    |(l, g): &mut (R::Buffer<T>, R::Buffer<T>)| Ok(runner.forward_backward(spec, l, Some(g))?.loss);
+                timer.time((logits, grad), |_| Ok(()), step, bytes)
             }
-            BenchImpl::FusedInplace => self.time(
-                logits.to_vec(),
-                |work| work.copy_from_slice(logits),
-                |work| Ok(forward_backward_in_place(spec, work)?.loss),
-                0,
-            ),
-            BenchImpl::Baseline => {
-                let inputs = baseline::Inputs::new(spec, baseline::Source::logits(logits)?)?;
-                self.time((), |_| {}, |_| Ok(inputs.value_and_grad()?.0), 0)
-            }
-            BenchImpl::FusedLinear => bail!("`impl: fused-linear` needs `hidden_size` (hidden states and an lm_head)"),
+            _ => bail!("`impl: fused-linear` needs `hidden_size` (hidden states and an lm_head)"),
         }
     }
 }
 
-/// The timer of fused-linear mode, on hidden states of any dtype.
-struct LinearTimer<'a> {
-    timer: Timer<'a>,
+/// The steps of a fused-linear loss, on hidden states of any dtype.
+struct LinearSteps<'a, R: Runner> {
+    timer: Timer<'a, R>,
     linear: &'a LinearData,
     budget: ChunkBudget,
     vocab: usize,
 }
 
-impl FloatVisitor for LinearTimer<'_> {
+impl<R: Runner> FloatVisitor for LinearSteps<'_, R> {
     type Out = Result<Measured>;
 
     fn visit<T: FloatElement>(self, hidden: &[T]) -> Result<Measured> {
-        let (spec, lin, budget) = (self.timer.spec, self.linear, self.budget);
-        let typed =
-            |d: &'_ FloatData| -> Result<Vec<T>> { Ok(T::slice_of(d).context("one dtype for all inputs")?.to_vec()) };
-        let weight = typed(&lin.weight)?;
-        let bias = lin.bias.as_ref().map(typed).transpose()?;
-        let inputs = LinearInputs { hidden, weight: &weight, bias: bias.as_deref(), hidden_size: lin.hidden_size };
+        let (runner, spec, cfg, lin, budget) =
+            (self.timer.runner, self.timer.spec, self.timer.cfg, self.linear, self.budget);
+        let timer = self.timer;
+        if cfg.implementation == BenchImpl::Baseline {
+            let typed = |d: &FloatData| T::slice_of(d).map(<[T]>::to_vec);
+            let (weight, bias) = (typed(&lin.weight).unwrap_or_default(), lin.bias.as_ref().and_then(typed));
+            let source = baseline::Source::linear(hidden, &weight, bias.as_deref(), lin.hidden_size)?;
+            let inputs = baseline::Inputs::new(spec, source)?;
+            return timer.time((), |_| Ok(()), |_| Ok(inputs.value_and_grad()?.0), 0);
+        }
+        if cfg.implementation != BenchImpl::FusedLinear {
+            bail!(
+                "`impl: {}` works on logits; with `hidden_size` use fused-linear or baseline",
+                cfg.implementation.name()
+            );
+        }
+        let buffers = LinearOnBackend::upload(runner, lin, hidden)?;
+        let inputs = buffers.inputs();
         if !spec.loss.has_gradient() {
-            return self.timer.time((), |_| {}, |_| Ok(linear_forward(spec, inputs, budget)?.loss), 0);
+            return timer.time((), |_| Ok(()), |_| Ok(runner.linear_forward(spec, inputs, budget)?.loss), 0);
         }
-        match self.timer.cfg.implementation {
-            BenchImpl::FusedLinear => {
-                // Allocated (and touched) once: the gradients are outputs a training loop keeps.
-                let (h, v) = (lin.hidden_size, self.vocab);
-                let grads =
-                    (vec![1.0f32; hidden.len()], vec![1.0f32; v * h], vec![1.0f32; if bias.is_some() { v } else { 0 }]);
-                let bytes = 4 * (grads.0.len() + grads.1.len() + grads.2.len());
-                let step = |g: &mut (Vec<f32>, Vec<f32>, Vec<f32>)| {
-                    let has_bias = !g.2.is_empty();
-                    let grads = LinearGradients {
-                        hidden: &mut g.0,
-                        weight: Some(&mut g.1),
-                        bias: has_bias.then_some(&mut g.2[..]),
-                        accumulate: false,
-                    };
-                    Ok(linear_forward_backward(spec, inputs, grads, budget)?.loss)
-                };
-                self.timer.time(grads, |_| {}, step, bytes)
-            }
-            BenchImpl::Baseline => {
-                let source = baseline::Source::linear(hidden, &weight, bias.as_deref(), lin.hidden_size)?;
-                let inputs = baseline::Inputs::new(spec, source)?;
-                self.timer.time((), |_| {}, |_| Ok(inputs.value_and_grad()?.0), 0)
-            }
-            other => bail!("`impl: {}` works on logits; with `hidden_size` use fused-linear or baseline", other.name()),
-        }
+        // Allocated (and touched) once: the gradients are outputs a training loop keeps.
+        let (h, v) = (lin.hidden_size, self.vocab);
+        let bias_len = if lin.bias.is_some() { v } else { 0 };
+        let grads = (
+            runner.upload(vec![1.0f32; hidden.len()])?,
+            runner.upload(vec![1.0f32; v * h])?,
+            if bias_len > 0 { Some(runner.upload(vec![1.0f32; bias_len])?) } else { None },
+        );
+        let bytes = 4 * (hidden.len() + v * h + bias_len);
+        let step = |g: &mut (R::Buffer<f32>, R::Buffer<f32>, Option<R::Buffer<f32>>)| {
+            let grads = LinearGradientBuffers { hidden: &mut g.0, weight: Some(&mut g.1), bias: g.2.as_mut() };
+            Ok(runner.linear_forward_backward(spec, inputs, grads, budget)?.loss)
+        };
+        timer.time(grads, |_| Ok(()), step, bytes)
     }
-}
-
-fn run(cfg: &BenchConfig, inputs: &InputSpec, options: &LossOptions) -> Result<Report> {
-    let mut batch = inputs.build(options)?;
-    let input_bytes = batch.scores.size_in_bytes();
-    // The scores are taken out of the batch so that the in-place steps may write the logits while
-    // the spec borrows the rest.
-    let mut scores = std::mem::replace(&mut batch.scores, Scores::Logits(FloatData::F32(Vec::new())));
-    let timer = Timer { spec: batch.spec(options), cfg };
-    let (measured, extra) = match &mut scores {
-        Scores::Logits(logits) => {
-            let measured = logits.visit_mut(timer)?;
-            // Measured after the steps, so that its buffers do not count in the steps' peak RSS.
-            let copy_bps = copy_bandwidth();
-            // The floor: the logits read once and the gradient written once, at the copy bandwidth.
-            let floor_s = 2.0 * input_bytes as f64 / copy_bps;
-            let p50 = measured.p50();
-            let extra = vec![
-                ("bench/copy_gbps", json!(copy_bps / 1e9)),
-                ("bench/floor_s", json!(floor_s)),
-                ("bench/p50_over_floor", json!(p50 / floor_s)),
-                ("mem/logits_bytes", json!(input_bytes)),
-            ];
-            (measured, extra)
-        }
-        Scores::Linear(linear) => {
-            let (n, h, v) = (batch.batch * batch.seq_len, linear.hidden_size, batch.vocab);
-            let lt = LinearTimer { timer, linear, budget: inputs.budget(), vocab: v };
-            let measured = linear.hidden.visit(lt)?;
-            let grad_bytes = 4 * (n * h + v * h + if linear.bias.is_some() { v } else { 0 });
-            let products = if batch.op == Op::Entropy { 1.0 } else { 3.0 };
-            let flops = products * 2.0 * (n * h * v) as f64;
-            let matmul = matmul_gflops(n.min(256), h, v);
-            // bf16 on AMX: the rate to compare with is that of the bf16 products.
-            let bf16 = linear.hidden.dtype() == safetensors::Dtype::BF16;
-            let matmul_bf16 = bf16.then(|| matmul_bf16_gflops(n.min(256), h, v)).flatten();
-            let gflops = flops / measured.p50() / 1e9;
-            let mut extra = vec![
-                ("shape/hidden", json!(h)),
-                ("bench/gflops", json!(gflops)),
-                ("bench/matmul_gflops", json!(matmul)),
-                ("bench/gflops_over_matmul", json!(gflops / matmul_bf16.unwrap_or(matmul))),
-                ("mem/inputs_bytes", json!(input_bytes)),
-                ("mem/grads_bytes", json!(grad_bytes)),
-                ("mem/peak_above_grads_bytes", json!(measured.peak_bytes.saturating_sub(grad_bytes))),
-            ];
-            if let Some(rate) = matmul_bf16 {
-                extra.push(("bench/matmul_bf16_gflops", json!(rate)));
-            }
-            (measured, extra)
-        }
-    };
-    batch.scores = scores;
-    Ok(Report::new(cfg, &batch, measured, extra))
 }
 
 /// The printed metrics.
@@ -333,7 +349,7 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 }
 
 /// The median of step times.
-pub(crate) fn median(times: &[f64]) -> f64 {
+fn median(times: &[f64]) -> f64 {
     let mut sorted = times.to_vec();
     sorted.sort_by(f64::total_cmp);
     percentile(&sorted, 0.5)
@@ -341,12 +357,7 @@ pub(crate) fn median(times: &[f64]) -> f64 {
 
 /// The rows every report starts with, on any device: what ran, the shape, the step-time
 /// statistics and the loss.
-pub(crate) fn step_rows(
-    cfg: &BenchConfig,
-    batch: &Batch,
-    times: &[f64],
-    loss: f64,
-) -> Vec<(&'static str, serde_json::Value)> {
+fn step_rows(cfg: &BenchConfig, batch: &Batch, dtype: safetensors::Dtype, times: &[f64], loss: f64) -> Rows {
     let mut sorted = times.to_vec();
     sorted.sort_by(f64::total_cmp);
     let mean = sorted.iter().sum::<f64>() / sorted.len() as f64;
@@ -356,7 +367,7 @@ pub(crate) fn step_rows(
         ("shape/batch", json!(batch.batch)),
         ("shape/seq_len", json!(batch.seq_len)),
         ("shape/vocab", json!(batch.vocab)),
-        ("shape/dtype", json!(format!("{:?}", batch.scores.dtype()).to_lowercase())),
+        ("shape/dtype", json!(format!("{dtype:?}").to_lowercase())),
         ("bench/steps", json!(sorted.len())),
         ("bench/step_s_mean", json!(mean)),
         ("bench/step_s_p50", json!(percentile(&sorted, 0.5))),
@@ -367,23 +378,6 @@ pub(crate) fn step_rows(
 }
 
 impl Report {
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn from_rows(rows: Vec<(&'static str, serde_json::Value)>) -> Self {
-        Self { rows }
-    }
-
-    fn new(cfg: &BenchConfig, batch: &Batch, m: Measured, extra: Vec<(&'static str, serde_json::Value)>) -> Self {
-        let mut rows = step_rows(cfg, batch, &m.times, m.loss);
-        rows.extend([
-            ("bench/threads", json!(rayon::current_num_threads())),
-            ("mem/peak_bytes", json!(m.peak_bytes)),
-            ("mem/peak_rss_bytes", json!(m.peak_rss)),
-            ("mem/rss_before_steps_bytes", json!(m.rss_before_steps)),
-        ]);
-        rows.extend(extra);
-        Self { rows }
-    }
-
     fn print(&self) {
         for (name, value) in &self.rows {
             match value {

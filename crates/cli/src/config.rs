@@ -61,8 +61,8 @@ pub struct ConfigArgs {
     #[arg(long)]
     pub json: bool,
     /// Where the kernels run: `cpu`, or `cuda` (GPU 0).
-    #[arg(long, value_enum, default_value_t = crate::run::Device::Cpu)]
-    pub device: crate::run::Device,
+    #[arg(long, value_enum, default_value_t = crate::device::Device::Cpu)]
+    pub device: crate::device::Device,
 }
 
 impl ConfigArgs {

@@ -8,11 +8,8 @@ mod bench_rollout_cmd;
 mod bench_trainer_cmd;
 mod config;
 #[cfg(feature = "cuda")]
-mod cuda_bench;
-#[cfg(feature = "cuda")]
 mod cuda_check_cmd;
-#[cfg(feature = "cuda")]
-mod cuda_run;
+mod device;
 mod forward_cmd;
 mod gradcheck;
 mod input_spec;

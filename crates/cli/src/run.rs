@@ -1,16 +1,17 @@
 //! Running one loss call with a chosen implementation, on logits or on hidden states and an
-//! lm_head, and what comes out of it.
+//! lm_head, on the CPU or a GPU (the same code over [`Backend`]), and what comes out of it.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use flashgrpo_kernels::linear::reference as linear_reference;
 use flashgrpo_kernels::{
-    forward, forward_backward, forward_backward_in_place, linear_forward, linear_forward_backward, reference,
-    ChunkBudget, LinearGradients, LinearInputs, LossOptions, LossOutput, LossSpec,
+    reference, Backend, ChunkBudget, LinearBuffers, LinearGradientBuffers, LossOptions, LossOutput, LossSpec,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::batch::{Batch, LinearData, Scores};
+pub use crate::device::Device;
+use crate::device::{DeviceVisitor, Runner};
 use crate::tensor_io::{FloatData, FloatElement, FloatVisitor};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize, Default)]
@@ -44,81 +45,132 @@ pub struct ReferenceResults {
     pub grads: Vec<(&'static str, Vec<f64>)>,
 }
 
-/// The streaming kernels on logits of any dtype.
-pub struct Fused<'a> {
-    pub spec: LossSpec<'a>,
-    pub in_place: bool,
+/// The streaming kernels on a backend: a copy of the inputs in its buffers, the gradients read
+/// back.
+struct KernelRun<'a> {
+    batch: &'a Batch,
+    options: &'a LossOptions,
+    in_place: bool,
+    budget: ChunkBudget,
 }
 
-impl FloatVisitor for Fused<'_> {
-    type Out = Result<(LossOutput, Option<FloatData>)>;
+impl DeviceVisitor for KernelRun<'_> {
+    type Out = Results;
 
-    fn visit<T: FloatElement>(self, logits: &[T]) -> Self::Out {
-        let spec = self.spec;
-        if !spec.loss.has_gradient() {
-            return Ok((forward(spec, logits)?, None));
+    fn visit<R: Runner>(self, backend: &R) -> Result<Results> {
+        let (batch, spec) = (self.batch, self.batch.spec(self.options));
+        let shape = [batch.batch, batch.seq_len, batch.vocab];
+        match &batch.scores {
+            Scores::Logits(logits) => logits.visit(OnLogits { backend, spec, in_place: self.in_place, shape }),
+            Scores::Linear(_) if self.in_place => {
+                bail!("`--impl fused-inplace` writes the gradient over the logits; with `hidden` and `weight` use `fused`")
+            }
+            Scores::Linear(linear) => {
+                linear.hidden.visit(OnLinear { backend, spec, linear, budget: self.budget, shape })
+            }
         }
-        let (out, grad) = if self.in_place {
-            let mut buffer = logits.to_vec();
-            let out = forward_backward_in_place(spec, &mut buffer)?;
-            (out, buffer)
-        } else {
-            let mut grad = vec![T::default(); logits.len()];
-            let out = forward_backward(spec, logits, &mut grad)?;
-            (out, grad)
-        };
-        Ok((out, Some(T::wrap(grad))))
     }
 }
 
-/// The fused-linear kernels on hidden states of any dtype (the weight and bias of the same).
-pub struct FusedLinear<'a> {
-    pub spec: LossSpec<'a>,
-    pub linear: &'a LinearData,
-    pub budget: ChunkBudget,
-    pub shape: [usize; 3],
+/// Logits of any dtype on a backend.
+struct OnLogits<'a, B> {
+    backend: &'a B,
+    spec: LossSpec<'a>,
+    in_place: bool,
+    shape: [usize; 3],
 }
 
-impl FloatVisitor for FusedLinear<'_> {
-    type Out = Result<(LossOutput, Vec<Grad>)>;
+impl<B: Backend> FloatVisitor for OnLogits<'_, B> {
+    type Out = Result<Results>;
 
-    fn visit<T: FloatElement>(self, hidden: &[T]) -> Self::Out {
-        let lin = self.linear;
-        let inputs = LinearInputs {
-            hidden,
-            weight: typed::<T>(&lin.weight),
-            bias: lin.bias.as_ref().map(typed::<T>),
-            hidden_size: lin.hidden_size,
+    fn visit<T: FloatElement>(self, host: &[T]) -> Result<Results> {
+        let (backend, spec) = (self.backend, self.spec);
+        let mut logits = backend.upload(host.to_vec())?;
+        if !spec.loss.has_gradient() {
+            return Ok(Results { output: backend.forward(spec, &logits)?, grads: Vec::new() });
+        }
+        let (output, grad) = if self.in_place {
+            (backend.forward_backward(spec, &mut logits, None)?, logits)
+        } else {
+            let mut grad = backend.zeros::<T>(host.len())?;
+            (backend.forward_backward(spec, &mut logits, Some(&mut grad))?, grad)
         };
-        if !self.spec.loss.has_gradient() {
-            return Ok((linear_forward(self.spec, inputs, self.budget)?, Vec::new()));
+        let data = T::wrap(backend.download(grad)?);
+        Ok(Results { output, grads: vec![Grad { name: "grad_logits", shape: self.shape.to_vec(), data }] })
+    }
+}
+
+/// Hidden states of any dtype (the weight and bias of the same) on a backend.
+struct OnLinear<'a, B> {
+    backend: &'a B,
+    spec: LossSpec<'a>,
+    linear: &'a LinearData,
+    budget: ChunkBudget,
+    shape: [usize; 3],
+}
+
+impl<B: Backend> FloatVisitor for OnLinear<'_, B> {
+    type Out = Result<Results>;
+
+    fn visit<T: FloatElement>(self, hidden: &[T]) -> Result<Results> {
+        let (backend, spec, lin) = (self.backend, self.spec, self.linear);
+        let buffers = LinearOnBackend::upload(backend, lin, hidden)?;
+        let inputs = buffers.inputs();
+        if !spec.loss.has_gradient() {
+            return Ok(Results { output: backend.linear_forward(spec, inputs, self.budget)?, grads: Vec::new() });
         }
         let [b, t, v] = self.shape;
         let h = lin.hidden_size;
-        let mut gh = vec![0.0f32; hidden.len()];
-        let mut gw = vec![0.0f32; v * h];
-        let mut gb = vec![0.0f32; if lin.bias.is_some() { v } else { 0 }];
-        let grads = LinearGradients {
-            hidden: &mut gh,
-            weight: Some(&mut gw),
-            bias: lin.bias.is_some().then_some(&mut gb[..]),
-            accumulate: false,
+        let (mut gh, mut gw) = (backend.zeros::<f32>(hidden.len())?, backend.zeros::<f32>(v * h)?);
+        let mut gb = match lin.bias {
+            Some(_) => Some(backend.zeros::<f32>(v)?),
+            None => None,
         };
-        let out = linear_forward_backward(self.spec, inputs, grads, self.budget)?;
+        let grads = LinearGradientBuffers { hidden: &mut gh, weight: Some(&mut gw), bias: gb.as_mut() };
+        let output = backend.linear_forward_backward(spec, inputs, grads, self.budget)?;
         let mut named = vec![
-            Grad { name: "grad_hidden", shape: vec![b, t, h], data: T::wrap_f32(&gh) },
-            Grad { name: "grad_weight", shape: vec![v, h], data: T::wrap_f32(&gw) },
+            Grad { name: "grad_hidden", shape: vec![b, t, h], data: T::wrap_f32(&backend.download(gh)?) },
+            Grad { name: "grad_weight", shape: vec![v, h], data: T::wrap_f32(&backend.download(gw)?) },
         ];
-        if lin.bias.is_some() {
-            named.push(Grad { name: "grad_bias", shape: vec![v], data: T::wrap_f32(&gb) });
+        if let Some(gb) = gb {
+            named.push(Grad { name: "grad_bias", shape: vec![v], data: T::wrap_f32(&backend.download(gb)?) });
         }
-        Ok((out, named))
+        Ok(Results { output, grads: named })
     }
 }
 
-/// The weight or bias in the hidden states' dtype (`Batch::read` and `InputSpec` give one dtype).
-fn typed<T: FloatElement>(data: &FloatData) -> &[T] {
-    T::slice_of(data).expect("the hidden states, weight and bias share one dtype")
+/// A fused-linear batch's hidden states, lm_head weight and bias in a backend's buffers.
+pub struct LinearOnBackend<B: Backend, T: FloatElement> {
+    pub hidden: B::Buffer<T>,
+    pub weight: B::Buffer<T>,
+    pub bias: Option<B::Buffer<T>>,
+    pub hidden_size: usize,
+}
+
+impl<B: Backend, T: FloatElement> LinearOnBackend<B, T> {
+    /// Copies `hidden` and `lin`'s weight and bias (one dtype: `Batch::read` and `InputSpec` give
+    /// one) into `backend`'s buffers.
+    pub fn upload(backend: &B, lin: &LinearData, hidden: &[T]) -> Result<Self> {
+        let typed = |d: &FloatData| -> Result<B::Buffer<T>> {
+            let values = T::slice_of(d).context("the hidden states, weight and bias share one dtype")?;
+            Ok(backend.upload(values.to_vec())?)
+        };
+        Ok(Self {
+            hidden: backend.upload(hidden.to_vec())?,
+            weight: typed(&lin.weight)?,
+            bias: lin.bias.as_ref().map(typed).transpose()?,
+            hidden_size: lin.hidden_size,
+        })
+    }
+
+    pub fn inputs(&self) -> LinearBuffers<'_, B, T> {
+        LinearBuffers {
+            hidden: &self.hidden,
+            weight: &self.weight,
+            bias: self.bias.as_ref(),
+            hidden_size: self.hidden_size,
+        }
+    }
 }
 
 /// Rounds an f64 tensor to the dtype of the visited one.
@@ -179,79 +231,13 @@ pub fn reference_results(batch: &Batch, options: &LossOptions) -> Result<(Result
     Ok((Results { output, grads: rounded }, ReferenceResults { output: r, grads: exact }))
 }
 
-/// Where the fused kernels run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Device {
-    #[default]
-    Cpu,
-    /// GPU 0 (feature `cuda`; needs a driver, NVRTC and, for fused-linear, cuBLAS at run time).
-    Cuda,
-}
-
-/// Runs `imp` on the batch on `device`.
+/// Runs `imp` on the batch on `device` (the reference runs on the CPU).
 pub fn run_on(device: Device, batch: &Batch, options: &LossOptions, imp: Impl, budget: ChunkBudget) -> Result<Results> {
-    match device {
-        Device::Cpu => run(batch, options, imp, budget),
-        Device::Cuda => run_on_gpu(batch, options, imp, budget),
-    }
-}
-
-impl Device {
-    /// What the device is, for reports: `cpu`, or `cuda: NAME (sm_XY)` (opening the GPU).
-    pub fn describe(self) -> Result<String> {
-        match self {
-            Device::Cpu => Ok("cpu".into()),
-            #[cfg(feature = "cuda")]
-            Device::Cuda => {
-                let gpu = crate::cuda_run::gpu()?;
-                Ok(format!("cuda: {} ({})", gpu.name, gpu.arch))
-            }
-            #[cfg(not(feature = "cuda"))]
-            Device::Cuda => bail!("this flashgrpo was built without the `cuda` feature"),
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn run_on_gpu(batch: &Batch, options: &LossOptions, imp: Impl, budget: ChunkBudget) -> Result<Results> {
-    match imp {
-        Impl::Reference => bail!("--device cuda runs the fused kernels; the reference is `--device cpu`"),
-        Impl::Fused => crate::cuda_run::run_cuda(batch, options, false, budget),
-        Impl::FusedInplace => crate::cuda_run::run_cuda(batch, options, true, budget),
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_on_gpu(_: &Batch, _: &LossOptions, _: Impl, _: ChunkBudget) -> Result<Results> {
-    bail!("this flashgrpo was built without the `cuda` feature")
-}
-
-/// Runs `imp` on the batch.
-pub fn run(batch: &Batch, options: &LossOptions, imp: Impl, budget: ChunkBudget) -> Result<Results> {
-    let spec = batch.spec(options);
     let in_place = match imp {
-        Impl::Reference => return Ok(reference_results(batch, options)?.0),
+        Impl::Reference if device == Device::Cpu => return Ok(reference_results(batch, options)?.0),
+        Impl::Reference => bail!("--device cuda runs the fused kernels; the reference is `--device cpu`"),
         Impl::Fused => false,
         Impl::FusedInplace => true,
     };
-    match &batch.scores {
-        Scores::Logits(logits) => {
-            let (output, grad) = logits.visit(Fused { spec, in_place })?;
-            let grads = grad.map(|data| Grad {
-                name: "grad_logits",
-                shape: vec![batch.batch, batch.seq_len, batch.vocab],
-                data,
-            });
-            Ok(Results { output, grads: grads.into_iter().collect() })
-        }
-        Scores::Linear(_) if in_place => {
-            bail!("`--impl fused-inplace` writes the gradient over the logits; with `hidden` and `weight` use `fused`")
-        }
-        Scores::Linear(linear) => {
-            let shape = [batch.batch, batch.seq_len, batch.vocab];
-            let (output, grads) = linear.hidden.visit(FusedLinear { spec, linear, budget, shape })?;
-            Ok(Results { output, grads })
-        }
-    }
+    device.run(KernelRun { batch, options, in_place, budget })
 }

@@ -81,14 +81,14 @@ pub trait FloatVisitor {
     fn visit<T: FloatElement>(self, logits: &[T]) -> Self::Out;
 }
 
-/// As [`FloatVisitor`], with the logits writable.
-pub trait FloatVisitorMut {
+/// As [`FloatVisitor`], taking the values (a backend keeps them as its buffer, no copy).
+pub trait FloatVisitorOwned {
     type Out;
-    fn visit<T: FloatElement>(self, logits: &mut [T]) -> Self::Out;
+    fn visit<T: FloatElement>(self, values: Vec<T>) -> Self::Out;
 }
 
 impl FloatData {
-    pub fn visit<V: FloatVisitor>(&self, visitor: V) -> V::Out {
+    pub fn visit_owned<V: FloatVisitorOwned>(self, visitor: V) -> V::Out {
         match self {
             FloatData::F32(v) => visitor.visit(v),
             FloatData::BF16(v) => visitor.visit(v),
@@ -96,7 +96,7 @@ impl FloatData {
         }
     }
 
-    pub fn visit_mut<V: FloatVisitorMut>(&mut self, visitor: V) -> V::Out {
+    pub fn visit<V: FloatVisitor>(&self, visitor: V) -> V::Out {
         match self {
             FloatData::F32(v) => visitor.visit(v),
             FloatData::BF16(v) => visitor.visit(v),

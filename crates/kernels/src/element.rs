@@ -17,11 +17,7 @@ pub enum DType {
 
 impl std::fmt::Display for DType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-        })
+        f.write_str(self.name())
     }
 }
 
@@ -41,6 +37,15 @@ impl std::str::FromStr for DType {
 }
 
 impl DType {
+    /// `f32`, `bf16` or `f16`: the configs' spelling, and the suffix of the CUDA kernels' names.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+        }
+    }
+
     /// Bytes per element.
     pub fn size_in_bytes(self) -> usize {
         match self {
@@ -72,8 +77,21 @@ macro_rules! with_element {
     };
 }
 
+/// What a GPU buffer's element must be (cudarc's `DeviceRepr` and `ValidAsZeroBits`), asked of
+/// every [`Element`] when the `cuda` feature is on: one `T: Element` bound then serves both
+/// backends of [`crate::Backend`]. Nothing without the feature.
+#[cfg(feature = "cuda")]
+pub trait DeviceElement: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {}
+#[cfg(feature = "cuda")]
+impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> DeviceElement for T {}
+/// What a GPU buffer's element must be: nothing without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub trait DeviceElement {}
+#[cfg(not(feature = "cuda"))]
+impl<T> DeviceElement for T {}
+
 /// A logits element: loaded widened to f32, stored rounded to nearest even.
-pub trait Element: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 'static {
+pub trait Element: DeviceElement + Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 'static {
     const DTYPE: DType;
     fn to_f32(self) -> f32;
     fn from_f32(value: f32) -> Self;

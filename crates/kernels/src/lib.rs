@@ -34,6 +34,7 @@
 //! assert!((out.loss + 1.0).abs() < 1e-6); // on-policy: r = 1, loss = -A
 //! ```
 
+pub mod backend;
 mod cpu;
 /// Re-exported for [`with_element!`]'s bf16 and f16.
 pub use half;
@@ -53,6 +54,7 @@ pub mod reference;
 pub mod stats;
 pub mod synthetic;
 
+pub use backend::{Backend, Cpu, LinearBuffers, LinearGradientBuffers};
 pub use cpu::isa::{with_isa, Isa};
 pub use cpu::GradientTarget;
 pub use element::{DType, Element};

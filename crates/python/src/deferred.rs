@@ -49,7 +49,11 @@ fn message(e: impl std::fmt::Display) -> String {
 ///
 /// # Safety
 /// The module's contract for `logits` (see [`crate::buffers`]).
-pub unsafe fn logits_forward(spec: LossSpec<'_>, dtype: DType, logits: Address) -> Result<(LossOutput, DeferredGradient)> {
+pub unsafe fn logits_forward(
+    spec: LossSpec<'_>,
+    dtype: DType,
+    logits: Address,
+) -> Result<(LossOutput, DeferredGradient)> {
     let prepared = PreparedLoss::new(spec).map_err(message)?;
     let vocab = spec.rows.vocab;
     let stats = with_element!(dtype, T => prepared.statistics::<T>(unsafe { logits.required()? }, 0..vocab));
@@ -194,8 +198,7 @@ impl DeferredGradient {
     #[pyo3(signature = (logits, grad, scale = 1.0, row_scale = 0))]
     fn write_logits(&self, py: Python<'_>, logits: usize, grad: usize, scale: f32, row_scale: usize) -> PyResult<()> {
         // SAFETY: the module's contract, for the length of this call.
-        py.detach(|| unsafe { self.logits_gradient(logits, grad, scale, row_scale) })
-            .map_err(error)
+        py.detach(|| unsafe { self.logits_gradient(logits, grad, scale, row_scale) }).map_err(error)
     }
 
     /// Writes the f32 gradients of a fused-linear loss times the upstream gradient into the
@@ -213,8 +216,7 @@ impl DeferredGradient {
         row_scale: usize,
     ) -> PyResult<()> {
         // SAFETY: the module's contract, for the length of this call.
-        py.detach(|| unsafe { self.linear_gradients([hidden, weight, bias], grads, scale, row_scale) })
-            .map_err(error)
+        py.detach(|| unsafe { self.linear_gradients([hidden, weight, bias], grads, scale, row_scale) }).map_err(error)
     }
 }
 

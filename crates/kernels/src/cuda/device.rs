@@ -23,27 +23,22 @@ pub const ROWS_SOURCE: &str = include_str!("rows.cu");
 /// needs a power of two (`FLASHGRPO_THREADS` in rows.cu).
 pub(crate) const THREADS: u32 = 256;
 
-/// Element types the kernels and products are instantiated for.
-pub trait CudaElement: Element + DeviceRepr + ValidAsZeroBits {
+/// Element types the kernels and products are instantiated for: every [`Element`] (which, with
+/// this feature, is a `DeviceRepr`), with its kernels' name suffix and cuBLAS's name for it.
+pub trait CudaElement: Element {
     /// The kernels' name suffix (`row_stats_f32`, ...).
     const SUFFIX: &'static str;
     /// cuBLAS's name for the type.
     const BLAS_TYPE: cudarc::cublas::sys::cudaDataType;
 }
 
-impl CudaElement for f32 {
-    const SUFFIX: &'static str = "f32";
-    const BLAS_TYPE: cudarc::cublas::sys::cudaDataType = cudarc::cublas::sys::cudaDataType::CUDA_R_32F;
-}
-
-impl CudaElement for half::f16 {
-    const SUFFIX: &'static str = "f16";
-    const BLAS_TYPE: cudarc::cublas::sys::cudaDataType = cudarc::cublas::sys::cudaDataType::CUDA_R_16F;
-}
-
-impl CudaElement for half::bf16 {
-    const SUFFIX: &'static str = "bf16";
-    const BLAS_TYPE: cudarc::cublas::sys::cudaDataType = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
+impl<T: Element> CudaElement for T {
+    const SUFFIX: &'static str = T::DTYPE.name();
+    const BLAS_TYPE: cudarc::cublas::sys::cudaDataType = match T::DTYPE {
+        crate::DType::F32 => cudarc::cublas::sys::cudaDataType::CUDA_R_32F,
+        crate::DType::F16 => cudarc::cublas::sys::cudaDataType::CUDA_R_16F,
+        crate::DType::BF16 => cudarc::cublas::sys::cudaDataType::CUDA_R_16BF,
+    };
 }
 
 /// Turns a driver error into ours, saying what was being done.
