@@ -7,13 +7,8 @@ use flashgrpo_kernels::{
     forward, forward_backward, reference, Element, IsRatio, Loss, LossOptions, LossOutput, LossSpec, PolicyInputs, Rows,
 };
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Op {
-    Grpo,
-    CrossEntropy,
-    Entropy,
-    Logprob,
-}
+/// The kernels' own op names.
+pub use flashgrpo_kernels::Op;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum MaskKind {
