@@ -2,7 +2,8 @@
 # The `flashgrpo` wheel from Python against the same kernels from Rust (`flashgrpo bench`) and
 # against the peers, in one run, the arms alternated over ROUNDS rounds (this VM's speed drifts).
 # GRPO (dapo, beta 0.04, eps 0.2 / 0.28), forward + backward, N=1024 rows, V=151936, f32:
-# - logits-level: Rust `fused` (gradient into a buffer) and `fused-inplace`; flashgrpo.torch's
+# - logits-level: Rust `fused` (gradient into a buffer reused by every step; and into a new
+#   buffer every step, `fresh_gradient`, as XLA allocates its results) and `fused-inplace`; flashgrpo.torch's
 #   `grpo_loss` with a gradient tensor and with `in_place=True`; flashgrpo.jax under
 #   jit(value_and_grad), with a new gradient buffer and in place (logits donated);
 #   flashgrpo.arrays on JAX arrays;
@@ -24,13 +25,14 @@ ours() { "$bin" bench "$@" | awk '$1 == "bench/step_s_p50" {print $2}'; }
 peer() { "$python" bench/peers/peer_loss.py "$@" | "$python" -c 'import json, sys; print(json.load(sys.stdin)["step_s_p50"])'; }
 logits=(--config configs/bench-grpo-n1024-f32.yaml)
 declare -A times
-order=(rust-fused python-torch rust-fused-inplace python-torch-inplace python-jax python-jax-inplace python-jax-arrays
+order=(rust-fused rust-fused-fresh python-torch rust-fused-inplace python-torch-inplace python-jax python-jax-inplace python-jax-arrays
        torch-eager torch-compile jax
        rust-fused-linear python-torch-fused-linear liger-fused-linear torch-eager-fused-linear)
 for r in $(seq "$rounds"); do
   for arm in "${order[@]}"; do
     case $arm in
       rust-fused) t=$(ours "${logits[@]}" --set impl=fused) ;;
+      rust-fused-fresh) t=$(ours "${logits[@]}" --set impl=fused --set fresh_gradient=true) ;;
       rust-fused-inplace) t=$(ours "${logits[@]}" --set impl=fused-inplace) ;;
       python-torch) t=$(peer --framework flashgrpo-torch --steps 10) ;;
       python-torch-inplace) t=$(peer --framework flashgrpo-torch-inplace --steps 10) ;;
@@ -56,7 +58,7 @@ for arm in "${order[@]}"; do
   echo "$arm step_s median ${median[$arm]} (rounds:${times[$arm]})"
 done
 for pair in "python-torch rust-fused" "python-torch-inplace rust-fused-inplace" \
-            "python-jax rust-fused" "python-jax-inplace rust-fused-inplace" "python-jax-arrays rust-fused" \
+            "python-jax rust-fused" "python-jax rust-fused-fresh" "python-jax-inplace rust-fused-inplace" "python-jax-arrays rust-fused" \
             "python-torch-fused-linear rust-fused-linear"; do
   set -- $pair
   awk -v a="${median[$1]}" -v b="${median[$2]}" -v n="$1 vs $2" 'BEGIN {printf "boundary %s: %+.1f%%\n", n, 100 * (a / b - 1)}'

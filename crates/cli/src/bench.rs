@@ -60,11 +60,22 @@ pub struct BenchConfig {
     /// steps run on the previous step's gradient (same work, no second logits-sized buffer: for
     /// shapes that would not fit twice); the reported loss is then the first step's.
     pub restore: bool,
+    /// fused: a new gradient buffer every step, allocated in the timed step and freed after it, as
+    /// a framework that allocates its results does (XLA): the step then pays for the buffer's
+    /// first touch. Off: one buffer, allocated and touched once, reused.
+    pub fresh_gradient: bool,
 }
 
 impl Default for BenchConfig {
     fn default() -> Self {
-        Self { implementation: BenchImpl::FusedInplace, warmup: 2, steps: 10, threads: None, restore: true }
+        Self {
+            implementation: BenchImpl::FusedInplace,
+            warmup: 2,
+            steps: 10,
+            threads: None,
+            restore: true,
+            fresh_gradient: false,
+        }
     }
 }
 
@@ -275,6 +286,16 @@ impl<R: Runner> FloatVisitorOwned for LogitsSteps<'_, R> {
             BenchImpl::FusedInplace => {
                 let logits = runner.upload(host)?;
                 timer.time(logits, |_| Ok(()), |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)
+            }
+            BenchImpl::Fused if cfg.fresh_gradient => {
+                // The previous step's buffer is freed untimed, before the next step.
+                let state = (runner.upload(host)?, None);
+                let free = |(_, g): &mut (R::Buffer<T>, Option<R::Buffer<T>>)| Ok(*g = None);
+                let step = |(l, g): &mut (R::Buffer<T>, Option<R::Buffer<T>>)| {
+                    let grad = g.insert(runner.zeros::<T>(len)?);
+                    Ok(runner.forward_backward(spec, l, Some(grad))?.loss)
+                };
+                timer.time(state, free, step, 0)
             }
             BenchImpl::Fused => {
                 // Filled once so the timed steps do not pay for the first touch of its pages.
