@@ -115,6 +115,18 @@ pub struct LogitsCall<'a> {
 }
 
 impl LogitsCall<'_> {
+    /// Steps 1 and 2 only; the gradient (`grad` and `in_place` unused) left for the backward.
+    ///
+    /// # Safety
+    /// The module's contract for every address.
+    pub unsafe fn run_deferred(self) -> Result<(LossOutput, DeferredGradient)> {
+        let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
+        let options = parse_options(self.options)?;
+        let spec = unsafe { self.rows.spec(op, &options)? };
+        let logits = Address::new("logits", self.logits, self.rows.rows() * self.rows.vocab);
+        unsafe { deferred::logits_forward(spec, dtype, logits) }
+    }
+
     /// # Safety
     /// The module's contract (see [`crate::buffers`]) for every address; `grad` does not overlap
     /// the logits.
@@ -160,14 +172,9 @@ pub fn loss_deferred(
     rows: RowAddresses,
     options: &str,
 ) -> PyResult<(LossResult, DeferredGradient)> {
-    let run = || -> Result<(LossOutput, DeferredGradient)> {
-        let (op, dtype) = parse_op_and_dtype(op, dtype)?;
-        let options = parse_options(options)?;
-        // SAFETY: the module's contract, for the length of this call.
-        let spec = unsafe { rows.spec(op, &options)? };
-        let logits = Address::new("logits", logits, rows.rows() * rows.vocab);
-        unsafe { deferred::logits_forward(spec, dtype, logits) }
-    };
+    let call = LogitsCall { op, dtype, options, rows, logits, grad: 0, in_place: false };
+    // SAFETY: the module's contract, for the length of this call.
+    let run = || unsafe { call.run_deferred() };
     let (output, gradient) = py.detach(run).map_err(PyValueError::new_err)?;
     Ok((LossResult::new(output), gradient))
 }
@@ -217,26 +224,52 @@ pub struct LinearCall<'a> {
     pub chunk_memory_mb: usize,
 }
 
+/// The buffers of a fused-linear loss (`names`: hidden states, weight, bias, or their gradients)
+/// over `rows` rows, a vocabulary of `vocab` and hidden size `hidden_size`.
+pub fn linear_addresses(
+    names: [&'static str; 3],
+    addresses: [usize; 3],
+    rows: usize,
+    vocab: usize,
+    hidden_size: usize,
+) -> [Address; 3] {
+    let lens = [rows * hidden_size, vocab * hidden_size, vocab];
+    std::array::from_fn(|i| Address::new(names[i], addresses[i], lens[i]))
+}
+
+/// The names of a fused-linear loss's inputs and of their gradients.
+pub const LINEAR_INPUTS: [&str; 3] = ["hidden", "weight", "bias"];
+pub const LINEAR_GRADIENTS: [&str; 3] = ["grad_hidden", "grad_weight", "grad_bias"];
+
 impl LinearCall<'_> {
+    fn inputs(&self) -> [Address; 3] {
+        let addresses = [self.hidden, self.weight, self.bias];
+        linear_addresses(LINEAR_INPUTS, addresses, self.rows.rows(), self.rows.vocab, self.hidden_size)
+    }
+
     /// # Safety
     /// The module's contract for every address; no gradient buffer overlaps another buffer.
     pub unsafe fn run(self) -> Result<LossOutput> {
         let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
         let options = parse_options(self.options)?;
-        let (n, v, h, g) = (self.rows.rows(), self.rows.vocab, self.hidden_size, self.grads);
-        let inputs = [
-            Address::new("hidden", self.hidden, n * h),
-            Address::new("weight", self.weight, v * h),
-            Address::new("bias", self.bias, v),
-        ];
-        let gradients = [
-            Address::new("grad_hidden", g.hidden, n * h),
-            Address::new("grad_weight", g.weight, v * h),
-            Address::new("grad_bias", g.bias, v),
-        ];
+        let (h, g) = (self.hidden_size, self.grads);
+        let gradients =
+            linear_addresses(LINEAR_GRADIENTS, [g.hidden, g.weight, g.bias], self.rows.rows(), self.rows.vocab, h);
         let budget = ChunkBudget::from_mb(self.chunk_memory_mb);
         let spec = unsafe { self.rows.spec(op, &options)? };
-        with_element!(dtype, T => unsafe { linear_call::<T>(spec, inputs, h, gradients, g.accumulate, budget) })
+        with_element!(dtype, T => unsafe { linear_call::<T>(spec, self.inputs(), h, gradients, g.accumulate, budget) })
+    }
+
+    /// Steps 1 and 2 only; the gradients (`grads` unused) left for the backward.
+    ///
+    /// # Safety
+    /// The module's contract for every address.
+    pub unsafe fn run_deferred(self) -> Result<(LossOutput, DeferredGradient)> {
+        let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
+        let options = parse_options(self.options)?;
+        let spec = unsafe { self.rows.spec(op, &options)? };
+        let budget = ChunkBudget::from_mb(self.chunk_memory_mb);
+        unsafe { deferred::linear_forward(spec, dtype, self.inputs(), self.hidden_size, budget) }
     }
 }
 
@@ -280,19 +313,10 @@ pub fn linear_loss_deferred(
     options: &str,
     chunk_memory_mb: usize,
 ) -> PyResult<(LossResult, DeferredGradient)> {
-    let run = || -> Result<(LossOutput, DeferredGradient)> {
-        let (op, dtype) = parse_op_and_dtype(op, dtype)?;
-        let options = parse_options(options)?;
-        let (n, v, h) = (rows.rows(), rows.vocab, hidden_size);
-        let inputs = [
-            Address::new("hidden", hidden, n * h),
-            Address::new("weight", weight, v * h),
-            Address::new("bias", bias, v),
-        ];
-        // SAFETY: the module's contract, for the length of this call.
-        let spec = unsafe { rows.spec(op, &options)? };
-        unsafe { deferred::linear_forward(spec, dtype, inputs, h, ChunkBudget::from_mb(chunk_memory_mb)) }
-    };
+    let grads = GradientAddresses { hidden: 0, weight: 0, bias: 0, accumulate: false };
+    let call = LinearCall { op, dtype, options, rows, hidden, weight, bias, hidden_size, grads, chunk_memory_mb };
+    // SAFETY: the module's contract, for the length of this call.
+    let run = || unsafe { call.run_deferred() };
     let (output, gradient) = py.detach(run).map_err(PyValueError::new_err)?;
     Ok((LossResult::new(output), gradient))
 }

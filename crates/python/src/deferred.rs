@@ -21,7 +21,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::buffers::{Address, Result};
-use crate::call::GradientAddresses;
+use crate::call::{linear_addresses, GradientAddresses, LINEAR_GRADIENTS, LINEAR_INPUTS};
 
 /// Where the scores of a deferred loss come from.
 #[derive(Debug, Clone, Copy)]
@@ -171,16 +171,12 @@ impl DeferredGradient {
         };
         let rows = unsafe { self.scaled_rows(scale, row_scale)? };
         let (n, v, h) = (self.rows(), self.vocab, hidden_size);
-        let inputs = [
-            Address::new("hidden", inputs[0], n * h),
-            Address::new("weight", inputs[1], v * h),
-            Address::new("bias", inputs[2], v),
-        ];
-        let hidden_grad = unsafe { Address::new("grad_hidden", grads.hidden, n * h).slice_mut::<f32>()? };
+        let inputs = linear_addresses(LINEAR_INPUTS, inputs, n, v, h);
+        let [gh, gw, gb] = linear_addresses(LINEAR_GRADIENTS, [grads.hidden, grads.weight, grads.bias], n, v, h);
         let gradients = LinearGradients {
-            hidden: hidden_grad.ok_or_else(|| message("`grad_hidden` is required"))?,
-            weight: unsafe { Address::new("grad_weight", grads.weight, v * h).slice_mut()? },
-            bias: unsafe { Address::new("grad_bias", grads.bias, v).slice_mut()? },
+            hidden: unsafe { gh.slice_mut::<f32>()? }.ok_or_else(|| message("`grad_hidden` is required"))?,
+            weight: unsafe { gw.slice_mut()? },
+            bias: unsafe { gb.slice_mut()? },
             accumulate: grads.accumulate,
         };
         let prepared = PreparedLinearLoss::new(self.inputs.spec(v), budget).map_err(message)?;

@@ -180,10 +180,7 @@ class _KernelGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, upstream):
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:
-            raise RuntimeError("flashgrpo: this loss's gradient was already used; backward through it twice "
-                               "(retain_graph=True) is not supported")
+        grads = _take_once(ctx, "grads")
         if ctx.sequences is not None and ctx.per_row == "rows":
             _check_uniform_per_sequence(upstream.detach().to(torch.float32).reshape(-1), ctx.sequences)
         out = []
@@ -192,6 +189,17 @@ class _KernelGradients(torch.autograd.Function):
                 grad = _scaled(grad, upstream, ctx.per_row).to(dtype)
             out.append(grad)
         return (None, None, None, None, *out)
+
+
+def _take_once(ctx, name):
+    """What the forward left in ``ctx.<name>`` for the one backward (then forgotten, so that the
+    gradient buffers are freed with the graph)."""
+    value = getattr(ctx, name)
+    if value is None:
+        raise RuntimeError("flashgrpo: this loss's gradient was already used; backward through it twice "
+                           "(retain_graph=True) is not supported")
+    setattr(ctx, name, None)
+    return value
 
 
 def _scaled(grad, upstream, per_row):
@@ -221,10 +229,7 @@ class _DeferredGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, upstream):
-        pending, ctx.pending = ctx.pending, None
-        if pending is None:
-            raise RuntimeError("flashgrpo: this loss's gradient was already used; backward through it twice "
-                               "(retain_graph=True) is not supported")
+        pending = _take_once(ctx, "pending")
         ctx.saved_tensors  # noqa: B018 -- raises if an input was modified in place since the forward
         scale, row_scale = 1.0, None
         if ctx.per_row:
