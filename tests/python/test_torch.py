@@ -376,6 +376,17 @@ def check_triton_per_token():
         CHECKS[0] += 1
         if x.grad[:, L].abs().max() != 0 or x.grad.dtype != logits.dtype:
             FAILURES.append(f"{case}: gradient at the unscored position, or of dtype {x.grad.dtype}")
+    expect_error("reduce=False with a loss type that mixes tokens", ValueError, ["geo_mean", "reduce=True"],
+                 lambda: ft.triton_grpo_loss(torch.randn(B, L + 1, V), None, None, ids, adv, mask, beta=0.0,
+                                             loss_type="geo_mean"))
+    x = torch.randn(B, L + 1, V, requires_grad=True)
+    loss, _, _ = ft.triton_grpo_loss(x, None, None, ids, adv, mask, beta=0.0)
+    dy = torch.rand(B, L)
+    dy[mask == 0] = float("inf")  # an upstream on masked tokens writes nothing there
+    loss.backward(dy)
+    CHECKS[0] += 1
+    if not torch.isfinite(x.grad).all():
+        FAILURES.append("triton_grpo_loss in place: an infinite upstream on masked tokens made the gradient non-finite")
     x = torch.randn(B, L + 1, V, requires_grad=True)
     loss, _, _ = ft.triton_grpo_loss(x, None, None, ids, adv, mask, beta=0.0, importance_sampling_level="sequence")
     expect_error("sequence level, per-token upstream not uniform in a sequence", NotImplementedError,
@@ -474,6 +485,11 @@ def check_errors():
                  lambda: ft.fused_linear_grpo_loss(torch.randn(2, 3, 4), torch.randn(10, 5), targets, adv))
     expect_error("Liger option we lack", NotImplementedError, ["softcap"],
                  lambda: ft.FusedLinearCrossEntropyLoss(softcap=30.0))
+    expect_error("use_ref_model without a reference", ValueError, ["use_ref_model", "ref_input"],
+                 lambda: ft.FusedLinearGRPOLoss(use_ref_model=True)(
+                     torch.randn(2, 3, 4), torch.randn(10, 4), targets, torch.ones(2, 3), adv))
+    expect_error("Liger's constructor checks", ValueError, ["sapo_temperature_neg"],
+                 lambda: ft.FusedLinearGRPOLoss(sapo_temperature_neg=0.0))
 
 
 def main():

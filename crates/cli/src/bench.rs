@@ -4,7 +4,7 @@
 //! a GPU: one bench over [`Runner`], which says how each device times a step and counts its
 //! memory.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use flashgrpo_kernels::{
     ChunkBudget, DType, ImportanceSamplingLevel, LinearGradientBuffers, LossOptions, LossSpec, Op,
 };
@@ -142,24 +142,26 @@ impl DeviceVisitor for Bench<'_> {
         let dtype = scores.dtype();
         let spec = batch.spec(options);
         let timer = Timer { runner, spec, cfg, run: &mut run };
-        let (measured, extra) = match scores {
-            Scores::Logits(logits) => {
-                let measured = logits.visit_owned(LogitsSteps { timer })?;
-                // Measured after the steps, so that its buffers do not count in the steps' peaks.
-                let extra = logits_rows(runner.copy_bandwidth()?, input_bytes, measured.p50());
-                (measured, extra)
-            }
+        let (measured, linear) = match scores {
+            Scores::Logits(logits) => (logits.visit_owned(LogitsSteps { timer })?, None),
             Scores::Linear(linear) => {
                 let budget = self.inputs.budget();
                 let steps = LinearSteps { timer, linear: &linear, budget, vocab: batch.vocab };
-                let measured = linear.hidden.visit(steps)?;
-                let extra = linear_rows(runner, &batch, &linear, options, input_bytes, &measured)?;
-                (measured, extra)
+                (linear.hidden.visit(steps)?, Some(linear))
             }
         };
         let mut rows = step_rows(cfg, &batch, dtype, &measured.times, measured.loss);
-        rows.extend(runner.memory_rows(run, measured.memory, measured.kept)?);
-        rows.extend(extra);
+        // Read before the rates below are measured, so that their buffers do not count.
+        rows.extend(runner.memory_rows(run, measured.memory, measured.kept, input_bytes as u64)?);
+        rows.extend(match linear {
+            None => {
+                let copy_bps = runner.copy_bandwidth()?;
+                let mut extra = logits_rows(copy_bps, input_bytes, measured.p50());
+                extra.extend(runner.traffic_rows(input_bytes as u64, measured.p50(), copy_bps));
+                extra
+            }
+            Some(linear) => linear_rows(runner, &batch, &linear, options, input_bytes, &measured)?,
+        });
         Ok(Report { rows })
     }
 }
@@ -172,8 +174,6 @@ fn logits_rows(copy_bps: f64, input_bytes: usize, p50: f64) -> Rows {
         ("bench/copy_gbps", json!(copy_bps / 1e9)),
         ("bench/floor_s", json!(floor_s)),
         ("bench/p50_over_floor", json!(p50 / floor_s)),
-        ("bench/moved_gbps", json!(3.0 * input_bytes as f64 / p50 / 1e9)),
-        ("bench/moved_over_copy", json!(3.0 * input_bytes as f64 / p50 / copy_bps)),
         ("mem/logits_bytes", json!(input_bytes)),
     ]
 }
@@ -326,8 +326,8 @@ impl<R: Runner> FloatVisitor for LinearSteps<'_, R> {
             (self.timer.runner, self.timer.spec, self.timer.cfg, self.linear, self.budget);
         let timer = self.timer;
         if cfg.implementation == BenchImpl::Baseline {
-            let typed = |d: &FloatData| T::slice_of(d).map(<[T]>::to_vec);
-            let (weight, bias) = (typed(&lin.weight).unwrap_or_default(), lin.bias.as_ref().and_then(typed));
+            let typed = |d: &FloatData| T::slice_of(d).map(<[T]>::to_vec).context("one dtype for all inputs");
+            let (weight, bias) = (typed(&lin.weight)?, lin.bias.as_ref().map(typed).transpose()?);
             let source = baseline::Source::linear(hidden, &weight, bias.as_deref(), lin.hidden_size)?;
             let inputs = baseline::Inputs::new(spec, source)?;
             return timer.time((), |_| Ok(()), |_| Ok(inputs.value_and_grad()?.0), 0);

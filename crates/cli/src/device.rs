@@ -67,9 +67,17 @@ pub trait Runner: Backend {
     /// The step's memory, from the mark of [`begin_step`](Self::begin_step).
     fn step_memory(&self, start: u64) -> Result<StepMemory>;
 
-    /// The run's memory rows: `steps` over all steps, `kept` the bytes of buffers the timed
-    /// implementation keeps between steps (gradient buffers).
-    fn memory_rows(&self, run: Self::Run, steps: StepMemory, kept: u64) -> Result<Rows>;
+    /// The run's memory rows, read right after the steps: `steps` over all steps, `kept` the
+    /// bytes of buffers the timed implementation keeps between steps (gradient buffers), `inputs`
+    /// the bytes of the inputs (logits, or hidden states and lm_head).
+    fn memory_rows(&self, run: Self::Run, steps: StepMemory, kept: u64, inputs: u64) -> Result<Rows>;
+
+    /// Rows on the memory traffic of a logits-level step of `p50` seconds, where the backend
+    /// knows how many logits-sized transfers its kernels make.
+    fn traffic_rows(&self, inputs: u64, p50: f64, copy_bps: f64) -> Rows {
+        let _ = (inputs, p50, copy_bps);
+        Vec::new()
+    }
 
     /// Bytes per second of a large copy (read + written): the streaming rate.
     fn copy_bandwidth(&self) -> Result<f64>;
@@ -150,7 +158,7 @@ impl Runner for Cpu {
         Ok(StepMemory { above_start: (memory::peak_bytes() as u64).saturating_sub(start), high_water: None })
     }
 
-    fn memory_rows(&self, run: CpuRun, steps: StepMemory, kept: u64) -> Result<Rows> {
+    fn memory_rows(&self, run: CpuRun, steps: StepMemory, kept: u64, _inputs: u64) -> Result<Rows> {
         Ok(vec![
             ("bench/threads", json!(rayon::current_num_threads())),
             ("mem/peak_bytes", json!(steps.above_start + kept)),
@@ -253,14 +261,25 @@ mod gpu {
             Ok(StepMemory { above_start: high.saturating_sub(start), high_water: Some(high) })
         }
 
-        fn memory_rows(&self, run: GpuRun, steps: StepMemory, _kept: u64) -> Result<Rows> {
+        fn memory_rows(&self, run: GpuRun, steps: StepMemory, _kept: u64, inputs: u64) -> Result<Rows> {
             let free = self.memory()?.free;
+            let peak = steps.high_water.unwrap_or(0);
             Ok(vec![
                 ("bench/device", json!(format!("cuda: {} ({})", self.name, self.arch))),
-                ("mem/peak_bytes", json!(steps.high_water.unwrap_or(0))),
+                ("mem/peak_bytes", json!(peak)),
+                ("mem/peak_above_inputs_bytes", json!(peak.saturating_sub(inputs))),
                 ("mem/step_extra_bytes", json!(steps.above_start)),
                 ("mem/free_drop_bytes", json!(run.free_before.saturating_sub(free))),
             ])
+        }
+
+        /// The kernels read the logits twice (statistics, gradient) and write once.
+        fn traffic_rows(&self, inputs: u64, p50: f64, copy_bps: f64) -> Rows {
+            let moved = 3.0 * inputs as f64;
+            vec![
+                ("bench/moved_gbps", json!(moved / p50 / 1e9)),
+                ("bench/moved_over_copy", json!(moved / p50 / copy_bps)),
+            ]
         }
 
         /// A device-to-device copy of 1 GiB, median of ten.

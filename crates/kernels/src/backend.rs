@@ -194,6 +194,9 @@ mod on_gpu {
         }
 
         fn refill<T: Element>(&self, host: &[T], buffer: &mut CudaSlice<T>) -> Result<(), LossError> {
+            if host.len() != buffer.len() {
+                return Err(LossError::GradientBuffer { got: buffer.len(), expected: host.len() });
+            }
             self.stream().memcpy_htod(host, buffer).map_err(|e| LossError::Cuda(format!("copying to the GPU: {e:?}")))
         }
 

@@ -37,7 +37,7 @@ pub struct DeferredGradient {
     dtype: DType,
     vocab: usize,
     scores: Scores,
-    /// Taken by the one backward that writes the gradient.
+    /// Forgotten once the one backward has written the gradient.
     rows: Mutex<Option<Vec<RowGradient>>>,
 }
 
@@ -116,24 +116,38 @@ impl DeferredGradient {
     }
 
     /// The row gradients times the upstream gradient: `scale`, times `row_scale[i]` for row `i`
-    /// when given (an f32 buffer of `N`).
+    /// when given (an f32 buffer of `N`). Rows without a gradient (masked) stay zero whatever
+    /// their upstream (an infinite or NaN upstream on a masked row writes no NaN). The kept rows
+    /// are forgotten by [`written`](Self::written) only once the gradient is written, so a
+    /// backward that fails on its inputs can be retried.
     ///
     /// # Safety
     /// The module's contract for `row_scale`.
     unsafe fn scaled_rows(&self, scale: f32, row_scale: usize) -> Result<Vec<RowGradient>> {
-        let taken = self.rows.lock().map_err(|_| message("a previous backward panicked"))?.take();
-        let mut rows = taken.ok_or_else(|| {
+        let kept = self.rows.lock().map_err(|_| message("a previous backward panicked"))?;
+        let rows = kept.as_ref().ok_or_else(|| {
             message(
                 "this loss's gradient was already written; backward through it twice (retain_graph=True) is not \
                  supported",
             )
         })?;
         let per_row = unsafe { Address::new("row_scale", row_scale, self.rows()).slice::<f32>()? };
-        for (i, g) in rows.iter_mut().enumerate() {
+        let scaled = rows.iter().enumerate().map(|(i, g)| {
             let k = scale * per_row.map_or(1.0, |s| s[i]);
-            (g.a, g.b, g.c, g.d) = (g.a * k, g.b * k, g.c * k, g.d * k);
+            if g.is_zero() {
+                *g
+            } else {
+                RowGradient { a: g.a * k, b: g.b * k, c: g.c * k, d: g.d * k, ..*g }
+            }
+        });
+        Ok(scaled.collect())
+    }
+
+    /// Forgets the row gradients: the gradient has been written.
+    fn written(&self) {
+        if let Ok(mut kept) = self.rows.lock() {
+            *kept = None;
         }
-        Ok(rows)
     }
 
     /// # Safety
@@ -154,7 +168,9 @@ impl DeferredGradient {
                 ),
             };
             prepared.gradient(target, 0..self.vocab, &rows).map_err(message)
-        })
+        })?;
+        self.written();
+        Ok(())
     }
 
     /// # Safety
@@ -183,7 +199,9 @@ impl DeferredGradient {
         with_element!(self.dtype, T => {
             let shard = unsafe { linear_inputs::<T>(inputs, h)? };
             prepared.gradient(shard, 0..v, &rows, gradients).map_err(message)
-        })
+        })?;
+        self.written();
+        Ok(())
     }
 }
 

@@ -238,10 +238,11 @@ class _DeferredGradients(torch.autograd.Function):
                 _check_uniform_per_sequence(row_scale, ctx.sequences)
         else:
             scale = float(upstream)
-        if len(ctx.scores) == 1:
-            grads = [_write_logits_gradient(pending, ctx.scores[0], ctx.in_place, scale, row_scale)]
+        scores = _take_once(ctx, "scores")
+        if len(scores) == 1:
+            grads = [_write_logits_gradient(pending, scores[0], ctx.in_place, scale, row_scale)]
         else:
-            grads = _write_linear_gradients(pending, ctx.scores, ctx.wants, scale, row_scale)
+            grads = _write_linear_gradients(pending, scores, ctx.wants, scale, row_scale)
         out = [None if g is None or not want else g.to(dtype)
                for g, want, dtype in zip(grads, ctx.wants, ctx.dtypes)]
         return (None, None, None, None, None, None, *out)
@@ -451,8 +452,8 @@ def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.
 
 
 def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, chunk_memory_mb=None):
-    """Per-token log-probabilities of ``targets`` under ``hidden @ weight^T + bias``; differentiable
-    with a uniform upstream gradient (e.g. through ``.sum()``)."""
+    """Per-token log-probabilities of ``targets`` under ``hidden @ weight^T + bias``, differentiable
+    per token (the gradients are written in the backward, where each token's upstream is known)."""
     value, _ = _linear_call("logprob", hidden, weight, bias, dict(temperature=temperature), per_row="logp",
                             out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb, targets=targets)
     return value
@@ -513,7 +514,10 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                 vllm_is_ratio=None, num_items_in_batch=None):
         if not self.use_ref_model:
             ref_per_token_logps = None  # Liger ignores a reference it was told not to use
-        elif ref_per_token_logps is None and ref_input is not None:
+        elif ref_per_token_logps is None and ref_input is None:
+            raise ValueError("FusedLinearGRPOLoss(use_ref_model=True) needs `ref_per_token_logps` or `ref_input` "
+                             "(as Liger's); without a reference model pass use_ref_model=False")
+        elif ref_per_token_logps is None:
             with torch.no_grad():
                 ref_per_token_logps = fused_linear_logprob(
                     ref_input, lin_weight if ref_weight is None else ref_weight, selected_token_ids,
@@ -564,6 +568,11 @@ def _check_liger_options(sapo_temperature_pos, sapo_temperature_neg, delta):
         raise ValueError(f"delta must be positive, got {delta}")
 
 
+# Loss types whose per-token loss has a gradient of its own token's row (the objective's
+# `token-sum` reduction gives it; sequence-level importance sampling aside, handled by the backward).
+_PER_TOKEN_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "gpg")
+
+
 def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, completion_mask=None, temperature=0.9,
                      beta=0.04, eps_low=0.2, eps_high=0.4, inplace=True, loss_type="dapo", max_completion_length=None,
                      importance_sampling_level="token", reduce=False, sapo_temperature_pos=1.0,
@@ -602,6 +611,10 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
                    vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
                    vespo_lambda_neg=vespo_lambda_neg)
     per_row = None
+    if not reduce and loss_type not in _PER_TOKEN_LOSS_TYPES:
+        raise ValueError(f"triton_grpo_loss(reduce=False) returns per-token losses of the loss types "
+                         f"{', '.join(_PER_TOKEN_LOSS_TYPES)}; `{loss_type}` mixes the tokens of a sequence "
+                         f"(use reduce=True)")
     if not reduce:  # each token's own loss, its gradient scaled in the backward by that token's upstream
         options["loss_agg_mode"] = "token-sum"
         per_row = "per_token_loss"
