@@ -290,7 +290,10 @@ impl<R: Runner> FloatVisitorOwned for LogitsSteps<'_, R> {
             BenchImpl::Fused if cfg.fresh_gradient => {
                 // The previous step's buffer is freed untimed, before the next step.
                 let state = (runner.upload(host)?, None);
-                let free = |(_, g): &mut (R::Buffer<T>, Option<R::Buffer<T>>)| Ok(*g = None);
+                let free = |(_, g): &mut (R::Buffer<T>, Option<R::Buffer<T>>)| {
+                    *g = None;
+                    Ok(())
+                };
                 let step = |(l, g): &mut (R::Buffer<T>, Option<R::Buffer<T>>)| {
                     let grad = g.insert(runner.zeros::<T>(len)?);
                     Ok(runner.forward_backward(spec, l, Some(grad))?.loss)
@@ -308,6 +311,13 @@ impl<R: Runner> FloatVisitorOwned for LogitsSteps<'_, R> {
             _ => bail!("`impl: fused-linear` needs `hidden_size` (hidden states and an lm_head)"),
         }
     }
+}
+
+/// A fused-linear loss's f32 gradient buffers on a backend, kept across steps.
+struct GradientBuffers<R: Runner> {
+    hidden: R::Buffer<f32>,
+    weight: R::Buffer<f32>,
+    bias: Option<R::Buffer<f32>>,
 }
 
 /// The steps of a fused-linear loss, on hidden states of any dtype.
@@ -346,14 +356,15 @@ impl<R: Runner> FloatVisitor for LinearSteps<'_, R> {
         // Allocated (and touched) once: the gradients are outputs a training loop keeps.
         let (h, v) = (lin.hidden_size, self.vocab);
         let bias_len = if lin.bias.is_some() { v } else { 0 };
-        let grads = (
-            runner.upload(vec![1.0f32; hidden.len()])?,
-            runner.upload(vec![1.0f32; v * h])?,
-            if bias_len > 0 { Some(runner.upload(vec![1.0f32; bias_len])?) } else { None },
-        );
+        let grads = GradientBuffers::<R> {
+            hidden: runner.upload(vec![1.0f32; hidden.len()])?,
+            weight: runner.upload(vec![1.0f32; v * h])?,
+            bias: if bias_len > 0 { Some(runner.upload(vec![1.0f32; bias_len])?) } else { None },
+        };
         let bytes = 4 * (hidden.len() + v * h + bias_len);
-        let step = |g: &mut (R::Buffer<f32>, R::Buffer<f32>, Option<R::Buffer<f32>>)| {
-            let grads = LinearGradientBuffers { hidden: &mut g.0, weight: Some(&mut g.1), bias: g.2.as_mut() };
+        let step = |g: &mut GradientBuffers<R>| {
+            let grads =
+                LinearGradientBuffers { hidden: &mut g.hidden, weight: Some(&mut g.weight), bias: g.bias.as_mut() };
             Ok(runner.linear_forward_backward(spec, inputs, grads, budget)?.loss)
         };
         timer.time(grads, |_| Ok(()), step, bytes)
