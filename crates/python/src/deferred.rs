@@ -175,7 +175,7 @@ impl DeferredGradient {
 
     /// # Safety
     /// The module's contract; no gradient buffer overlaps another buffer.
-    unsafe fn linear_gradients(
+    pub(crate) unsafe fn linear_gradients(
         &self,
         inputs: [usize; 3],
         grads: GradientAddresses,

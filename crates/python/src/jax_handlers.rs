@@ -11,6 +11,8 @@
 //! (float32 `[B*T]`, zeros where the op computes none), then, in the `_grad` variants, the
 //! gradient: of the logits (their dtype and shape), or of hidden, weight and bias (float32). A
 //! logits gradient aliased to the logits (`input_output_aliases`) is written over them.
+//! `flashgrpo_linear_rows_grad`, the backward of a fused-linear per-token output, takes the
+//! cotangent after the per-row inputs and returns only the three gradients.
 
 use std::ffi::c_void;
 
@@ -152,25 +154,28 @@ fn logits_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
     write_outputs(call, &output, shape.0 * shape.1)
 }
 
-fn linear_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
+/// The fused-linear call of a frame whose first arguments are `hidden`, `weight`, `bias` and the
+/// seven per-row inputs, with the f32 gradients written into results `first_grad..+3` (none:
+/// no gradient). `widened` holds int32 targets widened for the call.
+fn linear_call<'c>(call: &'c Call<'_>, first_grad: Option<usize>, widened: &mut Vec<i64>) -> Result<LinearCall<'c>> {
     let (hidden, weight, bias) = (call.arg(0)?, call.arg(1)?, call.arg(2)?);
     let (batch, seq_len, hidden_size) = rows_of(hidden, "hidden")?;
     let vocab = weight.dims().first().copied().unwrap_or(0) as usize;
-    let mut widened = Vec::new();
-    let rows = per_row_inputs(call, 3, (batch, seq_len, vocab), &mut widened)?;
-    let grads = if with_gradient {
-        let grad = |i: usize| {
-            call.ret(6 + i).map(|b| {
-                crate::huge_pages::advise(b.data as usize, 4 * b.len());
-                address(b)
-            })
-        };
-        GradientAddresses { hidden: grad(0)?, weight: grad(1)?, bias: grad(2)?, accumulate: false }
-    } else {
-        GradientAddresses { hidden: 0, weight: 0, bias: 0, accumulate: false }
+    let rows = per_row_inputs(call, 3, (batch, seq_len, vocab), widened)?;
+    let grads = match first_grad {
+        Some(first) => {
+            let grad = |i: usize| {
+                call.ret(first + i).map(|b| {
+                    crate::huge_pages::advise(b.data as usize, 4 * b.len());
+                    address(b)
+                })
+            };
+            GradientAddresses { hidden: grad(0)?, weight: grad(1)?, bias: grad(2)?, accumulate: false }
+        }
+        None => GradientAddresses { hidden: 0, weight: 0, bias: 0, accumulate: false },
     };
     let chunk_memory_mb = call.string_attr("chunk_memory_mb")?;
-    let run = LinearCall {
+    Ok(LinearCall {
         op: call.string_attr("op")?,
         dtype: dtype_name(hidden, "hidden")?,
         options: call.string_attr("options")?,
@@ -181,10 +186,41 @@ fn linear_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
         hidden_size,
         grads,
         chunk_memory_mb: chunk_memory_mb.parse().map_err(|e| format!("chunk_memory_mb `{chunk_memory_mb}`: {e}"))?,
-    };
+    })
+}
+
+fn linear_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
+    let mut widened = Vec::new();
+    let run = linear_call(call, with_gradient.then_some(6), &mut widened)?;
+    let rows = run.rows.batch * run.rows.seq_len;
     // SAFETY: XLA's buffers, live for the call; each gradient is a result of its own.
     let output = unsafe { run.run() }?;
-    write_outputs(call, &output, batch * seq_len)
+    write_outputs(call, &output, rows)
+}
+
+/// The gradients of `sum_i g_i * out_i` for a per-token output `out` of a fused-linear loss
+/// (argument 10: the float32 cotangent `g [B*T]`), into results 0..3: the statistics and the
+/// objective, then the gradient pass with each row's scalars scaled by its `g_i` (the products'
+/// `d hidden` and `d weight` mix the rows, so the cotangent must come before them).
+fn linear_rows_gradient(call: &Call<'_>) -> Result<()> {
+    let mut widened = Vec::new();
+    let run = linear_call(call, Some(0), &mut widened)?;
+    let cotangent = call.arg(10)?;
+    let rows = run.rows.batch * run.rows.seq_len;
+    if cotangent.dtype != xla_ffi::DTYPE_F32 || cotangent.len() != rows {
+        return Err(format!(
+            "the cotangent must be float32 [{rows}], got XLA dtype {} and {} elements",
+            cotangent.dtype,
+            cotangent.len()
+        ));
+    }
+    let (inputs, grads) = ([run.hidden, run.weight, run.bias], run.grads);
+    let forward = LinearCall { grads: GradientAddresses { hidden: 0, weight: 0, bias: 0, accumulate: false }, ..run };
+    // SAFETY: XLA's buffers, live for the call; each gradient is a result of its own.
+    unsafe {
+        let (_, deferred) = forward.run_deferred()?;
+        deferred.linear_gradients(inputs, grads, 1.0, address(cotangent))
+    }
 }
 
 unsafe extern "C" fn flashgrpo_loss(frame: *mut CallFrame) -> *mut Error {
@@ -203,17 +239,22 @@ unsafe extern "C" fn flashgrpo_linear_loss_grad(frame: *mut CallFrame) -> *mut E
     unsafe { xla_ffi::handle(frame, |call| linear_loss(call, true)) }
 }
 
+unsafe extern "C" fn flashgrpo_linear_rows_grad(frame: *mut CallFrame) -> *mut Error {
+    unsafe { xla_ffi::handle(frame, linear_rows_gradient) }
+}
+
 type Handler = unsafe extern "C" fn(*mut CallFrame) -> *mut Error;
 
 /// The handlers by target name, each as the PyCapsule of its address that
 /// `jax.ffi.register_ffi_target` takes.
 #[pyfunction]
 pub fn ffi_handlers(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let handlers: [(&str, Handler); 4] = [
+    let handlers: [(&str, Handler); 5] = [
         ("flashgrpo_loss", flashgrpo_loss),
         ("flashgrpo_loss_grad", flashgrpo_loss_grad),
         ("flashgrpo_linear_loss", flashgrpo_linear_loss),
         ("flashgrpo_linear_loss_grad", flashgrpo_linear_loss_grad),
+        ("flashgrpo_linear_rows_grad", flashgrpo_linear_rows_grad),
     ];
     let out = PyDict::new(py);
     for (name, handler) in handlers {

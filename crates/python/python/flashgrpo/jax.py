@@ -11,9 +11,10 @@ Functions (logits ``[B, T, V]``; cross-entropy, entropy and log-probabilities al
 - ``cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, ...)``;
 - ``entropy(logits, mask=None, *, temperature=1.0)``: per token, no gradient;
 - ``logprob(logits, targets, *, temperature=1.0)``: per token, differentiable;
-- ``fused_linear_grpo_loss``, ``fused_linear_cross_entropy`` (from ``hidden``, ``weight [V, H]``
-  and ``bias``; gradients to all three), ``fused_linear_logprob`` and ``fused_linear_entropy``
-  (values only).
+- ``fused_linear_grpo_loss``, ``fused_linear_cross_entropy``, ``fused_linear_logprob`` (from
+  ``hidden``, ``weight [V, H]`` and ``bias``; gradients to all three; a per-token output's
+  gradient is written in the backward, where each token's cotangent is known) and
+  ``fused_linear_entropy`` (values only).
 
 ``vmap`` runs the custom call once per mapped element (each element its own loss).
 Options are docs/LOSSES.md's, as keyword arguments.
@@ -230,14 +231,53 @@ def _linear_loss_bwd(op, opts, chunk, residual, cotangents):
 _linear_loss.defvjp(_linear_loss_fwd, _linear_loss_bwd)
 
 
-def _run_linear(op, hidden, weight, bias, options, chunk_memory_mb, **row_inputs):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _linear_rows(op, value, opts, chunk, hidden, weight, bias, *side):
+    """The per-token output ``value`` of a fused-linear loss, differentiable per token: the
+    backward's custom call folds each token's cotangent into its row's gradient before the
+    products that mix the rows (the logits are recomputed there: four products in all)."""
+    return _outputs_of(_linear_call(op, opts, chunk, hidden, weight, bias, side, False))[1][value]
+
+
+def _linear_rows_fwd(op, value, opts, chunk, hidden, weight, bias, *side):
+    out = _outputs_of(_linear_call(op, opts, chunk, hidden, weight, bias, side, False))[1][value]
+    return out, (hidden, weight, bias, side)
+
+
+def _linear_rows_bwd(op, value, opts, chunk, residual, cotangent):
+    hidden, weight, bias, side = residual
+    shapes = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (hidden, weight, bias)]
+    grads = jax.ffi.ffi_call("flashgrpo_linear_rows_grad", shapes, vmap_method="sequential")(
+        hidden, weight, bias, *side, cotangent.astype(jnp.float32).reshape(-1), op=op, options=opts,
+        chunk_memory_mb=str(chunk))
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (hidden, weight, bias))) + _NO_COTANGENTS
+
+
+_linear_rows.defvjp(_linear_rows_fwd, _linear_rows_bwd)
+
+
+def _linear_inputs(hidden, weight, bias, row_inputs):
+    """The fused-linear call's arguments, checked: hidden, weight, bias (empty when absent) and the
+    seven per-row inputs."""
     hidden, weight = _float_input("hidden", hidden), _float_input("weight", weight)
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.dtype != hidden.dtype:
         raise ValueError(f"`hidden` {list(hidden.shape)} {hidden.dtype} and `weight` {list(weight.shape)} "
                          f"{weight.dtype}: expected [.., H] and [V, H] of one dtype")
     bias = jnp.zeros((0,), hidden.dtype) if bias is None else _float_input("bias", bias).astype(hidden.dtype)
     batch, seq_len = _rows("hidden", hidden, "H")
-    side = _per_row(batch, seq_len, **row_inputs)
+    return hidden, weight, bias, _per_row(batch, seq_len, **row_inputs)
+
+
+def _run_linear_rows(op, value, hidden, weight, bias, options, chunk_memory_mb, **row_inputs):
+    hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
+    _register()
+    chunk = chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB
+    out = _linear_rows(op, value, options_json(options), chunk, hidden, weight, bias, *side)
+    return out.reshape(hidden.shape[:-1])
+
+
+def _run_linear(op, hidden, weight, bias, options, chunk_memory_mb, **row_inputs):
+    hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
     chunk = chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB
     loss, per_token = _linear_loss(op, options_json(options), chunk, hidden, weight, bias, *side)
     shape = hidden.shape[:-1]
@@ -256,22 +296,26 @@ def fused_linear_grpo_loss(hidden, weight, targets, advantages, mask=None, *, bi
 
 def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, reduction="mean", ignore_index=-100,
                                label_smoothing=0.0, z_loss=0.0, mask=None, chunk_memory_mb=None, **options):
-    """``cross_entropy`` of ``hidden @ weight^T (+ bias)`` with reduction mean or sum (differentiable)."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError("fused_linear_cross_entropy under JAX reduces with 'mean' or 'sum'; use cross_entropy "
-                         "on logits for per-token losses")
+    """``cross_entropy`` of ``hidden @ weight^T (+ bias)``; ``reduction`` mean (default), sum or none
+    (per token, differentiable per token). Gradients to ``hidden``, ``weight`` and ``bias``."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"`reduction` must be 'mean', 'sum' or 'none', got {reduction!r}")
     options = dict(options, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                    z_loss=z_loss)
+    if reduction == "none":
+        out = _run_linear_rows("cross_entropy", "per_token_loss", hidden, weight, bias, options, chunk_memory_mb,
+                               targets=targets, mask=mask)
+        return out.reshape(jnp.shape(targets))
     loss, _ = _run_linear("cross_entropy", hidden, weight, bias, options, chunk_memory_mb, targets=targets, mask=mask)
     return loss
 
 
 def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, chunk_memory_mb=None):
-    """Per-token log-probabilities of ``targets`` under ``hidden @ weight^T + bias`` (values only)."""
-    _, per_token = _run_linear("logprob", jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(weight),
-                               None if bias is None else jax.lax.stop_gradient(bias), dict(temperature=temperature),
-                               chunk_memory_mb, targets=targets)
-    return per_token["logp"]
+    """Per-token log-probabilities of ``targets`` under ``hidden @ weight^T + bias``, differentiable
+    per token in ``hidden``, ``weight`` and ``bias``."""
+    out = _run_linear_rows("logprob", "logp", hidden, weight, bias, dict(temperature=temperature), chunk_memory_mb,
+                           targets=targets)
+    return out.reshape(jnp.shape(targets))
 
 
 def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, chunk_memory_mb=None):
