@@ -57,6 +57,14 @@ impl Scores {
         }
     }
 
+    /// The kernels' name for that dtype.
+    pub fn element_dtype(&self) -> flashgrpo_kernels::DType {
+        match self {
+            Scores::Logits(l) => l.element_dtype(),
+            Scores::Linear(l) => l.hidden.element_dtype(),
+        }
+    }
+
     /// Bytes of the inputs the loss reads.
     pub fn size_in_bytes(&self) -> usize {
         match self {

@@ -139,7 +139,7 @@ impl DeviceVisitor for Bench<'_> {
         // The scores are taken out of the batch so that the spec may borrow the rest while the
         // steps own the scores' buffers.
         let scores = std::mem::replace(&mut batch.scores, Scores::Logits(FloatData::F32(Vec::new())));
-        let dtype = scores.dtype();
+        let dtype = scores.element_dtype();
         let spec = batch.spec(options);
         let timer = Timer { runner, spec, cfg, run: &mut run };
         let (measured, linear) = match scores {
@@ -199,12 +199,7 @@ fn linear_rows<R: Runner>(
         3.0
     };
     let gflops = products * 2.0 * (n * h * v) as f64 / measured.p50() / 1e9;
-    let dtype = match linear.hidden {
-        FloatData::F32(_) => DType::F32,
-        FloatData::BF16(_) => DType::BF16,
-        FloatData::F16(_) => DType::F16,
-    };
-    let (rate, mut rows) = runner.product_rates(dtype, n, h, v)?;
+    let (rate, mut rows) = runner.product_rates(linear.hidden.element_dtype(), n, h, v)?;
     rows.extend([
         ("shape/hidden", json!(h)),
         ("bench/gflops", json!(gflops)),
@@ -389,7 +384,7 @@ fn median(times: &[f64]) -> f64 {
 
 /// The rows every report starts with, on any device: what ran, the shape, the step-time
 /// statistics and the loss.
-fn step_rows(cfg: &BenchConfig, batch: &Batch, dtype: safetensors::Dtype, times: &[f64], loss: f64) -> Rows {
+fn step_rows(cfg: &BenchConfig, batch: &Batch, dtype: DType, times: &[f64], loss: f64) -> Rows {
     let mut sorted = times.to_vec();
     sorted.sort_by(f64::total_cmp);
     let mean = sorted.iter().sum::<f64>() / sorted.len() as f64;
@@ -399,7 +394,7 @@ fn step_rows(cfg: &BenchConfig, batch: &Batch, dtype: safetensors::Dtype, times:
         ("shape/batch", json!(batch.batch)),
         ("shape/seq_len", json!(batch.seq_len)),
         ("shape/vocab", json!(batch.vocab)),
-        ("shape/dtype", json!(format!("{dtype:?}").to_lowercase())),
+        ("shape/dtype", json!(dtype.name())),
         ("bench/steps", json!(sorted.len())),
         ("bench/step_s_mean", json!(mean)),
         ("bench/step_s_p50", json!(percentile(&sorted, 0.5))),

@@ -104,6 +104,16 @@ impl FloatData {
         }
     }
 
+    /// The kernels' name for the element type.
+    pub fn element_dtype(&self) -> flashgrpo_kernels::DType {
+        use flashgrpo_kernels::DType;
+        match self {
+            FloatData::F32(_) => DType::F32,
+            FloatData::BF16(_) => DType::BF16,
+            FloatData::F16(_) => DType::F16,
+        }
+    }
+
     pub fn dtype(&self) -> Dtype {
         match self {
             FloatData::F32(_) => Dtype::F32,

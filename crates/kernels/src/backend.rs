@@ -101,9 +101,7 @@ impl Backend for Cpu {
     }
 
     fn refill<T: Element>(&self, host: &[T], buffer: &mut Vec<T>) -> Result<(), LossError> {
-        if host.len() != buffer.len() {
-            return Err(LossError::GradientBuffer { got: buffer.len(), expected: host.len() });
-        }
+        check_refill(host.len(), buffer.len())?;
         buffer.copy_from_slice(host);
         Ok(())
     }
@@ -162,6 +160,18 @@ impl Backend for Cpu {
     }
 }
 
+/// A refill must cover the whole buffer.
+fn check_refill(host: usize, buffer: usize) -> Result<(), LossError> {
+    if host == buffer {
+        return Ok(());
+    }
+    Err(LossError::Shape {
+        tensor: "buffer",
+        got: vec![buffer],
+        expected: format!("the {host} elements of the host values it is refilled from"),
+    })
+}
+
 fn host_inputs<'a, T: Element>(inputs: LinearBuffers<'a, Cpu, T>) -> LinearInputs<'a, T> {
     LinearInputs {
         hidden: inputs.hidden,
@@ -194,9 +204,7 @@ mod on_gpu {
         }
 
         fn refill<T: Element>(&self, host: &[T], buffer: &mut CudaSlice<T>) -> Result<(), LossError> {
-            if host.len() != buffer.len() {
-                return Err(LossError::GradientBuffer { got: buffer.len(), expected: host.len() });
-            }
+            super::check_refill(host.len(), buffer.len())?;
             self.stream().memcpy_htod(host, buffer).map_err(|e| LossError::Cuda(format!("copying to the GPU: {e:?}")))
         }
 

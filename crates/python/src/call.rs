@@ -237,6 +237,22 @@ pub fn linear_addresses(
     std::array::from_fn(|i| Address::new(names[i], addresses[i], lens[i]))
 }
 
+/// A fused-linear loss's inputs as slices.
+///
+/// # Safety
+/// The module's contract for every address.
+pub unsafe fn linear_inputs<'a, T: Element>(
+    [hidden, weight, bias]: [Address; 3],
+    hidden_size: usize,
+) -> Result<LinearInputs<'a, T>> {
+    Ok(LinearInputs {
+        hidden: unsafe { hidden.required()? },
+        weight: unsafe { weight.required()? },
+        bias: unsafe { bias.slice()? },
+        hidden_size,
+    })
+}
+
 /// The names of a fused-linear loss's inputs and of their gradients.
 pub const LINEAR_INPUTS: [&str; 3] = ["hidden", "weight", "bias"];
 pub const LINEAR_GRADIENTS: [&str; 3] = ["grad_hidden", "grad_weight", "grad_bias"];
@@ -258,6 +274,19 @@ impl LinearCall<'_> {
         let budget = ChunkBudget::from_mb(self.chunk_memory_mb);
         let spec = unsafe { self.rows.spec(op, &options)? };
         with_element!(dtype, T => unsafe { linear_call::<T>(spec, self.inputs(), h, gradients, g.accumulate, budget) })
+    }
+
+    /// The deferred gradient of this call from row gradients kept by its forward (`values`, as
+    /// [`DeferredGradient::row_values`] gives them); nothing is computed.
+    ///
+    /// # Safety
+    /// The module's contract for the per-row addresses (copied into the deferred gradient).
+    pub unsafe fn deferred_from_rows(self, values: &[f32]) -> Result<DeferredGradient> {
+        let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
+        let options = parse_options(self.options)?;
+        let spec = unsafe { self.rows.spec(op, &options)? };
+        let budget = ChunkBudget::from_mb(self.chunk_memory_mb);
+        DeferredGradient::linear_from_rows(&spec, budget, dtype, self.hidden_size, values)
     }
 
     /// Steps 1 and 2 only; the gradients (`grads` unused) left for the backward.
@@ -325,18 +354,13 @@ pub fn linear_loss_deferred(
 /// The module's contract; no gradient buffer overlaps another buffer.
 unsafe fn linear_call<T: Element>(
     spec: LossSpec<'_>,
-    [hidden, weight, bias]: [Address; 3],
+    inputs: [Address; 3],
     hidden_size: usize,
     [grad_hidden, grad_weight, grad_bias]: [Address; 3],
     accumulate: bool,
     budget: ChunkBudget,
 ) -> Result<LossOutput> {
-    let inputs = LinearInputs::<T> {
-        hidden: unsafe { hidden.required()? },
-        weight: unsafe { weight.required()? },
-        bias: unsafe { bias.slice()? },
-        hidden_size,
-    };
+    let inputs = unsafe { linear_inputs::<T>(inputs, hidden_size)? };
     let output = match unsafe { grad_hidden.slice_mut::<f32>()? } {
         None => linear_forward(spec, inputs, budget),
         Some(hidden) => {

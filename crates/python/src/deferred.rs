@@ -14,21 +14,25 @@
 use std::sync::Mutex;
 
 use flashgrpo_kernels::{
-    with_element, ChunkBudget, DType, Element, GradientTarget, LinearGradients, LinearInputs, LossInputs, LossOutput,
-    LossSpec, PreparedLinearLoss, PreparedLoss, RowGradient,
+    with_element, ChunkBudget, DType, GradientTarget, LinearGradients, LossInputs, LossOutput, LossSpec,
+    PreparedLinearLoss, PreparedLoss, RowGradient,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::buffers::{Address, Result};
-use crate::call::{linear_addresses, GradientAddresses, LINEAR_GRADIENTS, LINEAR_INPUTS};
+use crate::call::{linear_addresses, linear_inputs, GradientAddresses, LINEAR_GRADIENTS, LINEAR_INPUTS};
 
-/// Where the scores of a deferred loss come from.
+/// Where the scores of a deferred loss come from (a fused-linear loss's chunk budget is kept in
+/// its [`LossInputs`]).
 #[derive(Debug, Clone, Copy)]
 pub enum Scores {
     Logits,
-    Linear { hidden_size: usize, budget: ChunkBudget },
+    Linear { hidden_size: usize },
 }
+
+/// f32 values per row in [`DeferredGradient::row_values`].
+pub const ROW_VALUES: usize = 5;
 
 /// The row gradients of one loss, waiting for the backward.
 #[pyclass(frozen, module = "flashgrpo._native")]
@@ -58,7 +62,7 @@ pub unsafe fn logits_forward(
     let vocab = spec.rows.vocab;
     let stats = with_element!(dtype, T => prepared.statistics::<T>(unsafe { logits.required()? }, 0..vocab));
     let (output, rows) = prepared.objective(&stats.map_err(message)?).map_err(message)?;
-    Ok((output, DeferredGradient::new(&spec, dtype, Scores::Logits, rows)))
+    Ok((output, DeferredGradient::new(&spec, ChunkBudget::default(), dtype, Scores::Logits, rows)))
 }
 
 /// Steps 1 and 2 over `hidden @ weight^T (+ bias)`: the output and the deferred gradient.
@@ -79,29 +83,13 @@ pub unsafe fn linear_forward(
         prepared.statistics(shard, 0..vocab)
     });
     let (output, rows) = prepared.objective(&stats.map_err(message)?).map_err(message)?;
-    Ok((output, DeferredGradient::new(&spec, dtype, Scores::Linear { hidden_size, budget }, rows)))
-}
-
-/// # Safety
-/// The module's contract for every address.
-unsafe fn linear_inputs<'a, T: Element>(
-    [hidden, weight, bias]: [Address; 3],
-    hidden_size: usize,
-) -> Result<LinearInputs<'a, T>> {
-    Ok(LinearInputs {
-        hidden: unsafe { hidden.required()? },
-        weight: unsafe { weight.required()? },
-        bias: unsafe { bias.slice()? },
-        hidden_size,
-    })
+    Ok((output, DeferredGradient::new(&spec, budget, dtype, Scores::Linear { hidden_size }, rows)))
 }
 
 impl DeferredGradient {
-    fn new(spec: &LossSpec<'_>, dtype: DType, scores: Scores, rows: Vec<RowGradient>) -> Self {
-        let budget = match scores {
-            Scores::Linear { budget, .. } => budget,
-            Scores::Logits => ChunkBudget::default(),
-        };
+    /// The forward's results for the backward: an owned copy of `spec` (with `budget`) and the
+    /// row gradients.
+    fn new(spec: &LossSpec<'_>, budget: ChunkBudget, dtype: DType, scores: Scores, rows: Vec<RowGradient>) -> Self {
         Self {
             inputs: LossInputs::from_spec(spec, budget),
             dtype,
@@ -109,6 +97,31 @@ impl DeferredGradient {
             scores,
             rows: Mutex::new(Some(rows)),
         }
+    }
+
+    /// A fused-linear loss's deferred gradient from row gradients a caller kept (a JAX forward's
+    /// residual, [`Self::row_values`]), so that the backward streams the vocabulary once, not
+    /// twice.
+    pub(crate) fn linear_from_rows(
+        spec: &LossSpec<'_>,
+        budget: ChunkBudget,
+        dtype: DType,
+        hidden_size: usize,
+        values: &[f32],
+    ) -> Result<Self> {
+        if values.len() != ROW_VALUES * spec.rows.len() {
+            return Err(format!("{} row-gradient values for {} rows", values.len(), spec.rows.len()));
+        }
+        let rows =
+            values.chunks_exact(ROW_VALUES).map(|v| RowGradient { lse: v[0], a: v[1], b: v[2], c: v[3], d: v[4] });
+        Ok(Self::new(spec, budget, dtype, Scores::Linear { hidden_size }, rows.collect()))
+    }
+
+    /// The kept row gradients as `ROW_VALUES` f32 each (`lse, a, b, c, d`).
+    pub(crate) fn row_values(&self) -> Result<Vec<f32>> {
+        let kept = self.rows.lock().map_err(|_| message("a previous backward panicked"))?;
+        let rows = kept.as_ref().ok_or_else(|| message("the row gradients were already used"))?;
+        Ok(rows.iter().flat_map(|g| [g.lse, g.a, g.b, g.c, g.d]).collect())
     }
 
     fn rows(&self) -> usize {
@@ -182,7 +195,7 @@ impl DeferredGradient {
         scale: f32,
         row_scale: usize,
     ) -> Result<()> {
-        let Scores::Linear { hidden_size, budget } = self.scores else {
+        let Scores::Linear { hidden_size } = self.scores else {
             return Err(message("a logits-level loss's gradient is written with `write_logits`"));
         };
         let rows = unsafe { self.scaled_rows(scale, row_scale)? };
@@ -195,7 +208,7 @@ impl DeferredGradient {
             bias: unsafe { gb.slice_mut()? },
             accumulate: grads.accumulate,
         };
-        let prepared = PreparedLinearLoss::new(self.inputs.spec(v), budget).map_err(message)?;
+        let prepared = PreparedLinearLoss::new(self.inputs.spec(v), self.inputs.budget).map_err(message)?;
         with_element!(self.dtype, T => {
             let shard = unsafe { linear_inputs::<T>(inputs, h)? };
             prepared.gradient(shard, 0..v, &rows, gradients).map_err(message)

@@ -11,8 +11,10 @@
 //! (float32 `[B*T]`, zeros where the op computes none), then, in the `_grad` variants, the
 //! gradient: of the logits (their dtype and shape), or of hidden, weight and bias (float32). A
 //! logits gradient aliased to the logits (`input_output_aliases`) is written over them.
-//! `flashgrpo_linear_rows_grad`, the backward of a fused-linear per-token output, takes the
-//! cotangent after the per-row inputs and returns only the three gradients.
+//! A fused-linear per-token output under `jax.grad`: `flashgrpo_linear_rows` (the forward) also
+//! returns each row's gradient scalars (`[B*T * 5]`), and `flashgrpo_linear_rows_grad` (the
+//! backward) takes them and the cotangent after the per-row inputs and returns only the three
+//! gradients.
 
 use std::ffi::c_void;
 
@@ -198,27 +200,50 @@ fn linear_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
     write_outputs(call, &output, rows)
 }
 
-/// The gradients of `sum_i g_i * out_i` for a per-token output `out` of a fused-linear loss
-/// (argument 10: the float32 cotangent `g [B*T]`), into results 0..3: the statistics and the
-/// objective, then the gradient pass with each row's scalars scaled by its `g_i` (the products'
-/// `d hidden` and `d weight` mix the rows, so the cotangent must come before them).
+/// The forward of a fused-linear per-token output under `jax.grad`: the outputs (results 0..=5)
+/// and each row's gradient scalars (result 6, float32 `[B*T * 5]`), the residual its backward
+/// scales by the cotangent.
+fn linear_rows(call: &Call<'_>) -> Result<()> {
+    let mut widened = Vec::new();
+    let run = linear_call(call, None, &mut widened)?;
+    let rows = run.rows.batch * run.rows.seq_len;
+    // SAFETY: XLA's buffers, live for the call.
+    let (output, deferred) = unsafe { run.run_deferred() }?;
+    write_outputs(call, &output, rows)?;
+    let values = deferred.row_values()?;
+    let kept = call.ret(6)?;
+    if kept.dtype != xla_ffi::DTYPE_F32 || kept.len() != values.len() {
+        return Err(format!("result 6 must be float32 [{}], got {} elements", values.len(), kept.len()));
+    }
+    // SAFETY: XLA's float32 result of `values.len()` elements.
+    unsafe { std::slice::from_raw_parts_mut(kept.data as *mut f32, values.len()) }.copy_from_slice(&values);
+    Ok(())
+}
+
+/// The gradients of `sum_i g_i * out_i` for a per-token output `out` of a fused-linear loss, into
+/// results 0..3: argument 10 holds the forward's row gradients ([`linear_rows`]), argument 11 the
+/// float32 cotangent `g [B*T]`; each row's scalars are scaled by its `g_i` before the products
+/// (`d hidden` and `d weight` mix the rows), one more stream over the vocabulary.
 fn linear_rows_gradient(call: &Call<'_>) -> Result<()> {
     let mut widened = Vec::new();
     let run = linear_call(call, Some(0), &mut widened)?;
-    let cotangent = call.arg(10)?;
     let rows = run.rows.batch * run.rows.seq_len;
-    if cotangent.dtype != xla_ffi::DTYPE_F32 || cotangent.len() != rows {
-        return Err(format!(
-            "the cotangent must be float32 [{rows}], got XLA dtype {} and {} elements",
-            cotangent.dtype,
-            cotangent.len()
-        ));
+    let (kept, cotangent) = (call.arg(10)?, call.arg(11)?);
+    for (buffer, what, len) in [(kept, "the row gradients", 5 * rows), (cotangent, "the cotangent", rows)] {
+        if buffer.dtype != xla_ffi::DTYPE_F32 || buffer.len() != len {
+            return Err(format!(
+                "{what} must be float32 [{len}], got XLA dtype {} and {} elements",
+                buffer.dtype,
+                buffer.len()
+            ));
+        }
     }
+    // SAFETY: XLA's float32 argument of `5 * rows` elements.
+    let values = unsafe { std::slice::from_raw_parts(kept.data as *const f32, kept.len()) };
     let (inputs, grads) = ([run.hidden, run.weight, run.bias], run.grads);
-    let forward = LinearCall { grads: GradientAddresses { hidden: 0, weight: 0, bias: 0, accumulate: false }, ..run };
     // SAFETY: XLA's buffers, live for the call; each gradient is a result of its own.
     unsafe {
-        let (_, deferred) = forward.run_deferred()?;
+        let deferred = run.deferred_from_rows(values)?;
         deferred.linear_gradients(inputs, grads, 1.0, address(cotangent))
     }
 }
@@ -239,6 +264,10 @@ unsafe extern "C" fn flashgrpo_linear_loss_grad(frame: *mut CallFrame) -> *mut E
     unsafe { xla_ffi::handle(frame, |call| linear_loss(call, true)) }
 }
 
+unsafe extern "C" fn flashgrpo_linear_rows(frame: *mut CallFrame) -> *mut Error {
+    unsafe { xla_ffi::handle(frame, linear_rows) }
+}
+
 unsafe extern "C" fn flashgrpo_linear_rows_grad(frame: *mut CallFrame) -> *mut Error {
     unsafe { xla_ffi::handle(frame, linear_rows_gradient) }
 }
@@ -249,11 +278,12 @@ type Handler = unsafe extern "C" fn(*mut CallFrame) -> *mut Error;
 /// `jax.ffi.register_ffi_target` takes.
 #[pyfunction]
 pub fn ffi_handlers(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let handlers: [(&str, Handler); 5] = [
+    let handlers: [(&str, Handler); 6] = [
         ("flashgrpo_loss", flashgrpo_loss),
         ("flashgrpo_loss_grad", flashgrpo_loss_grad),
         ("flashgrpo_linear_loss", flashgrpo_linear_loss),
         ("flashgrpo_linear_loss_grad", flashgrpo_linear_loss_grad),
+        ("flashgrpo_linear_rows", flashgrpo_linear_rows),
         ("flashgrpo_linear_rows_grad", flashgrpo_linear_rows_grad),
     ];
     let out = PyDict::new(py);

@@ -233,23 +233,28 @@ _linear_loss.defvjp(_linear_loss_fwd, _linear_loss_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _linear_rows(op, value, opts, chunk, hidden, weight, bias, *side):
-    """The per-token output ``value`` of a fused-linear loss, differentiable per token: the
-    backward's custom call folds each token's cotangent into its row's gradient before the
-    products that mix the rows (the logits are recomputed there: four products in all)."""
+    """The per-token output ``value`` of a fused-linear loss, differentiable per token: the forward
+    keeps each row's gradient scalars, the backward's custom call folds each token's cotangent into
+    them before the products that mix the rows (the logits recomputed there: four products in
+    all, as on the PyTorch side)."""
     return _outputs_of(_linear_call(op, opts, chunk, hidden, weight, bias, side, False))[1][value]
 
 
 def _linear_rows_fwd(op, value, opts, chunk, hidden, weight, bias, *side):
-    out = _outputs_of(_linear_call(op, opts, chunk, hidden, weight, bias, side, False))[1][value]
-    return out, (hidden, weight, bias, side)
+    rows = hidden.size // hidden.shape[-1]
+    shapes = [jax.ShapeDtypeStruct((), jnp.float32)] + [jax.ShapeDtypeStruct((rows,), jnp.float32)] * 5
+    shapes.append(jax.ShapeDtypeStruct((rows * 5,), jnp.float32))  # each row's gradient scalars
+    results = jax.ffi.ffi_call("flashgrpo_linear_rows", shapes, vmap_method="sequential")(
+        hidden, weight, bias, *side, op=op, options=opts, chunk_memory_mb=str(chunk))
+    return _outputs_of(results)[1][value], (hidden, weight, bias, side, results[6])
 
 
 def _linear_rows_bwd(op, value, opts, chunk, residual, cotangent):
-    hidden, weight, bias, side = residual
+    hidden, weight, bias, side, row_gradients = residual
     shapes = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (hidden, weight, bias)]
     grads = jax.ffi.ffi_call("flashgrpo_linear_rows_grad", shapes, vmap_method="sequential")(
-        hidden, weight, bias, *side, cotangent.astype(jnp.float32).reshape(-1), op=op, options=opts,
-        chunk_memory_mb=str(chunk))
+        hidden, weight, bias, *side, row_gradients, cotangent.astype(jnp.float32).reshape(-1), op=op,
+        options=opts, chunk_memory_mb=str(chunk))
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (hidden, weight, bias))) + _NO_COTANGENTS
 
 

@@ -270,8 +270,8 @@ def _check_uniform_per_sequence(row_scale, mask):
     ``(loss * mask).sum() / mask.sum()`` and the per-sequence means give)."""
     u = row_scale.reshape(mask.shape)
     on = mask > 0
-    first = torch.where(on, u, torch.zeros_like(u)).sum(-1) / on.sum(-1).clamp(min=1)
-    if bool(((u - first[:, None]).abs() * on).max() > 1e-6 * first.abs().max().clamp(min=1e-30)):
+    mean = torch.where(on, u, torch.zeros_like(u)).sum(-1) / on.sum(-1).clamp(min=1)
+    if bool(((u - mean[:, None]).abs() * on).max() > 1e-6 * mean.abs().max().clamp(min=1e-30)):
         raise NotImplementedError("flashgrpo: with importance_sampling_level='sequence', a per-token loss can only be "
                                   "back-propagated with the same upstream gradient on every unmasked token of a "
                                   "sequence (e.g. `(loss * mask).sum() / mask.sum()`)")
@@ -303,19 +303,18 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
     wants_grad = op != "entropy" and _wants_gradient(logits)
     if wants_grad and in_place and x.data_ptr() != logits.data_ptr():
         raise ValueError("`in_place=True` needs contiguous logits (the gradient is written over them)")
-    if wants_grad and defer:
-        result, pending = _native.loss_deferred(op, _DTYPES[x.dtype], _address(x), request.native,
-                                                options_json(options))
-        per_token = _per_token(result, batch * seq_len, out_shape)
-        value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=torch.float32)
-        return _DeferredGradients.apply(value, pending, (x,), per_row is not None, in_place, sequences,
-                                        logits), per_token
-    grad = _gradient_tensor(x.shape, x.dtype) if wants_grad and not in_place else None
-    result = _native.loss(op, _DTYPES[x.dtype], _address(x), request.native, options_json(options),
-                          grad=_address(grad), in_place=wants_grad and in_place)
+    native = (op, _DTYPES[x.dtype], _address(x), request.native, options_json(options))
+    deferred = wants_grad and defer
+    grad = _gradient_tensor(x.shape, x.dtype) if wants_grad and not in_place and not deferred else None
+    if deferred:
+        result, pending = _native.loss_deferred(*native)
+    else:
+        result = _native.loss(*native, grad=_address(grad), in_place=wants_grad and in_place)
     per_token = _per_token(result, batch * seq_len, out_shape)
     value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=torch.float32)
-    if wants_grad:
+    if deferred:
+        value = _DeferredGradients.apply(value, pending, (x,), per_row is not None, in_place, sequences, logits)
+    elif wants_grad:
         rows = "rows" if per_row else None
         value = _KernelGradients.apply(value, (x if in_place else grad,), rows, sequences, logits)
     return value, per_token
@@ -345,23 +344,26 @@ def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None
     chunk = chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB
     native = (op, _DTYPES[h.dtype], _address(h), _address(w), _address(b), hidden_size, request.native,
               options_json(options))
-    if wants_grad and per_row:
-        result, pending = _native.linear_loss_deferred(*native, chunk)
-        per_token = _per_token(result, batch * seq_len, out_shape)
-        value = _DeferredGradients.apply(per_token[per_row], pending, (h, w, b), True, False, None,
-                                         hidden, weight, bias)
-        return value, per_token
+    # A per-token value's gradients wait for the backward, where each token's upstream is known.
+    deferred = wants_grad and per_row is not None
+    eager = wants_grad and not deferred
     f32 = torch.float32
     grads = (
-        _gradient_tensor(h.shape, f32) if wants_grad else None,
-        _gradient_tensor(w.shape, f32) if wants_grad and weight.requires_grad else None,
-        torch.empty(vocab, dtype=f32) if wants_grad and bias is not None and bias.requires_grad else None,
+        _gradient_tensor(h.shape, f32) if eager else None,
+        _gradient_tensor(w.shape, f32) if eager and weight.requires_grad else None,
+        torch.empty(vocab, dtype=f32) if eager and bias is not None and bias.requires_grad else None,
     )
-    addresses = dict(hidden=_address(grads[0]), weight=_address(grads[1]), bias=_address(grads[2]), accumulate=False)
-    result = _native.linear_loss(*native, addresses, chunk)
+    if deferred:
+        result, pending = _native.linear_loss_deferred(*native, chunk)
+    else:
+        addresses = dict(hidden=_address(grads[0]), weight=_address(grads[1]), bias=_address(grads[2]),
+                         accumulate=False)
+        result = _native.linear_loss(*native, addresses, chunk)
     per_token = _per_token(result, batch * seq_len, out_shape)
     value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=f32)
-    if wants_grad:
+    if deferred:
+        value = _DeferredGradients.apply(value, pending, (h, w, b), True, False, None, hidden, weight, bias)
+    elif eager:
         kept = (grads[0] if hidden.requires_grad else None, grads[1], grads[2])
         value = _KernelGradients.apply(value, kept, None, None, hidden, weight, bias)
     return value, per_token
