@@ -30,13 +30,23 @@ def cuda_dirs():
     raise SystemExit("no libnvrtc.so in the venv's nvidia wheels: pip install nvidia-cuda-nvrtc")
 
 
-def compile_ptx(nvrtc, source_path, arch, includes):
+# rows.cu's tuning switches (FLASHGRPO_CUDA_DEFINES): the variants docs/BENCHMARKS.md timed must
+# still compile, for sm_90, beside the defaults.
+VARIANTS = [
+    [],
+    ["FLASHGRPO_FAST_EXP=0", "FLASHGRPO_STATS_BYTES=32", "FLASHGRPO_GRAD_BYTES=32"],
+    ["FLASHGRPO_STATS_BYTES=64", "FLASHGRPO_GRAD_BYTES=64"],
+]
+
+
+def compile_ptx(nvrtc, source_path, arch, includes, defines=()):
     src = open(source_path, "rb").read()
     prog = ctypes.c_void_p()
     check = lambda r, what: r == 0 or (_ for _ in ()).throw(RuntimeError(f"{what} returned {r}"))
     check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(source_path).encode(), 0, None, None),
           "nvrtcCreateProgram")
     opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device"] + [f"-I{d}" for d in includes]
+    opts += [f"--define-macro={d}" for d in defines]
     c_opts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     result = nvrtc.nvrtcCompileProgram(prog, len(opts), c_opts)
     size = ctypes.c_size_t()
@@ -67,15 +77,18 @@ def main():
     nvrtc = ctypes.CDLL(lib)
     failures = 0
     for source in sources:
-        for arch in ARCHS:
-            result, log, size = compile_ptx(nvrtc, source, arch, includes)
-            name = os.path.relpath(source, ROOT)
+        builds = [(arch, []) for arch in ARCHS]
+        if os.path.basename(source) == "rows.cu":
+            builds += [("compute_90", v) for v in VARIANTS if v]
+        for arch, defines in builds:
+            result, log, size = compile_ptx(nvrtc, source, arch, includes, defines)
+            name = os.path.relpath(source, ROOT) + (f" [{' '.join(defines)}]" if defines else "")
             if result != 0:
                 failures += 1
                 print(f"FAIL {name} for {arch}:\n{log}")
             else:
                 print(f"ok   {name} for {arch}: {size} bytes of PTX")
-    print(f"{len(sources)} sources x {len(ARCHS)} architectures compiled, {failures} failures")
+    print(f"{len(sources)} sources x {len(ARCHS)} architectures (and rows.cu's tuning variants) compiled, {failures} failures")
     sys.exit(1 if failures else 0)
 
 

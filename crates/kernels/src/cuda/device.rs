@@ -68,6 +68,18 @@ pub fn include_dirs() -> Vec<String> {
     dirs.into_iter().filter(|d| d.join("cuda_fp16.h").exists()).map(|d| d.display().to_string()).collect()
 }
 
+/// Extra preprocessor definitions for rows.cu from `FLASHGRPO_CUDA_DEFINES` (`NAME` or
+/// `NAME=VALUE`, separated by spaces or commas): the tuning switches at the top of rows.cu, so that
+/// one GPU session can time variants of the kernels without a rebuild here.
+pub fn extra_defines() -> Vec<String> {
+    defines_from(&std::env::var("FLASHGRPO_CUDA_DEFINES").unwrap_or_default())
+}
+
+/// NVRTC's `--define-macro` options for a list of `NAME` / `NAME=VALUE`.
+fn defines_from(list: &str) -> Vec<String> {
+    list.split([' ', ',']).filter(|d| !d.is_empty()).map(|d| format!("--define-macro={d}")).collect()
+}
+
 /// Whether cuBLAS (fused-linear's products) can be loaded.
 pub fn cublas_present() -> bool {
     // SAFETY: only probes whether the shared library can be loaded.
@@ -100,6 +112,7 @@ pub fn compile_kernels(arch: &str) -> Result<Vec<u8>, LossError> {
     let program = nvrtc::create_program(&source, Some(c"rows.cu")).map_err(nvrtc_error("creating the program"))?;
     let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
     options.extend(includes.iter().map(|d| format!("--include-path={d}")));
+    options.extend(extra_defines());
     // SAFETY: `program` was created above and is destroyed once, below; the buffers passed to
     // NVRTC are sized by its own size queries.
     let result = unsafe {
@@ -314,6 +327,15 @@ impl CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tuning_defines_split_on_spaces_and_commas() {
+        assert!(defines_from("").is_empty());
+        assert_eq!(
+            defines_from("FLASHGRPO_FAST_EXP=0, FLASHGRPO_STATS_BYTES=32 X"),
+            ["--define-macro=FLASHGRPO_FAST_EXP=0", "--define-macro=FLASHGRPO_STATS_BYTES=32", "--define-macro=X"]
+        );
+    }
 
     #[test]
     fn a_machine_without_a_gpu_gets_an_error_not_a_panic() {

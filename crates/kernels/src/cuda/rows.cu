@@ -16,8 +16,11 @@
 //
 // Deterministic: every thread walks a fixed strided slice of the row in order, and the block
 // combines the threads' partials by a fixed tree in shared memory; there are no atomics.
-// `expf`, not the fast `__expf`: its error (2 + 1.17|x| ulp) would use up a tenth of the f32
-// tolerances at V = 151936, and these passes are bound by memory, not by arithmetic.
+// The per-element exponentials are `__expf` of shifted values (`u - max`, `log p`, both at most 0):
+// its error (2 + 1.17|x| ulp) is largest where a term weighs least, and on an H100 the accurate
+// `expf` made the statistics pass compute-bound (472 vs 387 us at B=1, T=4096, V=151936 bf16 under
+// Nsight Compute) with the f32 gradchecks unchanged (docs/BENCHMARKS.md). The rescaling of running
+// sums keeps `expf`.
 //
 // Compiled at run time by NVRTC (feature `cuda`); tests/cuda/nvrtc_compile.py compiles this file to
 // PTX for sm_80 and sm_90 in CI, where there is no GPU.
@@ -26,6 +29,19 @@
 #include <cuda_bf16.h>
 
 #define FLASHGRPO_THREADS 256
+
+// Tuning switches (`FLASHGRPO_CUDA_DEFINES`, read by device.rs; the defaults are the measured best,
+// docs/BENCHMARKS.md): bytes each thread loads per step in the statistics and the gradient pass
+// (whole 16-byte vectors), and the exponential of a shifted value (`u - max`, `log p`: at most 0).
+#ifndef FLASHGRPO_STATS_BYTES
+#define FLASHGRPO_STATS_BYTES 16
+#endif
+#ifndef FLASHGRPO_GRAD_BYTES
+#define FLASHGRPO_GRAD_BYTES 16
+#endif
+#ifndef FLASHGRPO_FAST_EXP
+#define FLASHGRPO_FAST_EXP 1
+#endif
 
 // NVRTC has no <cmath>: the constants by their bits.
 #define FLASHGRPO_NEG_INF __int_as_float(0xff800000)
@@ -68,6 +84,17 @@ __device__ __forceinline__ void push(Partial &p, float u) {
     p.sum_u += u;
 }
 
+// exp of a value at most 0, the bulk of both passes' arithmetic. `__expf` (ex2.approx of d*log2 e)
+// errs by 2 + 1.17|d| ulp: largest where exp(d) is smallest, and so where a term weighs least in
+// the row's sums.
+__device__ __forceinline__ float exp_shifted(float d) {
+#if FLASHGRPO_FAST_EXP
+    return __expf(d);
+#else
+    return expf(d);
+#endif
+}
+
 __device__ __forceinline__ bool poisoned(const Partial &p) {
     return p.sum_exp != p.sum_exp || p.sum_exp_shifted != p.sum_exp_shifted;  // NaN
 }
@@ -102,10 +129,103 @@ __device__ __forceinline__ Partial combine(Partial x, Partial y) {
     return r;
 }
 
+// 16-byte accesses. A row starts wherever `row * vocab` elements put it, so each row is split
+// into a scalar head (up to the first 16-byte boundary of the pointer that sets it), a body of
+// whole vectors of `W` elements, and a scalar tail. Every thread walks fixed positions in a fixed
+// order whatever the split: the results stay deterministic.
+struct RowSplit {
+    int head;    // elements before the body
+    int vectors; // whole vectors of W elements in the body
+};
+
+template <typename T>
+__device__ __forceinline__ int elements_to_alignment(const T *p) {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+    return a % sizeof(T) != 0 ? -1 : (int)(((16 - (a & 15)) & 15) / sizeof(T));
+}
+
+// The split of a row of `vocab` elements at `lead`, with `other` (which may equal `lead`) also
+// 16-byte aligned at the body's start; otherwise the whole row is head (scalar).
+template <int W, typename A, typename B>
+__device__ __forceinline__ RowSplit split_row(const A *lead, const B *other, int vocab) {
+    int head = elements_to_alignment(lead);
+    const bool both = head >= 0 && head <= vocab &&
+                      (reinterpret_cast<unsigned long long>(other + head) & 15) == 0;
+    if (!both) return RowSplit{vocab, 0};
+    return RowSplit{head, (vocab - head) / W};
+}
+
+// `W` elements from 16-byte aligned `p`, widened to f32.
+template <int W, typename T>
+__device__ __forceinline__ void load_vector(const T *p, float (&v)[W]) {
+    constexpr int PER = 16 / sizeof(T);
+    static_assert(W % PER == 0, "a vector is whole 16-byte loads");
+#pragma unroll
+    for (int k = 0; k < W / PER; ++k) {
+        const uint4 raw = reinterpret_cast<const uint4 *>(p)[k];
+        const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) v[k * PER + i] = to_float(e[i]);
+    }
+}
+
+// `W` values rounded to `T`, stored at 16-byte aligned `p`.
+template <int W, typename T>
+__device__ __forceinline__ void store_vector(T *p, const float (&v)[W]) {
+    constexpr int PER = 16 / sizeof(T);
+    static_assert(W % PER == 0, "a vector is whole 16-byte stores");
+#pragma unroll
+    for (int k = 0; k < W / PER; ++k) {
+        uint4 raw;
+        T *e = reinterpret_cast<T *>(&raw);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) e[i] = from_float<T>(v[k * PER + i]);
+        reinterpret_cast<uint4 *>(p)[k] = raw;
+    }
+}
+
+// Adds `W` values to a running partial: the vector's max first, so that the running partial is
+// rescaled at most once per vector (not per element); then the same per-element sums as `push`
+// (a NaN or infinite value poisons the sums the same way).
+template <int W>
+__device__ __forceinline__ void push_vector(Partial &p, const float (&u)[W]) {
+    float m = u[0];
+#pragma unroll
+    for (int i = 1; i < W; ++i) m = fmaxf(m, u[i]);
+    if (m > p.max) {
+        if (p.sum_exp > 0.0f) {
+            float shift = p.max - m;  // < 0
+            float k = expf(shift);
+            p.sum_exp_shifted = (p.sum_exp_shifted + shift * p.sum_exp) * k;
+            p.sum_exp *= k;
+        }
+        p.max = m;
+    }
+    float sum_exp = 0.0f, sum_exp_shifted = 0.0f, sum_u = 0.0f;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+        float d = u[i] - p.max;
+        float e = exp_shifted(d);
+        sum_exp += e;
+        sum_exp_shifted += e * d;
+        sum_u += u[i];
+    }
+    p.sum_exp += sum_exp;
+    p.sum_exp_shifted += sum_exp_shifted;
+    p.sum_u += sum_u;
+}
+
+// Elements per step: by default one 16-byte load per thread; two or four were slower on an H100
+// (fewer resident threads for the same bytes in flight).
+template <typename T> struct Widths {
+    static constexpr int STATS = FLASHGRPO_STATS_BYTES / sizeof(T);
+};
+
 template <typename T>
 __device__ void row_stats(const T *__restrict__ logits, int vocab, float inv_temperature,
                           const long long *__restrict__ targets, const float *__restrict__ active,
                           float *__restrict__ out) {
+    constexpr int W = Widths<T>::STATS;
     __shared__ Partial partials[FLASHGRPO_THREADS];
     const long long row = blockIdx.x;
     float *o = out + row * 5;
@@ -120,10 +240,18 @@ __device__ void row_stats(const T *__restrict__ logits, int vocab, float inv_tem
         return;
     }
     const T *z = logits + row * (long long)vocab;
+    const RowSplit split = split_row<W>(z, z, vocab);
+    const int body_end = split.head + split.vectors * W;
     Partial p = {FLASHGRPO_NEG_INF, 0.0f, 0.0f, 0.0f};
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-        push(p, to_float(z[j]) * inv_temperature);
+    for (int j = threadIdx.x; j < split.head; j += blockDim.x) push(p, to_float(z[j]) * inv_temperature);
+    for (int k = threadIdx.x; k < split.vectors; k += blockDim.x) {
+        float u[W];
+        load_vector<W>(z + split.head + k * W, u);
+#pragma unroll
+        for (int i = 0; i < W; ++i) u[i] *= inv_temperature;
+        push_vector<W>(p, u);
     }
+    for (int j = body_end + threadIdx.x; j < vocab; j += blockDim.x) push(p, to_float(z[j]) * inv_temperature);
     partials[threadIdx.x] = p;
     __syncthreads();
     for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
@@ -143,29 +271,52 @@ __device__ void row_stats(const T *__restrict__ logits, int vocab, float inv_tem
     }
 }
 
+// One logit's gradient: `a * [j == target] + p * (b + c * log p) + d`.
+struct GradientScalars {
+    float lse, a, b, c, d, inv_temperature;
+    __device__ __forceinline__ float at(float z, bool is_target) const {
+        float log_p = z * inv_temperature - lse;
+        float p = exp_shifted(log_p);
+        float v = p * (b + c * log_p) + d;
+        return is_target ? v + a : v;
+    }
+};
+
 // `scalars`: five floats per row, (lse, a, b, c, d). `grad` may be `logits` (in place, `In` ==
-// `Out`). Fused-linear reads its f32 logits and writes the gradient in the inputs' dtype (`In` =
-// float, `Out` = half / bfloat16) for the tensor-core products that follow.
+// `Out`; each vector is read before the same thread writes it). Fused-linear reads its f32 logits
+// and writes the gradient in the inputs' dtype (`In` = float, `Out` = half / bfloat16) for the
+// tensor-core products that follow.
 template <typename In, typename Out>
 __device__ void row_gradient(const In *logits, Out *grad, int vocab, float inv_temperature,
                              const long long *__restrict__ targets, const float *__restrict__ scalars) {
+    constexpr int W = FLASHGRPO_GRAD_BYTES / sizeof(Out);
     const long long row = blockIdx.x;
     const float *s = scalars + row * 5;
-    const float lse = s[0], a = s[1], b = s[2], c = s[3], d = s[4];
+    const GradientScalars g1 = {s[0], s[1], s[2], s[3], s[4], inv_temperature};
     const In *z = logits + row * (long long)vocab;
     Out *g = grad + row * (long long)vocab;
-    if (a == 0.0f && b == 0.0f && c == 0.0f && d == 0.0f) {
-        for (int j = threadIdx.x; j < vocab; j += blockDim.x) g[j] = from_float<Out>(0.0f);
+    const RowSplit split = split_row<W>(g, z, vocab);
+    const int body_end = split.head + split.vectors * W;
+    if (g1.a == 0.0f && g1.b == 0.0f && g1.c == 0.0f && g1.d == 0.0f) {
+        float zeros[W];
+#pragma unroll
+        for (int i = 0; i < W; ++i) zeros[i] = 0.0f;
+        for (int j = threadIdx.x; j < split.head; j += blockDim.x) g[j] = from_float<Out>(0.0f);
+        for (int k = threadIdx.x; k < split.vectors; k += blockDim.x) store_vector<W>(g + split.head + k * W, zeros);
+        for (int j = body_end + threadIdx.x; j < vocab; j += blockDim.x) g[j] = from_float<Out>(0.0f);
         return;
     }
     const long long y = targets != nullptr ? targets[row] : -1;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-        float log_p = to_float(z[j]) * inv_temperature - lse;
-        float p = expf(log_p);
-        float v = p * (b + c * log_p) + d;
-        if (j == y) v += a;
-        g[j] = from_float<Out>(v);
+    for (int j = threadIdx.x; j < split.head; j += blockDim.x) g[j] = from_float<Out>(g1.at(to_float(z[j]), j == y));
+    for (int k = threadIdx.x; k < split.vectors; k += blockDim.x) {
+        const int j0 = split.head + k * W;
+        float v[W];
+        load_vector<W>(z + j0, v);
+#pragma unroll
+        for (int i = 0; i < W; ++i) v[i] = g1.at(v[i], j0 + i == y);
+        store_vector<W>(g + j0, v);
     }
+    for (int j = body_end + threadIdx.x; j < vocab; j += blockDim.x) g[j] = from_float<Out>(g1.at(to_float(z[j]), j == y));
 }
 
 // Fused-linear: every row of the f32 logits `z [rows, vocab]` set to the bias, before the product
