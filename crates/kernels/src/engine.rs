@@ -8,6 +8,8 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use crate::cpu::{self, Block, GradientTarget};
 use crate::element::Element;
 use crate::error::LossError;
@@ -99,9 +101,10 @@ impl<'a> PreparedLoss<'a> {
         }
         let needs_target = rows.targets.is_some();
         let finished: Vec<RowStats> = stats
-            .iter()
+            .par_iter()
             .zip(&self.active)
             .enumerate()
+            .with_min_len(objective::ROWS_PER_TASK)
             .map(|(i, (s, &a))| {
                 if !a {
                     return Ok(RowStats::default());

@@ -15,7 +15,9 @@
 
 use super::policy_terms::{bound_ratio, kl_estimate, policy_term, tie_split, vespo_phi};
 use super::token_selection::{covariance_selection, high_entropy_counts, trains};
-use super::{ordered_sum, GradTerms, RowGradient, RowOutcome};
+use rayon::prelude::*;
+
+use super::{each_active_row, ordered_sum, sequences_per_task, GradTerms, RowGradient, RowOutcome};
 use crate::inputs::{BatchShard, IsRatio, Normalisers, PolicyInputs, Rows};
 use crate::options::{Aggregation, EntropyBonus, ImportanceSamplingLevel, LossOptions, LossType, RolloutCorrection};
 use crate::stats::RowStats;
@@ -326,9 +328,7 @@ impl<'a> Grpo<'a> {
     /// log-ratios, and its gradient is shared evenly by the sequence's unmasked rows.
     pub fn all(&self, active: &[bool], stats: &[RowStats]) -> Vec<RowOutcome> {
         if self.is_row_local() {
-            return (0..stats.len())
-                .map(|i| if active[i] { self.row(i, &stats[i]) } else { RowOutcome::ZERO })
-                .collect();
+            return each_active_row(active, |i| self.row(i, &stats[i]));
         }
         let ctx = self.context(active, Some(stats));
         if self.options.loss_type == LossType::GeoMean {
@@ -336,8 +336,14 @@ impl<'a> Grpo<'a> {
         }
         let t_len = self.rows.seq_len;
         let mut outcomes = vec![RowOutcome::ZERO; stats.len()];
-        for b in 0..self.rows.batch {
-            let on: Vec<usize> = (b * t_len..(b + 1) * t_len).filter(|&i| active[i]).collect();
+        if t_len == 0 {
+            return outcomes;
+        }
+        // One sequence's rows depend on each other (its shared d/dlog_w), sequences do not.
+        let sequences = outcomes.par_chunks_mut(t_len).enumerate().with_min_len(sequences_per_task(t_len));
+        sequences.for_each(|(b, sequence)| {
+            let first = b * t_len;
+            let on: Vec<usize> = (first..first + t_len).filter(|&i| active[i]).collect();
             let seq_log_w = ctx.sequences[b].log_w;
             let parts: Vec<(usize, RowOutcome, f64, f64)> = on
                 .iter()
@@ -351,9 +357,9 @@ impl<'a> Grpo<'a> {
             let shared = seq_log_w.map(|_| ordered_sum(parts.iter().map(|p| p.3)) / self.counts[b]);
             for (i, mut o, d_logp, d_log_w) in parts {
                 o.grad = self.gradient(i, &stats[i], &ctx, d_logp + shared.unwrap_or(d_log_w));
-                outcomes[i] = o;
+                sequence[i - first] = o;
             }
-        }
+        });
         outcomes
     }
 

@@ -15,6 +15,8 @@ pub use token_selection::quantile;
 pub(crate) use token_selection::{covariance_selection, high_entropy_counts, trains};
 mod simple;
 
+use rayon::prelude::*;
+
 use crate::inputs::{BatchShard, Loss, Normalisers, Rows};
 use crate::options::LossOptions;
 use crate::stats::RowStats;
@@ -163,7 +165,7 @@ impl<'a> Objective<'a> {
     pub fn all(&self, active: &[bool], stats: &[RowStats]) -> Vec<RowOutcome> {
         match self {
             Objective::Grpo(g) => g.all(active, stats),
-            _ => (0..stats.len()).map(|i| if active[i] { self.row(i, &stats[i]) } else { RowOutcome::ZERO }).collect(),
+            _ => each_active_row(active, |i| self.row(i, &stats[i])),
         }
     }
 
@@ -194,6 +196,27 @@ pub fn evaluate(
     let outcomes = objective.all(active, stats);
     let output = objective.output(rows, active, stats, &outcomes);
     (output, outcomes.into_iter().map(|o| o.grad).collect())
+}
+
+/// Rows per parallel task of the objective: a row costs ~100 ns, so a task of this many outweighs
+/// its scheduling, and a batch of a few thousand rows stays on one thread.
+pub(crate) const ROWS_PER_TASK: usize = 2048;
+
+/// `f(i)` for every active row, `RowOutcome::ZERO` elsewhere, in row order. In parallel: on a GPU
+/// the objective runs on the host between the two passes, with the GPU waiting (tens of thousands
+/// of rows per call); each row's outcome is its own, so any thread count gives the same bits.
+pub(crate) fn each_active_row(active: &[bool], f: impl Fn(usize) -> RowOutcome + Sync) -> Vec<RowOutcome> {
+    active
+        .par_iter()
+        .enumerate()
+        .with_min_len(ROWS_PER_TASK)
+        .map(|(i, &a)| if a { f(i) } else { RowOutcome::ZERO })
+        .collect()
+}
+
+/// Sequences per parallel task of the objective, for sequences of `seq_len` rows.
+pub(crate) fn sequences_per_task(seq_len: usize) -> usize {
+    ROWS_PER_TASK.div_ceil(seq_len.max(1))
 }
 
 /// Fixed-order f64 sum, so the loss is the same bits for any thread count.
