@@ -6,6 +6,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::device::{optional_ptr, CudaDevice, CudaElement};
 use super::passes::{active_mask, RowBlock};
+use super::phases::PhaseClock;
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 use crate::objective::{LossOutput, RowGradient};
@@ -23,7 +24,8 @@ impl CudaDevice {
         &self,
         prepared: &PreparedLoss<'_>,
         logits: &CudaSlice<T>,
-        then: impl FnOnce(RowBlock, Evaluated) -> Result<R, LossError>,
+        mut clock: PhaseClock,
+        then: impl FnOnce(RowBlock, Evaluated, PhaseClock) -> Result<R, LossError>,
     ) -> Result<R, LossError> {
         let spec = prepared.spec();
         let rows = &spec.rows;
@@ -38,7 +40,7 @@ impl CudaDevice {
         if n == 0 {
             let block = RowBlock { logits: 0, rows: 0, vocab: rows.vocab, inv_temperature: 1.0, targets: 0, active: 0 };
             let (output, grads) = prepared.objective(&[])?;
-            return then(block, Evaluated { output, grads });
+            return then(block, Evaluated { output, grads }, clock);
         }
         let targets = rows.targets.map(|t| self.upload(t)).transpose()?;
         let active = self.upload(&active_mask(prepared.active_rows()))?;
@@ -54,15 +56,22 @@ impl CudaDevice {
             targets: targets_ptr,
             active: active_ptr,
         };
+        clock.mark("inputs");
         let stats = self.row_stats(T::SUFFIX, block, &mut out, prepared, 0)?;
+        clock.mark("statistics");
         let (output, grads) = prepared.objective(&stats)?;
-        then(block, Evaluated { output, grads })
+        clock.mark("objective");
+        then(block, Evaluated { output, grads }, clock)
     }
 
     /// The loss and per-token outputs of `logits` on this device.
     pub fn forward<T: CudaElement>(&self, spec: LossSpec<'_>, logits: &CudaSlice<T>) -> Result<LossOutput, LossError> {
+        let clock = PhaseClock::start(spec.rows.len());
         let prepared = PreparedLoss::new(spec)?;
-        self.with_statistics(&prepared, logits, |_, evaluated| Ok(evaluated.output))
+        self.with_statistics(&prepared, logits, clock, |_, evaluated, clock| {
+            clock.report();
+            Ok(evaluated.output)
+        })
     }
 
     /// Forward and backward: the gradient into `grad` (same shape and dtype as `logits`), or, with
@@ -73,15 +82,19 @@ impl CudaDevice {
         logits: &mut CudaSlice<T>,
         grad: Option<&mut CudaSlice<T>>,
     ) -> Result<LossOutput, LossError> {
+        let mut clock = PhaseClock::start(spec.rows.len());
         let prepared = PreparedLoss::new(spec)?.expecting_gradient()?;
+        clock.mark("prepare");
         if let Some(g) = grad.as_ref().filter(|g| g.len() != logits.len()) {
             return Err(LossError::GradientBuffer { got: g.len(), expected: logits.len() });
         }
         let (grad_ptr, _g) = optional_ptr(grad.as_deref(), self.stream());
-        self.with_statistics(&prepared, logits, |block, Evaluated { output, grads }| {
+        self.with_statistics(&prepared, logits, clock, |block, Evaluated { output, grads }, mut clock| {
             let target = if grad_ptr != 0 { grad_ptr } else { block.logits };
             self.row_gradient(&format!("row_gradient_{}", T::SUFFIX), block, target, &grads)?;
             self.synchronize()?;
+            clock.mark("gradient");
+            clock.report();
             Ok(output)
         })
     }

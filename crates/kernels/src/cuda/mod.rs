@@ -8,21 +8,24 @@
 //! - [`logits`]: losses of `[N, V]` logits already on the GPU (gradient out of place or in place).
 //! - [`linear`]: fused-linear losses from hidden states and an lm_head on the GPU.
 //! - `passes`: launching the row passes over a block of rows; `blas`: the row-major products of
-//!   fused-linear, on cuBLAS.
+//!   fused-linear, on cuBLAS; `phases`: the `FLASHGRPO_CUDA_PHASES` diagnostic (host-clock time of
+//!   each phase of a logits-level call).
 //!
 //! NVRTC needs the CUDA headers (`cuda_fp16.h`, `cuda_bf16.h`): they are looked for in
 //! `FLASHGRPO_CUDA_INCLUDE` (`:`-separated), `$CUDA_HOME/include`, `/usr/local/cuda/include`, and
 //! beside every `lib` directory of `LD_LIBRARY_PATH` (the layout of the `nvidia-cuda-nvrtc` /
 //! `nvidia-cuda-runtime` wheels: `nvidia/cu13/{lib,include}`).
 //!
-//! Not yet run on a GPU (the sessions so far had none): the kernels compile to PTX for sm_80 and
-//! sm_90 in CI (`tests/cuda/nvrtc_compile.py`); the host side builds and reports a missing driver.
+//! Run on an H100 (docs/BENCHMARKS.md, "CUDA on an H100"): the kernel tests and gradchecks pass
+//! there. CI has no GPU: there the kernels compile to PTX for sm_80 and sm_90
+//! (`tests/cuda/nvrtc_compile.py`) and the host side builds and reports a missing driver.
 
 mod blas;
 pub mod device;
 pub mod linear;
 pub mod logits;
 mod passes;
+mod phases;
 
 /// Device buffers, as the functions here take them.
 pub use cudarc::driver::CudaSlice;
