@@ -4,6 +4,11 @@
 #   bash bench/gpu/run.sh bench B T   flashgrpo's bench and the peers (PyTorch eager, torch.compile,
 #                                 Liger's triton_grpo_loss) at one shape, V=151936 bf16: one call
 #                                 for B=1 T=4096, one for B=16 T=2048 (each well inside 10 minutes)
+#   bash bench/gpu/run.sh linear   the fused-linear bench on CUDA
+#   bash bench/gpu/run.sh phases B T IMPL   a call's host-clock phases (FLASHGRPO_CUDA_PHASES=1)
+#   bash bench/gpu/run.sh tune "DEFINES" ...   kernel variants (rows.cu's switches) timed, and profiled
+#   bash bench/gpu/run.sh all      all of the above in one call, each stage under a time limit, the
+#                                 logs packed into $OUT/gpu-run.tar.gz (one file back)
 # Each stays inside the device tool's 10-minute call. Logs and JSON go to $OUT (default /tmp/gpu-out).
 set -uo pipefail
 stage=${1:-check}
@@ -55,8 +60,63 @@ linear)
             --set chunk_memory_mb=2048 --set warmup=2 --set steps=10 | tee "$OUT/flashgrpo-linear-$dtype.json"
     done
     ;;
+phases)
+    # `run.sh phases B T IMPL`: the bench with FLASHGRPO_CUDA_PHASES=1, each call's host-clock phases
+    # (prepare, inputs, statistics, objective, gradient) of the last steps.
+    b=${2:-1}; t=${3:-4096}; impl=${4:-fused}
+    FLASHGRPO_CUDA_PHASES=1 $FG bench --config configs/bench-grpo-original.yaml --device cuda --json \
+        --set batch=$b --set seq_len=$t --set impl=$impl --set warmup=2 --set steps=5 \
+        > "$OUT/phases-b$b-t$t-$impl.json" 2> "$OUT/phases-b$b-t$t-$impl.txt"
+    grep "cuda phases" "$OUT/phases-b$b-t$t-$impl.txt" | tail -3
+    ;;
+tune)
+    # `run.sh tune "DEFINES" ...`: each variant of rows.cu (FLASHGRPO_CUDA_DEFINES, the switches at
+    # its top; "" is the default) timed in place and not at two shapes, then Nsight Compute's view
+    # of the two row kernels of the first two variants (duration, DRAM throughput, occupancy).
+    shift
+    shapes=${TUNE_SHAPES:-"1x4096 8x2048"}
+    for defines in "$@"; do
+        for shape in $shapes; do
+            for impl in fused-inplace fused; do
+                FLASHGRPO_CUDA_DEFINES="$defines" $FG bench --config configs/bench-grpo-original.yaml --device cuda \
+                    --json --set batch=${shape%x*} --set seq_len=${shape#*x} --set impl=$impl --set warmup=3 \
+                    --set steps=20 > "$OUT/tune.json" 2>> "$OUT/tune.err"
+                python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); a=sys.argv
+print("%-44r %-7s %-14s p50 %8.3f ms  moved/copy %.3f" % (a[2], a[3], a[4], r[a[5]] * 1e3, r[a[6]]))' \
+                    "$OUT/tune.json" "$defines" "$shape" "$impl" bench/step_s_p50 bench/moved_over_copy | tee -a "$OUT/tune.txt"
+            done
+        done
+    done
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for defines in "${@:1:2}"; do
+        echo "== ncu: '$defines'" | tee -a "$OUT/ncu.txt"
+        FLASHGRPO_CUDA_DEFINES="$defines" timeout 120 "$ncu" --kernel-name regex:'row_(stats|gradient)' \
+            --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats \
+            $FG bench --config configs/bench-grpo-original.yaml --device cuda --set batch=1 --set seq_len=4096 \
+            --set impl=fused-inplace --set warmup=1 --set steps=1 >> "$OUT/ncu.txt" 2>&1
+        grep -E "row_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per" "$OUT/ncu.txt" | tail -20
+    done
+    ;;
+all)
+    # Every stage in one call (a machine's start costs minutes of the lease), each under its own
+    # limit so that the archive is written whatever happens: one file back, $RESULT/gpu-run.tar.gz.
+    RESULT=${RESULT:-$OUT}
+    export OUT=/tmp/gpu-run
+    mkdir -p "$OUT"
+    me="$0"
+    run_stage() { local limit=$1; shift; echo "#### stage $* (limit ${limit}s)"; local t0=$SECONDS
+        timeout --kill-after=5 "$limit" bash "$me" "$@"; echo "#### stage $* rc=$? in $((SECONDS - t0)) s"; }
+    run_stage "${CHECK_S:-200}" check 2>&1 | tee "$OUT/all.log" | grep --line-buffered -E "^####|test result|FAILED|panicked|failed|error|passed"
+    run_stage "${BENCH1_S:-110}" bench 1 4096 >> "$OUT/all.log" 2>&1
+    run_stage "${BENCH16_S:-300}" bench 16 2048 >> "$OUT/all.log" 2>&1
+    run_stage "${LINEAR_S:-80}" linear >> "$OUT/all.log" 2>&1
+    grep -E "^####" "$OUT/all.log"
+    grep -hE '"(bench/step_s_p50|bench/moved_over_copy|bench/gflops_over_matmul|mem/peak_bytes)"' "$OUT"/flashgrpo-*.json 2>/dev/null | head -20
+    cat "$OUT"/peers-*.jsonl 2>/dev/null | cut -c1-400
+    tar -czf "$RESULT/gpu-run.tar.gz" -C "$OUT" .
+    ;;
 *)
-    echo "usage: bash bench/gpu/run.sh check | bench B T | linear" >&2
+    echo "usage: bash bench/gpu/run.sh check | bench B T | linear | phases B T IMPL | tune DEFINES... | all" >&2
     exit 2
     ;;
 esac

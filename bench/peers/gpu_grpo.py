@@ -15,7 +15,8 @@ after --warmup); memory is torch's allocator: `step_extra_bytes` is the peak dur
 what was allocated when it started (the inputs), `peak_bytes` the absolute peak during the step
 minus the pristine copy kept to restore in-place logits.
 
-Prints one JSON object per line: one per peer, then {"copy_gbps": ...}.
+Prints one JSON object per line: one per peer (with `loss_rel_to_first`, its loss against the first
+peer's on the same inputs), then {"copy_gbps": ...}.
 
 Usage: python gpu_grpo.py --batch 1 --seq-len 4096 --vocab 151936 --dtype bf16
                           [--peers torch-eager,torch-compile,liger] [--warmup 3] [--steps 10]
@@ -84,8 +85,7 @@ def trl_grpo(logits, ids, old, ref, adv, mask):
 
 def inputs(b, t, v, dtype, extra_position, seed=0):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    positions = t + 1 if extra_position else t
-    logits = (torch.randn(b, positions, v, device=DEVICE, generator=g) * LOGIT_STD).to(dtype)
+    logits = (torch.randn(b, t, v, device=DEVICE, generator=g) * LOGIT_STD).to(dtype)
     ids = torch.randint(0, v, (b, t), device=DEVICE, generator=g)
     with torch.no_grad():
         base = torch.empty(b, t, device=DEVICE)
@@ -96,6 +96,10 @@ def inputs(b, t, v, dtype, extra_position, seed=0):
     adv = torch.randn(b, device=DEVICE, generator=g)
     mask = (torch.rand(b, t, device=DEVICE, generator=g) > MASK_FRACTION).float()
     mask[:, 0] = 1.0
+    if extra_position:
+        # Liger's [B, T+1, V]: the same logits and one more position (a copy of the last), so that
+        # every peer sees the same T positions and the same draws after them.
+        logits = torch.cat([logits, logits[:, -1:]], dim=1)
     return logits, ids, old, ref, adv, mask
 
 
@@ -186,9 +190,16 @@ def main():
     global DEVICE
     DEVICE = args.device
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    first_loss = None
     for peer in args.peers.split(","):
         try:
-            print(json.dumps(time_peer(peer, args, dtype)), flush=True)
+            result = time_peer(peer, args, dtype)
+            # Every peer gets the same inputs (one seed): a loss that differs from the first peer's
+            # beyond rounding is a wrong result, not a faster one (Liger's Triton kernel at
+            # B*T*V > 2^31 on an H100, docs/BENCHMARKS.md).
+            first_loss = result["loss"] if first_loss is None else first_loss
+            result["loss_rel_to_first"] = abs(result["loss"] - first_loss) / max(abs(first_loss), 1e-6)
+            print(json.dumps(result), flush=True)
         except Exception as e:  # noqa: BLE001 - one peer out of memory must not hide the others
             print(json.dumps({"peer": peer, "batch": args.batch, "seq_len": args.seq_len, "error": repr(e)[:300]}),
                   flush=True)
