@@ -153,7 +153,15 @@ fn padded(out: &mut MatMut<'_>, accumulate: bool, k: usize, lhs: Strided<'_>, rh
     let (m, n) = (out.rows, out.cols);
     let rows = invariant_rows(n);
     PADDED.with(|cell| {
-        let (a, c) = &mut *cell.borrow_mut();
+        // `product` below runs gemm's rayon loop: while this thread waits on it, rayon may run
+        // another task here that comes back to this function with the thread's copy still
+        // borrowed; that one gets fresh buffers.
+        let mut fresh = Default::default();
+        let mut kept = cell.try_borrow_mut();
+        let (a, c): &mut (Vec<f32>, Vec<f32>) = match kept.as_deref_mut() {
+            Ok(buffers) => buffers,
+            Err(_) => &mut fresh,
+        };
         a.clear();
         a.resize(rows * k, 0.0);
         for r in 0..m {
