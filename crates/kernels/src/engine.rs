@@ -99,22 +99,17 @@ impl<'a> PreparedLoss<'a> {
         if stats.len() != rows.len() {
             return Err(LossError::Shard(format!("{} rows of statistics for {} rows", stats.len(), rows.len())));
         }
-        let needs_target = rows.targets.is_some();
+        // The lowest row missing its target column, whatever the thread count.
+        let missing = |(s, &a): (&PartialRowStats, &bool)| a && rows.targets.is_some() && s.target_u.is_none();
+        if let Some(i) = stats.par_iter().zip(&self.active).position_first(missing) {
+            return Err(LossError::Shard(format!("no shard holds the target column of row {i}")));
+        }
         let finished: Vec<RowStats> = stats
             .par_iter()
             .zip(&self.active)
-            .enumerate()
             .with_min_len(objective::ROWS_PER_TASK)
-            .map(|(i, (s, &a))| {
-                if !a {
-                    return Ok(RowStats::default());
-                }
-                if needs_target && s.target_u.is_none() {
-                    return Err(LossError::Shard(format!("no shard holds the target column of row {i}")));
-                }
-                Ok(s.finish(rows.vocab))
-            })
-            .collect::<Result<_, _>>()?;
+            .map(|(s, &a)| if a { s.finish(rows.vocab) } else { RowStats::default() })
+            .collect();
         let spec = &self.spec;
         Ok(objective::evaluate(&spec.loss, rows, spec.options, spec.batch_shard, &self.active, &finished))
     }

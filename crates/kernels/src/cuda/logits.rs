@@ -66,8 +66,9 @@ impl CudaDevice {
 
     /// The loss and per-token outputs of `logits` on this device.
     pub fn forward<T: CudaElement>(&self, spec: LossSpec<'_>, logits: &CudaSlice<T>) -> Result<LossOutput, LossError> {
-        let clock = PhaseClock::start(spec.rows.len());
+        let mut clock = PhaseClock::start(spec.rows.len());
         let prepared = PreparedLoss::new(spec)?;
+        clock.mark("prepare");
         self.with_statistics(&prepared, logits, clock, |_, evaluated, clock| {
             clock.report();
             Ok(evaluated.output)

@@ -15,7 +15,10 @@
 //    chunk of rows, and the bias gradient (column sums).
 //
 // Deterministic: every thread walks a fixed strided slice of the row in order, and the block
-// combines the threads' partials by a fixed tree in shared memory; there are no atomics.
+// combines the threads' partials by a fixed tree in shared memory; there are no atomics. Which
+// elements a thread sums depends on where the row's 16-byte-aligned body starts, so a row's
+// statistics are the same bits from run to run but, unlike the CPU engine's, may differ in the
+// last bits at another position in the batch when V * sizeof(T) is not a multiple of 16.
 // The per-element exponentials are `__expf` of shifted values (`u - max`, `log p`, both at most 0):
 // its error (2 + 1.17|x| ulp) is largest where a term weighs least, and on an H100 the accurate
 // `expf` made the statistics pass compute-bound (472 vs 387 us at B=1, T=4096, V=151936 bf16 under
@@ -65,6 +68,17 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
     return __float2bfloat16_rn(x);
 }
 
+// exp of a value at most 0, the bulk of both passes' arithmetic. `__expf` (ex2.approx of d*log2 e)
+// errs by 2 + 1.17|d| ulp: largest where exp(d) is smallest, and so where a term weighs least in
+// the row's sums.
+__device__ __forceinline__ float exp_shifted(float d) {
+#if FLASHGRPO_FAST_EXP
+    return __expf(d);
+#else
+    return expf(d);
+#endif
+}
+
 // Adds the value `u` to a running partial (online softmax with the shifted entropy sum). A NaN or
 // an infinite `u` turns `sum_exp` / `sum_exp_shifted` into NaN (NaN - max, inf - inf, -inf - -inf).
 __device__ __forceinline__ void push(Partial &p, float u) {
@@ -78,21 +92,10 @@ __device__ __forceinline__ void push(Partial &p, float u) {
         p.max = u;
     }
     float d = u - p.max;
-    float e = expf(d);
+    float e = exp_shifted(d);
     p.sum_exp += e;
     p.sum_exp_shifted += e * d;
     p.sum_u += u;
-}
-
-// exp of a value at most 0, the bulk of both passes' arithmetic. `__expf` (ex2.approx of d*log2 e)
-// errs by 2 + 1.17|d| ulp: largest where exp(d) is smallest, and so where a term weighs least in
-// the row's sums.
-__device__ __forceinline__ float exp_shifted(float d) {
-#if FLASHGRPO_FAST_EXP
-    return __expf(d);
-#else
-    return expf(d);
-#endif
 }
 
 __device__ __forceinline__ bool poisoned(const Partial &p) {

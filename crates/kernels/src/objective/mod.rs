@@ -192,6 +192,7 @@ pub fn evaluate(
     active: &[bool],
     stats: &[RowStats],
 ) -> (LossOutput, Vec<RowGradient>) {
+    debug_assert_eq!(active.len(), stats.len(), "one activity flag per row of statistics");
     let objective = Objective::new(loss, rows, options, shard, active);
     let outcomes = objective.all(active, stats);
     let output = objective.output(rows, active, stats, &outcomes);
