@@ -79,18 +79,23 @@ __device__ __forceinline__ float exp_shifted(float d) {
 #endif
 }
 
-// Adds the value `u` to a running partial (online softmax with the shifted entropy sum). A NaN or
-// an infinite `u` turns `sum_exp` / `sum_exp_shifted` into NaN (NaN - max, inf - inf, -inf - -inf).
-__device__ __forceinline__ void push(Partial &p, float u) {
-    if (u > p.max) {
+// Raises the running max to `m` when `m` is above it, rescaling the sums kept relative to the old max.
+__device__ __forceinline__ void raise_max(Partial &p, float m) {
+    if (m > p.max) {
         if (p.sum_exp > 0.0f) {
-            float shift = p.max - u;  // < 0
+            float shift = p.max - m;  // < 0
             float k = expf(shift);
             p.sum_exp_shifted = (p.sum_exp_shifted + shift * p.sum_exp) * k;
             p.sum_exp *= k;
         }
-        p.max = u;
+        p.max = m;
     }
+}
+
+// Adds the value `u` to a running partial (online softmax with the shifted entropy sum). A NaN or
+// an infinite `u` turns `sum_exp` / `sum_exp_shifted` into NaN (NaN - max, inf - inf, -inf - -inf).
+__device__ __forceinline__ void push(Partial &p, float u) {
+    raise_max(p, u);
     float d = u - p.max;
     float e = exp_shifted(d);
     p.sum_exp += e;
@@ -195,15 +200,7 @@ __device__ __forceinline__ void push_vector(Partial &p, const float (&u)[W]) {
     float m = u[0];
 #pragma unroll
     for (int i = 1; i < W; ++i) m = fmaxf(m, u[i]);
-    if (m > p.max) {
-        if (p.sum_exp > 0.0f) {
-            float shift = p.max - m;  // < 0
-            float k = expf(shift);
-            p.sum_exp_shifted = (p.sum_exp_shifted + shift * p.sum_exp) * k;
-            p.sum_exp *= k;
-        }
-        p.max = m;
-    }
+    raise_max(p, m);
     float sum_exp = 0.0f, sum_exp_shifted = 0.0f, sum_u = 0.0f;
 #pragma unroll
     for (int i = 0; i < W; ++i) {
