@@ -14,9 +14,10 @@ use serde_json::json;
 use crate::baseline;
 use crate::batch::{Batch, LinearData, Scores};
 use crate::config::{self, ConfigArgs};
+use crate::device::Device;
 use crate::device::{DeviceVisitor, Rows, Runner, StepMemory};
 use crate::input_spec::InputSpec;
-use crate::run::{Device, LinearOnBackend};
+use crate::run::LinearOnBackend;
 use crate::tensor_io::{FloatData, FloatElement, FloatVisitor, FloatVisitorOwned};
 
 /// What is timed.
@@ -93,6 +94,19 @@ pub fn main(args: ConfigArgs) -> Result<()> {
     if args.device != Device::Cpu && cfg.implementation == BenchImpl::Baseline {
         bail!("the candle baseline runs on the CPU (`--device cpu`)");
     }
+    // Checked before anything is generated or a device opened (a forward-only op would otherwise
+    // time the logits under the wrong name).
+    let linear = inputs.hidden_size.is_some();
+    match cfg.implementation {
+        BenchImpl::FusedLinear if !linear => {
+            bail!("`impl: fused-linear` needs `hidden_size` (hidden states and an lm_head)")
+        }
+        BenchImpl::Fused | BenchImpl::FusedInplace if linear => bail!(
+            "`impl: {}` works on logits; with `hidden_size` use fused-linear or baseline",
+            cfg.implementation.name()
+        ),
+        _ => {}
+    }
     let run = || args.device.run(Bench { cfg, inputs, options });
     let report = match loaded.command.threads {
         Some(n) => rayon::ThreadPoolBuilder::new().num_threads(n).build()?.install(run)?,
@@ -137,7 +151,7 @@ impl DeviceVisitor for Bench<'_> {
         let mut batch = self.inputs.build(options)?;
         let input_bytes = batch.scores.size_in_bytes();
         // The scores are taken out of the batch so that the spec may borrow the rest while the
-        // steps own the scores' buffers.
+        // steps own the scores' buffers: from here on `batch.scores` is an empty placeholder.
         let scores = std::mem::replace(&mut batch.scores, Scores::Logits(FloatData::F32(Vec::new())));
         let dtype = scores.element_dtype();
         let spec = batch.spec(options);
@@ -160,7 +174,7 @@ impl DeviceVisitor for Bench<'_> {
                 extra.extend(runner.traffic_rows(input_bytes as u64, measured.p50(), copy_bps));
                 extra
             }
-            Some(linear) => linear_rows(runner, &batch, &linear, options, input_bytes, &measured)?,
+            Some(linear) => linear_rows(runner, &batch, (&linear, dtype), options, input_bytes, &measured)?,
         });
         Ok(Report { rows })
     }
@@ -184,7 +198,7 @@ fn logits_rows(copy_bps: f64, input_bytes: usize, p50: f64) -> Rows {
 fn linear_rows<R: Runner>(
     runner: &R,
     batch: &Batch,
-    linear: &LinearData,
+    (linear, dtype): (&LinearData, DType),
     options: &LossOptions,
     input_bytes: usize,
     measured: &Measured,
@@ -199,7 +213,7 @@ fn linear_rows<R: Runner>(
         3.0
     };
     let gflops = products * 2.0 * (n * h * v) as f64 / measured.p50() / 1e9;
-    let (rate, mut rows) = runner.product_rates(linear.hidden.element_dtype(), n, h, v)?;
+    let (rate, mut rows) = runner.product_rates(dtype, n, h, v)?;
     rows.extend([
         ("shape/hidden", json!(h)),
         ("bench/gflops", json!(gflops)),
@@ -272,7 +286,8 @@ impl<R: Runner> FloatVisitorOwned for LogitsSteps<'_, R> {
         match cfg.implementation {
             // Restored before each step (untimed) from the host's pristine copy.
             BenchImpl::FusedInplace if cfg.restore => {
-                let logits = runner.upload(host.clone())?;
+                // Filled from the host before every step, the first included.
+                let logits = runner.zeros::<T>(len)?;
                 let restore = |l: &mut R::Buffer<T>| Ok(runner.refill(&host, l)?);
                 timer.time(logits, restore, |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)
             }
@@ -303,7 +318,7 @@ impl<R: Runner> FloatVisitorOwned for LogitsSteps<'_, R> {
                     |(l, g): &mut (R::Buffer<T>, R::Buffer<T>)| Ok(runner.forward_backward(spec, l, Some(g))?.loss);
                 timer.time((logits, grad), |_| Ok(()), step, bytes)
             }
-            _ => bail!("`impl: fused-linear` needs `hidden_size` (hidden states and an lm_head)"),
+            _ => unreachable!("bench::main refuses fused-linear without `hidden_size`"),
         }
     }
 }
@@ -331,17 +346,11 @@ impl<R: Runner> FloatVisitor for LinearSteps<'_, R> {
             (self.timer.runner, self.timer.spec, self.timer.cfg, self.linear, self.budget);
         let timer = self.timer;
         if cfg.implementation == BenchImpl::Baseline {
-            let typed = |d: &FloatData| T::slice_of(d).map(<[T]>::to_vec).context("one dtype for all inputs");
+            let typed = |d| T::slice_of(d).context("one dtype for all inputs");
             let (weight, bias) = (typed(&lin.weight)?, lin.bias.as_ref().map(typed).transpose()?);
-            let source = baseline::Source::linear(hidden, &weight, bias.as_deref(), lin.hidden_size)?;
+            let source = baseline::Source::linear(hidden, weight, bias, lin.hidden_size)?;
             let inputs = baseline::Inputs::new(spec, source)?;
             return timer.time((), |_| Ok(()), |_| Ok(inputs.value_and_grad()?.0), 0);
-        }
-        if cfg.implementation != BenchImpl::FusedLinear {
-            bail!(
-                "`impl: {}` works on logits; with `hidden_size` use fused-linear or baseline",
-                cfg.implementation.name()
-            );
         }
         let buffers = LinearOnBackend::upload(runner, lin, hidden)?;
         let inputs = buffers.inputs();

@@ -203,7 +203,7 @@ mod gpu {
 
     use anyhow::{anyhow, Result};
     use flashgrpo_kernels::cuda::CudaDevice;
-    use flashgrpo_kernels::DType;
+    use flashgrpo_kernels::{Backend, DType};
     use serde_json::json;
 
     use super::{Rows, Runner, StepMemory};
@@ -265,7 +265,7 @@ mod gpu {
             let free = self.memory()?.free;
             let peak = steps.high_water.unwrap_or(0);
             Ok(vec![
-                ("bench/device", json!(format!("cuda: {} ({})", self.name, self.arch))),
+                ("bench/device", json!(self.describe())),
                 ("mem/peak_bytes", json!(peak)),
                 ("mem/peak_above_inputs_bytes", json!(peak.saturating_sub(inputs))),
                 ("mem/step_extra_bytes", json!(steps.above_start)),

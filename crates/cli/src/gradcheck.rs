@@ -10,8 +10,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::batch::{Batch, Scores};
 use crate::config::{self, ConfigArgs};
+use crate::device::Device;
 use crate::input_spec::InputSpec;
-use crate::run::{reference_results, run_on, Device, Impl, Results};
+use crate::run::{reference_results, run_on, Impl, Results};
 
 /// Gates; unset ones take LOSSES.md's tolerance for the dtype.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -7,7 +7,8 @@ use anyhow::{bail, Context, Result};
 
 use crate::batch::{op_parser, Batch};
 use crate::config::{self, NoKeys};
-use crate::run::{run_on, Device, Impl, Results};
+use crate::device::Device;
+use crate::run::{run_on, Impl, Results};
 use crate::tensor_io::{write_atomically, Output, TensorFile};
 use crate::vocab_parallel_run::run_vocab_parallel;
 use flashgrpo_kernels::{ChunkBudget, Op};

@@ -10,7 +10,7 @@ use flashgrpo_kernels::{
 use serde::{Deserialize, Serialize};
 
 use crate::batch::{Batch, LinearData, Scores};
-pub use crate::device::Device;
+use crate::device::Device;
 use crate::device::{DeviceVisitor, Runner};
 use crate::tensor_io::{FloatData, FloatElement, FloatVisitor};
 
@@ -62,9 +62,7 @@ impl DeviceVisitor for KernelRun<'_> {
         let shape = [batch.batch, batch.seq_len, batch.vocab];
         match &batch.scores {
             Scores::Logits(logits) => logits.visit(OnLogits { backend, spec, in_place: self.in_place, shape }),
-            Scores::Linear(_) if self.in_place => {
-                bail!("`--impl fused-inplace` writes the gradient over the logits; with `hidden` and `weight` use `fused`")
-            }
+            // `run_on` refuses `in_place` here.
             Scores::Linear(linear) => {
                 linear.hidden.visit(OnLinear { backend, spec, linear, budget: self.budget, shape })
             }
@@ -239,5 +237,8 @@ pub fn run_on(device: Device, batch: &Batch, options: &LossOptions, imp: Impl, b
         Impl::Fused => false,
         Impl::FusedInplace => true,
     };
+    if in_place && matches!(batch.scores, Scores::Linear(_)) {
+        bail!("`--impl fused-inplace` writes the gradient over the logits; with `hidden` and `weight` use `fused`");
+    }
     device.run(KernelRun { batch, options, in_place, budget })
 }

@@ -184,6 +184,7 @@ fn host_inputs<'a, T: Element>(inputs: LinearBuffers<'a, Cpu, T>) -> LinearInput
 #[cfg(feature = "cuda")]
 mod on_gpu {
     use super::{Backend, LinearBuffers, LinearGradientBuffers};
+    use crate::cuda::device::cuda_error;
     use crate::cuda::{CudaDevice, CudaLinearGradients, CudaLinearInputs, CudaSlice};
     use crate::element::Element;
     use crate::error::LossError;
@@ -205,7 +206,7 @@ mod on_gpu {
 
         fn refill<T: Element>(&self, host: &[T], buffer: &mut CudaSlice<T>) -> Result<(), LossError> {
             super::check_refill(host.len(), buffer.len())?;
-            self.stream().memcpy_htod(host, buffer).map_err(|e| LossError::Cuda(format!("copying to the GPU: {e:?}")))
+            self.stream().memcpy_htod(host, buffer).map_err(cuda_error("copying to the GPU"))
         }
 
         fn zeros<T: Element>(&self, len: usize) -> Result<CudaSlice<T>, LossError> {

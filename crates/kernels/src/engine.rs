@@ -99,10 +99,12 @@ impl<'a> PreparedLoss<'a> {
         if stats.len() != rows.len() {
             return Err(LossError::Shard(format!("{} rows of statistics for {} rows", stats.len(), rows.len())));
         }
-        // The lowest row missing its target column, whatever the thread count.
-        let missing = |(s, &a): (&PartialRowStats, &bool)| a && rows.targets.is_some() && s.target_u.is_none();
-        if let Some(i) = stats.par_iter().zip(&self.active).position_first(missing) {
-            return Err(LossError::Shard(format!("no shard holds the target column of row {i}")));
+        // The lowest active row missing its target column, whatever the thread count.
+        let missing = |(s, &a): (&PartialRowStats, &bool)| a && s.target_u.is_none();
+        if rows.targets.is_some() {
+            if let Some(i) = stats.par_iter().zip(&self.active).position_first(missing) {
+                return Err(LossError::Shard(format!("no shard holds the target column of row {i}")));
+            }
         }
         let finished: Vec<RowStats> = stats
             .par_iter()

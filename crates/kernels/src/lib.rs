@@ -51,6 +51,7 @@ pub mod objective;
 pub mod options;
 pub mod owned;
 pub mod reference;
+mod scratch;
 pub mod stats;
 pub mod synthetic;
 

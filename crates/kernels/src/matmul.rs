@@ -11,6 +11,8 @@
 
 use gemm::{gemm, Parallelism};
 
+use crate::scratch::with_scratch;
+
 /// A row-major matrix view: `rows x cols` with `stride` elements between rows.
 #[derive(Clone, Copy)]
 pub struct Mat<'a> {
@@ -152,16 +154,8 @@ thread_local! {
 fn padded(out: &mut MatMut<'_>, accumulate: bool, k: usize, lhs: Strided<'_>, rhs: Strided<'_>) {
     let (m, n) = (out.rows, out.cols);
     let rows = invariant_rows(n);
-    PADDED.with(|cell| {
-        // `product` below runs gemm's rayon loop: while this thread waits on it, rayon may run
-        // another task here that comes back to this function with the thread's copy still
-        // borrowed; that one gets fresh buffers.
-        let mut fresh = Default::default();
-        let mut kept = cell.try_borrow_mut();
-        let (a, c): &mut (Vec<f32>, Vec<f32>) = match kept.as_deref_mut() {
-            Ok(buffers) => buffers,
-            Err(_) => &mut fresh,
-        };
+    // `product` below runs gemm's rayon loop, which may re-enter here on this thread.
+    with_scratch(&PADDED, |(a, c)| {
         a.clear();
         a.resize(rows * k, 0.0);
         for r in 0..m {

@@ -417,6 +417,12 @@ impl LossOptions {
                 return Err(bad("vllm_importance_sampling_clip_min", lo, "<= vllm_importance_sampling_clip_max"));
             }
         }
+        let mixes_tokens = matches!(self.loss_type, LossType::GeoMean | LossType::KlCov | LossType::ClipCov);
+        if self.loss_agg_mode == Some(Aggregation::TokenSum) && mixes_tokens {
+            let rule =
+                "another mode with loss_type geo_mean, kl_cov or clip_cov (their tokens' losses mix within a sequence)";
+            return Err(bad("loss_agg_mode", "token-sum", rule));
+        }
         positive("kl_cov_ratio", self.kl_cov_ratio)?;
         positive("clip_cov_ratio", self.clip_cov_ratio)?;
         non_negative("ppo_kl_coef", self.ppo_kl_coef)?;
@@ -494,6 +500,14 @@ mod tests {
             (
                 "vllm_importance_sampling_clip_min",
                 LossOptions { vllm_importance_sampling_clip_min: Some(4.0), ..Default::default() },
+            ),
+            (
+                "loss_agg_mode",
+                LossOptions {
+                    loss_type: LossType::GeoMean,
+                    loss_agg_mode: Some(Aggregation::TokenSum),
+                    ..Default::default()
+                },
             ),
         ] {
             let err = o.validate().unwrap_err().to_string();

@@ -71,7 +71,7 @@ pub fn include_dirs() -> Vec<String> {
 /// Extra preprocessor definitions for rows.cu from `FLASHGRPO_CUDA_DEFINES` (`NAME` or
 /// `NAME=VALUE`, separated by spaces or commas): the tuning switches at the top of rows.cu, so that
 /// one GPU session can time variants of the kernels without a rebuild here.
-pub fn extra_defines() -> Vec<String> {
+fn extra_defines() -> Vec<String> {
     defines_from(&std::env::var("FLASHGRPO_CUDA_DEFINES").unwrap_or_default())
 }
 

@@ -163,6 +163,16 @@ __device__ __forceinline__ RowSplit split_row(const A *lead, const B *other, int
     return RowSplit{head, (vocab - head) / W};
 }
 
+// Walks a row's elements in this thread's fixed positions: `scalar(j)` on each head and tail
+// element, `vector(j0)` on each body vector (its first element's index).
+template <int W, typename Scalar, typename Vector>
+__device__ __forceinline__ void walk_row(RowSplit split, int vocab, Scalar scalar, Vector vector) {
+    const int body_end = split.head + split.vectors * W;
+    for (int j = threadIdx.x; j < split.head; j += blockDim.x) scalar(j);
+    for (int k = threadIdx.x; k < split.vectors; k += blockDim.x) vector(split.head + k * W);
+    for (int j = body_end + threadIdx.x; j < vocab; j += blockDim.x) scalar(j);
+}
+
 // `W` elements from 16-byte aligned `p`, widened to f32.
 template <int W, typename T>
 __device__ __forceinline__ void load_vector(const T *p, float (&v)[W]) {
@@ -240,18 +250,16 @@ __device__ void row_stats(const T *__restrict__ logits, int vocab, float inv_tem
         return;
     }
     const T *z = logits + row * (long long)vocab;
-    const RowSplit split = split_row<W>(z, z, vocab);
-    const int body_end = split.head + split.vectors * W;
     Partial p = {FLASHGRPO_NEG_INF, 0.0f, 0.0f, 0.0f};
-    for (int j = threadIdx.x; j < split.head; j += blockDim.x) push(p, to_float(z[j]) * inv_temperature);
-    for (int k = threadIdx.x; k < split.vectors; k += blockDim.x) {
-        float u[W];
-        load_vector<W>(z + split.head + k * W, u);
+    walk_row<W>(
+        split_row<W>(z, z, vocab), vocab, [&](int j) { push(p, to_float(z[j]) * inv_temperature); },
+        [&](int j0) {
+            float u[W];
+            load_vector<W>(z + j0, u);
 #pragma unroll
-        for (int i = 0; i < W; ++i) u[i] *= inv_temperature;
-        push_vector<W>(p, u);
-    }
-    for (int j = body_end + threadIdx.x; j < vocab; j += blockDim.x) push(p, to_float(z[j]) * inv_temperature);
+            for (int i = 0; i < W; ++i) u[i] *= inv_temperature;
+            push_vector<W>(p, u);
+        });
     partials[threadIdx.x] = p;
     __syncthreads();
     for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
@@ -292,31 +300,28 @@ __device__ void row_gradient(const In *logits, Out *grad, int vocab, float inv_t
     constexpr int W = FLASHGRPO_GRAD_BYTES / sizeof(Out);
     const long long row = blockIdx.x;
     const float *s = scalars + row * 5;
-    const GradientScalars g1 = {s[0], s[1], s[2], s[3], s[4], inv_temperature};
+    const GradientScalars grad_of = {s[0], s[1], s[2], s[3], s[4], inv_temperature};
     const In *z = logits + row * (long long)vocab;
     Out *g = grad + row * (long long)vocab;
     const RowSplit split = split_row<W>(g, z, vocab);
-    const int body_end = split.head + split.vectors * W;
-    if (g1.a == 0.0f && g1.b == 0.0f && g1.c == 0.0f && g1.d == 0.0f) {
+    if (grad_of.a == 0.0f && grad_of.b == 0.0f && grad_of.c == 0.0f && grad_of.d == 0.0f) {
         float zeros[W];
 #pragma unroll
         for (int i = 0; i < W; ++i) zeros[i] = 0.0f;
-        for (int j = threadIdx.x; j < split.head; j += blockDim.x) g[j] = from_float<Out>(0.0f);
-        for (int k = threadIdx.x; k < split.vectors; k += blockDim.x) store_vector<W>(g + split.head + k * W, zeros);
-        for (int j = body_end + threadIdx.x; j < vocab; j += blockDim.x) g[j] = from_float<Out>(0.0f);
+        walk_row<W>(split, vocab, [&](int j) { g[j] = from_float<Out>(0.0f); },
+                    [&](int j0) { store_vector<W>(g + j0, zeros); });
         return;
     }
     const long long y = targets != nullptr ? targets[row] : -1;
-    for (int j = threadIdx.x; j < split.head; j += blockDim.x) g[j] = from_float<Out>(g1.at(to_float(z[j]), j == y));
-    for (int k = threadIdx.x; k < split.vectors; k += blockDim.x) {
-        const int j0 = split.head + k * W;
-        float v[W];
-        load_vector<W>(z + j0, v);
+    walk_row<W>(
+        split, vocab, [&](int j) { g[j] = from_float<Out>(grad_of.at(to_float(z[j]), j == y)); },
+        [&](int j0) {
+            float v[W];
+            load_vector<W>(z + j0, v);
 #pragma unroll
-        for (int i = 0; i < W; ++i) v[i] = g1.at(v[i], j0 + i == y);
-        store_vector<W>(g + j0, v);
-    }
-    for (int j = body_end + threadIdx.x; j < vocab; j += blockDim.x) g[j] = from_float<Out>(g1.at(to_float(z[j]), j == y));
+            for (int i = 0; i < W; ++i) v[i] = grad_of.at(v[i], j0 + i == y);
+            store_vector<W>(g + j0, v);
+        });
 }
 
 // Fused-linear: every row of the f32 logits `z [rows, vocab]` set to the bias, before the product

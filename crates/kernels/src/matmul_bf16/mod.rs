@@ -22,6 +22,8 @@ pub mod layer;
 pub mod pack;
 
 use std::cell::Cell;
+
+use crate::scratch::with_scratch;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -470,23 +472,11 @@ thread_local! {
     static TILE_SCRATCH: std::cell::RefCell<TileScratch> = std::cell::RefCell::default();
 }
 
-/// Runs `f` with this thread's [`TileScratch`], or with a fresh one when the thread's is in use.
-/// It can be: the packers inside `f` have parallel loops of their own, and while a thread waits
-/// on one, rayon may run another tile on it (work stealing), which comes back here with the
-/// first tile's scratch still borrowed. (Borrowing it again panicked in a rayon worker, now and
-/// then, before this.)
-fn with_tile_scratch<R>(f: impl FnOnce(&mut TileScratch) -> R) -> R {
-    TILE_SCRATCH.with(|s| match s.try_borrow_mut() {
-        Ok(mut scratch) => f(&mut scratch),
-        Err(_) => f(&mut TileScratch::default()),
-    })
-}
-
 /// Runs `f` on every tile of `tiles`, spread over the rayon threads, each with its thread's
-/// [`TileScratch`]. One parallel region per call: a region per tile and product would cost a
+/// [`TileScratch`] (a fresh one where a packer's parallel loop re-enters: `crate::scratch`). One parallel region per call: a region per tile and product would cost a
 /// thread wake-up each, thousands per step.
 fn for_each_tile(tiles: &[Range<usize>], f: impl Fn(usize, &Range<usize>, &mut TileScratch) + Sync) {
-    tiles.par_iter().enumerate().for_each(|(i, t)| with_tile_scratch(|scratch| f(i, t, scratch)));
+    tiles.par_iter().enumerate().for_each(|(i, t)| with_scratch(&TILE_SCRATCH, |scratch| f(i, t, scratch)));
 }
 
 /// `[start, start + len)` in `tile`-wide pieces.
@@ -565,7 +555,7 @@ pub fn gradients(
     });
     let (partial_outs, dw_out) = (&partial_outs, &dw_out);
     groups.par_iter().enumerate().for_each(|(g, group)| {
-        with_tile_scratch(|scratch| {
+        with_scratch(&TILE_SCRATCH, |scratch| {
             for (i, t) in all[group.clone()].iter().enumerate() {
                 let partial = Output { accumulate: i > 0, ..partial_outs[g] };
                 let dw_tile = dw_out.as_ref().map(|out| out.part(0..h, t.clone()));

@@ -279,18 +279,3 @@ fn layer_products_are_the_same_bits_for_any_thread_count_and_batch() {
         }
     }
 }
-
-/// A tile's scratch taken again on the same thread (what rayon's work stealing does when a packer's
-/// parallel loop inside a tile runs another tile) gets a fresh one instead of panicking.
-#[test]
-fn a_tile_scratch_in_use_is_not_borrowed_twice() {
-    let inner = with_tile_scratch(|a| {
-        a.a.k = 64;
-        with_tile_scratch(|b| {
-            b.a.k += 32;
-            b.a.k
-        })
-    });
-    assert_eq!(inner, 32, "the inner call has its own scratch");
-    with_tile_scratch(|a| assert_eq!(a.a.k, 64, "the thread's scratch is the outer call's"));
-}
