@@ -308,17 +308,22 @@ def check_logits_level_modules():
     mask = (torch.rand(B, L) > 0.3).float()
     mask[:, 0] = 1
     adv, old, ref = torch.randn(B), torch.randn(B, L) - 4, torch.randn(B, L) - 4
-    for lt in ["dapo", "grpo", "dr_grpo", "bnpo"]:
-        case = f"GRPOLoss [B, L+1, V] {lt}"
+    # inplace=True is Liger's default: the gradient is written over the logits in the backward,
+    # times the upstream (here 0.5: `(loss * 0.5).backward()`).
+    for lt, inplace in [("dapo", False), ("grpo", False), ("dr_grpo", False), ("bnpo", False), ("dapo", True),
+                        ("grpo", True)]:
+        case = f"GRPOLoss [B, L+1, V] {lt} inplace={inplace}"
         x = logits.clone().requires_grad_(True)
-        loss, metrics = ft.GRPOLoss(loss_type=lt, inplace=False)(x, old, ref, ids, adv, mask)
-        loss.backward()
+        loss, metrics = ft.GRPOLoss(loss_type=lt, inplace=inplace)(x, old, ref, ids, adv, mask)
+        if not torch.equal(x.detach(), logits):
+            FAILURES.append(f"{case}: the forward changed the logits")
+        (loss * 0.5).backward()
         o = grpo_options(loss_type=lt, temperature=0.9, epsilon_high=0.4, max_completion_length=L)
         want = trl_grpo(logits[:, :L].contiguous(), ids, mask, adv, old, ref, None, o)
         close(case, "loss", loss, want["loss"], 1e-5)
         close(case, "kl_mean", metrics[0], (want["kl"] * mask).sum() / mask.sum(), 1e-5)
         close(case, "clip_ratio", metrics[1], (want["is_clipped"] * mask).sum() / mask.sum(), 1e-5)
-        close_norm(case, "grad (first L positions)", x.grad[:, :L], want["grad"], 1e-5)
+        close_norm(case, "grad (first L positions)", x.grad[:, :L], 0.5 * want["grad"], 1e-5)
         CHECKS[0] += 1
         if x.grad[:, L].abs().max() != 0:
             FAILURES.append(f"{case}: gradient at the unscored last position")

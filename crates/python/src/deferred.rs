@@ -163,24 +163,21 @@ impl DeferredGradient {
         }
     }
 
+    /// Writes the gradient over the logits (the one use: Liger's `inplace`, whose logits keep their
+    /// values until the backward).
+    ///
     /// # Safety
-    /// The module's contract; `grad`, when given, does not overlap the logits.
-    unsafe fn logits_gradient(&self, logits: usize, grad: usize, scale: f32, row_scale: usize) -> Result<()> {
+    /// The module's contract.
+    unsafe fn logits_gradient(&self, logits: usize, scale: f32, row_scale: usize) -> Result<()> {
         if !matches!(self.scores, Scores::Logits) {
             return Err(message("a fused-linear loss's gradient is written with `write_linear`"));
         }
         let rows = unsafe { self.scaled_rows(scale, row_scale)? };
-        let len = self.rows() * self.vocab;
-        let (logits, grad) = (Address::new("logits", logits, len), Address::new("grad", grad, len));
+        let logits = Address::new("logits", logits, self.rows() * self.vocab);
         let prepared = PreparedLoss::new(self.inputs.spec(self.vocab)).map_err(message)?;
         with_element!(self.dtype, T => {
-            let target = match unsafe { grad.slice_mut::<T>()? } {
-                Some(out) => GradientTarget::Into { logits: unsafe { logits.required()? }, out },
-                None => GradientTarget::InPlace(
-                    unsafe { logits.slice_mut::<T>()? }.ok_or_else(|| message("`logits` is required"))?,
-                ),
-            };
-            prepared.gradient(target, 0..self.vocab, &rows).map_err(message)
+            let logits = unsafe { logits.slice_mut::<T>()? }.ok_or_else(|| message("`logits` is required"))?;
+            prepared.gradient(GradientTarget::InPlace(logits), 0..self.vocab, &rows).map_err(message)
         })?;
         self.written();
         Ok(())
@@ -221,11 +218,11 @@ impl DeferredGradient {
 #[pymethods]
 impl DeferredGradient {
     /// Writes the gradient of the loss times the upstream gradient (`scale`, and `row_scale[i]`
-    /// for row `i` when that address is not 0) into `grad`, or over the logits when `grad` is 0.
-    #[pyo3(signature = (logits, grad, scale = 1.0, row_scale = 0))]
-    fn write_logits(&self, py: Python<'_>, logits: usize, grad: usize, scale: f32, row_scale: usize) -> PyResult<()> {
+    /// for row `i` when that address is not 0) over the logits.
+    #[pyo3(signature = (logits, scale = 1.0, row_scale = 0))]
+    fn write_logits(&self, py: Python<'_>, logits: usize, scale: f32, row_scale: usize) -> PyResult<()> {
         // SAFETY: the module's contract, for the length of this call.
-        py.detach(|| unsafe { self.logits_gradient(logits, grad, scale, row_scale) }).map_err(error)
+        py.detach(|| unsafe { self.logits_gradient(logits, scale, row_scale) }).map_err(error)
     }
 
     /// Writes the f32 gradients of a fused-linear loss times the upstream gradient into the

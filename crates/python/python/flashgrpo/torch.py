@@ -214,14 +214,14 @@ class _DeferredGradients(torch.autograd.Function):
     """``value``, whose gradient the kernels write in the backward (``pending``, a
     ``DeferredGradient`` of the native module): the upstream gradient is folded into each row's
     gradient scalars before the pass that writes it, so it may differ from token to token even
-    for a fused-linear loss, and a gradient ``in_place`` over the logits is written only then
+    for a fused-linear loss, and a logits-level gradient is written over the logits only then
     (Liger's ``inplace``: the logits keep their values until the backward). ``scores`` are the
     contiguous tensors the kernels read (kept unchanged until then: the originals are saved for
     PyTorch's in-place modification check); ``per_row``: ``value`` is per token."""
 
     @staticmethod
-    def forward(ctx, value, pending, scores, per_row, in_place, sequences, *inputs):
-        ctx.pending, ctx.scores, ctx.per_row, ctx.in_place, ctx.sequences = pending, scores, per_row, in_place, sequences
+    def forward(ctx, value, pending, scores, per_row, sequences, *inputs):
+        ctx.pending, ctx.scores, ctx.per_row, ctx.sequences = pending, scores, per_row, sequences
         ctx.dtypes = [None if x is None else x.dtype for x in inputs]
         ctx.wants = [x is not None and x.requires_grad for x in inputs]
         ctx.save_for_backward(*[x for x in inputs if x is not None])
@@ -240,18 +240,13 @@ class _DeferredGradients(torch.autograd.Function):
             scale = float(upstream)
         scores = _take_once(ctx, "scores")
         if len(scores) == 1:
-            grads = [_write_logits_gradient(pending, scores[0], ctx.in_place, scale, row_scale)]
+            pending.write_logits(_address(scores[0]), scale, _address(row_scale))
+            grads = [scores[0]]
         else:
             grads = _write_linear_gradients(pending, scores, ctx.wants, scale, row_scale)
         out = [None if g is None or not want else g.to(dtype)
                for g, want, dtype in zip(grads, ctx.wants, ctx.dtypes)]
-        return (None, None, None, None, None, None, *out)
-
-
-def _write_logits_gradient(pending, x, in_place, scale, row_scale):
-    grad = None if in_place else _gradient_tensor(x.shape, x.dtype)
-    pending.write_logits(_address(x), _address(grad), scale, _address(row_scale))
-    return x if in_place else grad
+        return (None, None, None, None, None, *out)
 
 
 def _write_linear_gradients(pending, scores, wants, scale, row_scale):
@@ -271,7 +266,9 @@ def _check_uniform_per_sequence(row_scale, mask):
     u = row_scale.reshape(mask.shape)
     on = mask > 0
     mean = torch.where(on, u, torch.zeros_like(u)).sum(-1) / on.sum(-1).clamp(min=1)
-    if bool(((u - mean[:, None]).abs() * on).max() > 1e-6 * mean.abs().max().clamp(min=1e-30)):
+    # Per sequence, and false for a NaN: a NaN upstream on an unmasked token is refused too.
+    same = torch.isclose(u, mean[:, None].expand_as(u), rtol=1e-6, atol=0.0)
+    if bool((on & ~same).any()):
         raise NotImplementedError("flashgrpo: with importance_sampling_level='sequence', a per-token loss can only be "
                                   "back-propagated with the same upstream gradient on every unmasked token of a "
                                   "sequence (e.g. `(loss * mask).sum() / mask.sum()`)")
@@ -288,7 +285,8 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
                  **row_inputs):
     """Runs ``op`` over logits ``[B, T, V]`` (or ``[N, V]``); returns the loss value (with the
     kernels' gradient attached when the logits require one) and the per-token outputs. ``defer``:
-    the gradient is written in the backward (see ``_DeferredGradients``); ``sequences``: the mask
+    the gradient is written over the logits in the backward (``in_place`` as Liger's ``inplace``,
+    see ``_DeferredGradients``); ``sequences``: the mask
     of a loss whose rows mix within a sequence (sequence-level importance sampling)."""
     x = _float_input("logits", logits)
     if x.dim() not in (2, 3):
@@ -304,6 +302,8 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
     if wants_grad and in_place and x.data_ptr() != logits.data_ptr():
         raise ValueError("`in_place=True` needs contiguous logits (the gradient is written over them)")
     native = (op, _DTYPES[x.dtype], _address(x), request.native, options_json(options))
+    if defer and not in_place:
+        raise ValueError("flashgrpo: a deferred gradient is written over the logits (`in_place=True`)")
     deferred = wants_grad and defer
     grad = _gradient_tensor(x.shape, x.dtype) if wants_grad and not in_place and not deferred else None
     if deferred:
@@ -313,7 +313,7 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
     per_token = _per_token(result, batch * seq_len, out_shape)
     value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=torch.float32)
     if deferred:
-        value = _DeferredGradients.apply(value, pending, (x,), per_row is not None, in_place, sequences, logits)
+        value = _DeferredGradients.apply(value, pending, (x,), per_row is not None, sequences, logits)
     elif wants_grad:
         rows = "rows" if per_row else None
         value = _KernelGradients.apply(value, (x if in_place else grad,), rows, sequences, logits)
@@ -362,7 +362,7 @@ def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None
     per_token = _per_token(result, batch * seq_len, out_shape)
     value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=f32)
     if deferred:
-        value = _DeferredGradients.apply(value, pending, (h, w, b), True, False, None, hidden, weight, bias)
+        value = _DeferredGradients.apply(value, pending, (h, w, b), True, None, hidden, weight, bias)
     elif eager:
         kept = (grads[0] if hidden.requires_grad else None, grads[1], grads[2])
         value = _KernelGradients.apply(value, kept, None, None, hidden, weight, bias)
@@ -570,9 +570,10 @@ def _check_liger_options(sapo_temperature_pos, sapo_temperature_neg, delta):
         raise ValueError(f"delta must be positive, got {delta}")
 
 
-# Loss types whose per-token loss has a gradient of its own token's row (the objective's
-# `token-sum` reduction gives it; sequence-level importance sampling aside, handled by the backward).
-_PER_TOKEN_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "gpg")
+# Loss types whose tokens' losses mix within a sequence: no per-token loss with a gradient of its
+# own token's row (the kernels' options check refuses `token-sum` with them too; this says it in
+# Liger's terms).
+_TOKEN_MIXING_LOSS_TYPES = ("geo_mean", "kl_cov", "clip_cov")
 
 
 def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, completion_mask=None, temperature=0.9,
@@ -613,10 +614,9 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
                    vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
                    vespo_lambda_neg=vespo_lambda_neg)
     per_row = None
-    if not reduce and loss_type not in _PER_TOKEN_LOSS_TYPES:
-        raise ValueError(f"triton_grpo_loss(reduce=False) returns per-token losses of the loss types "
-                         f"{', '.join(_PER_TOKEN_LOSS_TYPES)}; `{loss_type}` mixes the tokens of a sequence "
-                         f"(use reduce=True)")
+    if not reduce and loss_type in _TOKEN_MIXING_LOSS_TYPES:
+        raise ValueError(f"triton_grpo_loss(reduce=False) returns per-token losses; `{loss_type}` mixes the "
+                         f"tokens of a sequence (use reduce=True)")
     if not reduce:  # each token's own loss, its gradient scaled in the backward by that token's upstream
         options["loss_agg_mode"] = "token-sum"
         per_row = "per_token_loss"
