@@ -33,6 +33,13 @@ pub(crate) trait Simd: Copy {
     /// `a * b + c` on one scalar, as the scalar tails compute it.
     fn scalar_mul_add(self, a: f32, b: f32, c: f32) -> f32;
     fn scalar_exp(self, x: f32) -> f32;
+    /// Asks for the cache line holding `p` to be brought into L1 (a hint: never faults, so `p`
+    /// may point past the end of a row).
+    #[inline(always)]
+    fn prefetch<T>(self, _p: *const T) {}
+    /// As [`Simd::prefetch`], for a line about to be written (fetched in exclusive state).
+    #[inline(always)]
+    fn prefetch_write<T>(self, _p: *const T) {}
 }
 
 /// Plain arrays; `FMA` only where the target has it (elsewhere `mul_add` is a libm call).
@@ -193,7 +200,7 @@ mod tests {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::super::math::EXP_POLY;
+    use super::super::math::EXP_POLY_DEG5;
     use super::{Avx512, Simd, LANES};
     use crate::element::{DType, Element};
 
@@ -239,7 +246,7 @@ mod avx512 {
             unsafe { _mm512_max_ps(a, b) }
         }
         /// `exp(x) = 2^n * p(r)`, `n = round(x log2 e)`, `r = x - n ln 2`, `p` the
-        /// Cephes polynomial (`math::EXP_POLY`); `vscalefps` applies `2^n` with correct underflow to 0
+        /// degree-5 polynomial `math::EXP_POLY_DEG5`; `vscalefps` applies `2^n` with correct underflow to 0
         /// and overflow to inf. `x` is clamped below at -104 so that `r` stays small.
         #[inline(always)]
         fn exp(self, x: __m512) -> __m512 {
@@ -252,8 +259,8 @@ mod avx512 {
                 // One fused step: n ln2 is exact inside the FMA; ln2's f32 rounding (1.9e-9)
                 // costs at most 2.9e-7 relative at n = -150, where exp is ~1e-45 anyway.
                 let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(std::f32::consts::LN_2), x);
-                let mut p = _mm512_set1_ps(EXP_POLY[0]);
-                for &c in &EXP_POLY[1..] {
+                let mut p = _mm512_set1_ps(EXP_POLY_DEG5[0]);
+                for &c in &EXP_POLY_DEG5[1..] {
                     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
                 }
                 _mm512_scalef_ps(p, n)
@@ -316,6 +323,16 @@ mod avx512 {
         #[inline(always)]
         fn scalar_exp(self, x: f32) -> f32 {
             super::math::exp::<true>(x)
+        }
+        #[inline(always)]
+        fn prefetch<T>(self, p: *const T) {
+            // SAFETY: a prefetch is a hint and never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+        }
+        #[inline(always)]
+        fn prefetch_write<T>(self, p: *const T) {
+            // SAFETY: as in `prefetch`.
+            unsafe { _mm_prefetch::<_MM_HINT_ET0>(p.cast()) }
         }
     }
 }
