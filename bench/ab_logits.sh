@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# A/B of two (or more) flashgrpo binaries on the logits-level GRPO shapes: each arm runs every
+# binary in turn, round after round, so that this VM's drift hits both alike.
+#   bench/ab_logits.sh ROUNDS BIN_A BIN_B [BIN ...]
+# Prints `round|arm|binary|step p50 (s) x-the-floor copy-GB/s` per run (`flashgrpo bench`).
+# Build the binaries first (e.g. `cargo build --release && cp target/release/flashgrpo /tmp/new`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=$1
+shift
+arms=(
+  "n1024-bf16 fused-inplace|--config configs/bench-grpo-n1024-bf16.yaml"
+  "n1024-bf16 fused|--config configs/bench-grpo-n1024-bf16.yaml --set impl=fused"
+  "n1024-f32 fused-inplace|--config configs/bench-grpo-n1024-f32.yaml"
+  "n1024-f32 fused|--config configs/bench-grpo-n1024-f32.yaml --set impl=fused"
+  "n1024-bf16 gspo fused-inplace|--config configs/bench-grpo-n1024-bf16.yaml --set importance_sampling_level=sequence --set loss_type=grpo"
+  "original-bf16 fused-inplace|--config configs/bench-grpo-original.yaml"
+  "original-bf16 fused|--config configs/bench-grpo-original.yaml --set impl=fused"
+)
+for r in $(seq "$rounds"); do
+  for arm in "${arms[@]}"; do
+    name=${arm%%|*}
+    read -ra args <<<"${arm#*|}"
+    for bin in "$@"; do
+      v=$("$bin" bench "${args[@]}" 2>/dev/null |
+        awk '/step_s_p50/{s=$2}/p50_over_floor/{f=$2}/copy_gbps/{c=$2}END{printf "%.4f %.2f %.1f", s, f, c}')
+      echo "$r|$name|$bin|$v"
+    done
+  done
+done
