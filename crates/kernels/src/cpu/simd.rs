@@ -37,9 +37,6 @@ pub(crate) trait Simd: Copy {
     /// may point past the end of a row).
     #[inline(always)]
     fn prefetch<T>(self, _p: *const T) {}
-    /// As [`Simd::prefetch`], for a line about to be written (fetched in exclusive state).
-    #[inline(always)]
-    fn prefetch_write<T>(self, _p: *const T) {}
 }
 
 /// Plain arrays; `FMA` only where the target has it (elsewhere `mul_add` is a libm call).
@@ -328,11 +325,6 @@ mod avx512 {
         fn prefetch<T>(self, p: *const T) {
             // SAFETY: a prefetch is a hint and never faults, whatever the address.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
-        }
-        #[inline(always)]
-        fn prefetch_write<T>(self, p: *const T) {
-            // SAFETY: as in `prefetch`.
-            unsafe { _mm_prefetch::<_MM_HINT_ET0>(p.cast()) }
         }
     }
 }
