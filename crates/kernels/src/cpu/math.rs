@@ -24,8 +24,8 @@ pub(crate) const EXP_POLY: [f32; 8] =
 /// `exp(r)` on `[-ln 2 / 2, ln 2 / 2]`, degree 5, highest degree first: `1 + r` fixed and the
 /// rest fitted for the least maximum relative error (1.0e-7 in exact arithmetic, 1.6e-7
 /// evaluated in f32 with FMA). The AVX-512 `exp` uses it: two multiply-adds fewer than
-/// [`EXP_POLY`] of the ~20 vector operations a logit costs in the row kernels, for an error still
-/// below f32's ulp at 1.
+/// [`EXP_POLY`] of the ~20 vector operations a logit costs in the row kernels, for an error of
+/// about 1.3 ulp at 1 (the whole `exp`'s worst over [-100, 10]: 3.9e-7, against 2.9e-7).
 pub(crate) const EXP_POLY_DEG5: [f32; 6] = [8.312_525e-3, 4.189_011_5e-2, 1.666_711_4e-1, 4.999_923e-1, 1.0, 1.0];
 
 /// `a * b + c`, fused when `FMA`.

@@ -22,7 +22,7 @@
 //! f32 `fused` 0.054 -> 0.059-0.062 s): on the Intel server CPU of
 //! docs/BENCHMARKS.md the hardware prefetchers alone left the row kernels waiting on memory
 //! between bursts of compute (one thread: 70 ms at N=1024 bf16, the sum of its in-cache compute
-//! and its copy time), and these hints overlap the two (1.5-2x faster logits-level losses).
+//! and its copy time), and these hints overlap the two (1.3-2x faster logits-level losses).
 
 use std::cell::RefCell;
 
@@ -97,6 +97,7 @@ fn lanes_max<S: Simd, T: Element, const SCALED: bool>(s: S, tile: &[T], inv_t: f
     let full = tile.len() / LANES * LANES;
     let mut acc = s.splat(f32::NEG_INFINITY);
     for c in tile[..full].chunks_exact(LANES) {
+        s.prefetch(ahead(c));
         acc = s.max(acc, load_u::<S, T, SCALED>(s, c, inv_t));
     }
     let mut a = s.to_array(acc);

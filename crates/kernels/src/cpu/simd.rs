@@ -28,7 +28,8 @@ pub(crate) trait Simd: Copy {
     fn to_array(self, v: Self::V) -> [f32; LANES];
     /// Loads exactly 16 logits of any dtype, widened to f32.
     fn load_t<T: Element>(self, src: &[T]) -> Self::V;
-    /// Stores exactly 16 values rounded to `T` (to nearest even).
+    /// Stores exactly 16 values rounded to `T` (to nearest even; with AVX512-BF16's conversion, bf16
+    /// values below 2^-126 in magnitude become zero, as in [`Avx512`]).
     fn store_t<T: Element>(self, v: Self::V, dst: &mut [T]);
     /// `a * b + c` on one scalar, as the scalar tails compute it.
     fn scalar_mul_add(self, a: f32, b: f32, c: f32) -> f32;
@@ -251,7 +252,9 @@ mod avx512 {
                 let x = _mm512_max_ps(_mm512_set1_ps(-104.0), x);
                 // n = round(x log2 e): adding 1.5 * 2^23 in the FMA rounds the exact product to an
                 // integer, subtracting it leaves that integer (two single-uop operations, where
-                // `vrndscaleps` after a multiply is three).
+                // `vrndscaleps` after a multiply is three). Exact while |x log2 e| < 2^22: the clamp
+                // bounds it below; above, the callers' arguments stay under the tile HEADROOM (8)
+                // except in a first pass over a tile that is then summed again.
                 let magic = _mm512_set1_ps(12_582_912.0);
                 let n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E), magic), magic);
                 // One fused step: n ln2 is exact inside the FMA; ln2's f32 rounding (1.9e-9)
