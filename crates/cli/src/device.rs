@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::ValueEnum;
 use flashgrpo_kernels::linear::{matmul_bf16_gflops, matmul_gflops};
-use flashgrpo_kernels::{Backend, Cpu, DType};
+use flashgrpo_kernels::{Backend, Cpu, DType, Isa};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -161,6 +161,7 @@ impl Runner for Cpu {
     fn memory_rows(&self, run: CpuRun, steps: StepMemory, kept: u64, _inputs: u64) -> Result<Rows> {
         Ok(vec![
             ("bench/threads", json!(rayon::current_num_threads())),
+            ("bench/row_kernels", json!(Isa::of_process().name())),
             ("mem/peak_bytes", json!(steps.above_start + kept)),
             ("mem/peak_rss_bytes", json!(memory::peak_rss_bytes())),
             ("mem/rss_before_steps_bytes", json!(run.rss_before_steps)),

@@ -104,6 +104,31 @@ fn logits_from_a_file_and_non_finite_values() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `FLASHGRPO_ISA` picks the row kernels of the process (to time a fallback); the loss agrees
+/// with the default kernels', and a level the CPU cannot run is reported and ignored.
+#[test]
+fn bench_row_kernels_follow_flashgrpo_isa() {
+    let run = |isa: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo"))
+            .env("FLASHGRPO_ISA", isa)
+            .args(["bench", "--json", "--set", "vocab=3001", "--set", "batch=2", "--set", "seq_len=8"])
+            .args(["--set", "steps=1", "--set", "warmup=0", "--set", "dtype=bf16"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{isa}: {}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (v, String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let (default, _) = run("");
+    let (generic, _) = run("generic");
+    assert_eq!(generic["bench/row_kernels"], "generic");
+    let (a, b) = (default["bench/loss"].as_f64().unwrap(), generic["bench/loss"].as_f64().unwrap());
+    assert!((a - b).abs() < 1e-5 * a.abs().max(1.0), "default {a} vs generic {b}");
+    let (bogus, stderr) = run("avx9000");
+    assert!(stderr.contains("FLASHGRPO_ISA=avx9000 is not a level this CPU can run"), "{stderr}");
+    assert_eq!(bogus["bench/row_kernels"], default["bench/row_kernels"]);
+}
+
 #[test]
 fn bench_reports_every_metric_and_impls_agree() {
     let mut losses = Vec::new();

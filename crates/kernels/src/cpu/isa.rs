@@ -2,8 +2,9 @@
 //!
 //! The row kernels are written once, generically, and compiled four times: for AVX-512 with and
 //! without AVX512-BF16 (intrinsics, `vscalefps` exp), for AVX2 + FMA, and for the baseline target
-//! (no FMA). The best one the
-//! CPU supports is used unless [`with_isa`] asks for another (tests use it to check every path).
+//! (no FMA). The best one the CPU supports is used unless [`with_isa`] asks for another on a
+//! thread (tests use it to check every path) or `FLASHGRPO_ISA` (`generic`, `avx2`, `avx512`,
+//! `avx512bf16`) for the process (to time a fallback on a CPU that has better).
 //! Results are identical for any thread count on one path; paths differ by FMA rounding.
 
 use std::cell::Cell;
@@ -49,6 +50,30 @@ impl Isa {
         })
     }
 
+    /// The level of this process: [`Isa::detected`], or a lower one named by `FLASHGRPO_ISA`
+    /// (read once; a name this CPU cannot run is reported on stderr and ignored).
+    pub fn of_process() -> Isa {
+        static CHOSEN: OnceLock<Isa> = OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            let wanted = std::env::var("FLASHGRPO_ISA").unwrap_or_default();
+            let available = Isa::available();
+            match available.iter().find(|i| i.name() == wanted) {
+                Some(&isa) => isa,
+                None => {
+                    if !wanted.is_empty() {
+                        let names: Vec<&str> = available.iter().map(|i| i.name()).collect();
+                        eprintln!(
+                            "flashgrpo: FLASHGRPO_ISA={wanted} is not a level this CPU can run (it can: {}); using {}",
+                            names.join(", "),
+                            Isa::detected().name()
+                        );
+                    }
+                    Isa::detected()
+                }
+            }
+        })
+    }
+
     /// Every level this CPU can run, lowest first.
     pub fn available() -> Vec<Isa> {
         [Isa::Generic, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16].into_iter().filter(|&i| i <= Isa::detected()).collect()
@@ -83,5 +108,5 @@ pub fn with_isa<R>(isa: Isa, f: impl FnOnce() -> R) -> R {
 
 /// The level calls from this thread use now.
 pub fn current() -> Isa {
-    OVERRIDE.with(Cell::get).unwrap_or_else(Isa::detected)
+    OVERRIDE.with(Cell::get).unwrap_or_else(Isa::of_process)
 }
