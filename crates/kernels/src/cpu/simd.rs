@@ -46,7 +46,7 @@ pub(crate) struct Portable<const FMA: bool>;
 
 /// `[expr for k in 0..LANES]` as a plain loop. Not `std::array::from_fn`: its closure is compiled
 /// without the calling kernel's target features and was not inlined, so with `FMA` every lane
-/// became a call to the software `fmaf` (the AVX2 kernels ran ~40x slower than the baseline ones).
+/// became a call to the software `fmaf` (the AVX2 kernels ran 11x slower than the baseline ones).
 macro_rules! lanewise {
     (|$k:ident| $e:expr) => {{
         let mut out = [0.0f32; LANES];
