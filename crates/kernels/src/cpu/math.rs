@@ -12,7 +12,7 @@ const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
 /// 1.5 * 2^23: adding it rounds to the nearest integer, which lands in the low mantissa bits.
-const ROUND_MAGIC: f32 = 12_582_912.0;
+pub(crate) const ROUND_MAGIC: f32 = 12_582_912.0;
 const MIN_ARG: f32 = -87.0;
 const MAX_ARG: f32 = 88.0;
 

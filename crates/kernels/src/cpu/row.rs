@@ -42,18 +42,20 @@ const PREFETCH_AHEAD: usize = 4096;
 /// Loads `src` into `dst` as `u = x * inv_t`, prefetching [`PREFETCH_AHEAD`] bytes ahead.
 #[inline(always)]
 fn load<S: Simd, T: Element>(s: S, src: &[T], dst: &mut [f32], inv_t: f32) {
-    let full = src.len() / LANES * LANES;
-    // Two loops, so that `inv_t == 1` is not tested per vector (LLVM does not hoist it).
+    // `inv_t == 1` decided here, not per vector (LLVM does not hoist the test).
     if inv_t == 1.0 {
-        for j in (0..full).step_by(LANES) {
-            s.prefetch(ahead(&src[j..]));
-            s.store(load_u::<S, T, false>(s, &src[j..], inv_t), &mut dst[j..]);
-        }
+        load_scaled::<S, T, false>(s, src, dst, inv_t)
     } else {
-        for j in (0..full).step_by(LANES) {
-            s.prefetch(ahead(&src[j..]));
-            s.store(load_u::<S, T, true>(s, &src[j..], inv_t), &mut dst[j..]);
-        }
+        load_scaled::<S, T, true>(s, src, dst, inv_t)
+    }
+}
+
+#[inline(always)]
+fn load_scaled<S: Simd, T: Element, const SCALED: bool>(s: S, src: &[T], dst: &mut [f32], inv_t: f32) {
+    let full = src.len() / LANES * LANES;
+    for j in (0..full).step_by(LANES) {
+        s.prefetch(ahead(&src[j..]));
+        s.store(load_u::<S, T, SCALED>(s, &src[j..], inv_t), &mut dst[j..]);
     }
     for j in full..src.len() {
         dst[j] = src[j].to_f32() * inv_t;

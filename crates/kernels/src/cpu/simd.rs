@@ -35,9 +35,17 @@ pub(crate) trait Simd: Copy {
     fn scalar_mul_add(self, a: f32, b: f32, c: f32) -> f32;
     fn scalar_exp(self, x: f32) -> f32;
     /// Asks for the cache line holding `p` to be brought into L1 (a hint: never faults, so `p`
-    /// may point past the end of a row).
+    /// may point past the end of a row). The same SSE instruction for every x86-64 level.
     #[inline(always)]
-    fn prefetch<T>(self, _p: *const T) {}
+    fn prefetch<T>(self, p: *const T) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: SSE is part of x86-64, and a prefetch never faults, whatever the address.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
 }
 
 /// Plain arrays; `FMA` only where the target has it (elsewhere `mul_add` is a libm call).
@@ -120,12 +128,6 @@ impl<const FMA: bool> Simd for Portable<FMA> {
     #[inline(always)]
     fn scalar_exp(self, x: f32) -> f32 {
         math::exp::<FMA>(x)
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn prefetch<T>(self, p: *const T) {
-        // SAFETY: SSE is part of x86-64, and a prefetch never faults, whatever the address.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast()) }
     }
 }
 
@@ -217,7 +219,7 @@ mod tests {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::super::math::EXP_POLY_DEG5;
+    use super::super::math::{EXP_POLY_DEG5, ROUND_MAGIC};
     use super::{Avx512, Simd, LANES};
     use crate::element::{DType, Element};
 
@@ -274,7 +276,7 @@ mod avx512 {
                 // `vrndscaleps` after a multiply is three). Exact while |x log2 e| < 2^22: the clamp
                 // bounds it below; above, the callers' arguments stay under the tile HEADROOM (8)
                 // except in a first pass over a tile that is then summed again.
-                let magic = _mm512_set1_ps(12_582_912.0);
+                let magic = _mm512_set1_ps(ROUND_MAGIC);
                 let n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E), magic), magic);
                 // One fused step: n ln2 is exact inside the FMA; ln2's f32 rounding (1.9e-9)
                 // costs at most 2.9e-7 relative at n = -150, where exp is ~1e-45 anyway.
@@ -343,11 +345,6 @@ mod avx512 {
         #[inline(always)]
         fn scalar_exp(self, x: f32) -> f32 {
             super::math::exp::<true>(x)
-        }
-        #[inline(always)]
-        fn prefetch<T>(self, p: *const T) {
-            // SAFETY: a prefetch is a hint and never faults, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
     }
 }
