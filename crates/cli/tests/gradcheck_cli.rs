@@ -127,6 +127,16 @@ fn bench_row_kernels_follow_flashgrpo_isa() {
     let (bogus, stderr) = run("avx9000");
     assert!(stderr.contains("FLASHGRPO_ISA=avx9000 is not a level this CPU can run"), "{stderr}");
     assert_eq!(bogus["bench/row_kernels"], default["bench/row_kernels"]);
+    // Each forced level against the f64 reference: gradcheck exits non-zero on a breach of
+    // LOSSES.md's tolerances.
+    for isa in ["generic", "avx2"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_flashgrpo"))
+            .env("FLASHGRPO_ISA", isa)
+            .args(["gradcheck", "--set", "vocab=3001", "--set", "seq_len=16"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "gradcheck with FLASHGRPO_ISA={isa}: {}", String::from_utf8_lossy(&o.stderr));
+    }
 }
 
 #[test]
