@@ -341,7 +341,7 @@ unsafe impl Sync for BOperand {}
 
 impl AOperand {
     fn packed(a: &PackedA) -> Self {
-        Self { ptr: a.data.as_ptr().cast(), row_bytes: 2 * a.k, steps: a.k / 32 }
+        Self { ptr: a.data.as_ptr().cast(), row_bytes: 2 * a.stride, steps: a.k / 32 }
     }
 
     /// The first row of block row `bi`.
@@ -361,8 +361,27 @@ impl BOperand {
     }
 }
 
-/// C (+)= A @ B on the packed kernel of `products` (AMX tiles or AVX512-BF16), block by block
-/// (32 x 32) on the calling thread.
+/// k-steps (32 each) per pass of the kernel over a block: one block column's chunk of B (two
+/// panels, 1 KiB each a step: 16 KiB) then stays in L1 while the macro block's rows of A stream
+/// past it from L2. Whole-K blocks read both operands from L2 and ran at ~60% of the kernel's
+/// in-L1 rate (issue 17).
+const K_STEPS: usize = 8;
+
+/// A macro block's block rows and columns (32 each): its rows' chunks of A (`MACRO.0 * 16` KiB)
+/// stay in L2 across its columns, and the f32 blocks it keeps between passes (where C is not
+/// written in place) take `MACRO.0 * MACRO.1 * 4` KiB.
+const MACRO: (usize, usize) = (8, 8);
+
+thread_local! {
+    /// The blocks of a macro block that cannot be accumulated in place (transposed or partial
+    /// outputs), between the passes over K.
+    static KEPT_BLOCKS: std::cell::Cell<Vec<amx::Block>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// C (+)= A @ B on the packed kernel of `products` (AMX tiles or AVX512-BF16), on the calling
+/// thread: macro block by macro block ([`MACRO`]), each in passes of [`K_STEPS`] over its 32 x 32
+/// blocks. Every C element still adds its K products in one order (the passes reload the f32
+/// sums exactly), so the results are those of one pass over K.
 ///
 /// # Safety
 /// A must be readable for `32 * ceil(out.rows / 32)` rows of `a.steps` steps, and B's panels
@@ -371,45 +390,61 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
     let amx = products.on_amx();
     assert!(if amx { amx::available() } else { products.packed() && dpbf16::available() });
     let (blocks_m, blocks_n) = (out.rows.div_ceil(32), out.cols.div_ceil(32));
-    let mut block = [0.0f32; 32 * 32];
-    let kernel = |a_block: *const u16, b0: *const u16, b1: *const u16, c: &amx::CTile| {
-        // SAFETY: the kernel is available (asserted; AMX configured below); the operands are
-        // readable as the caller promised.
+    let kernel = |bi: usize, bj: usize, k0: usize, steps: usize, c: &amx::CTile| {
+        let a_block = a.block(bi).wrapping_add(32 * k0);
+        let (b0, b1) = (b.panel(2 * bj), b.panel(2 * bj + 1));
+        let (b0, b1) = (b0.wrapping_byte_add(16 * k0 * b.row_bytes), b1.wrapping_byte_add(16 * k0 * b.row_bytes));
+        // SAFETY: the kernel is available (asserted; AMX configured below); steps k0..k0 + steps
+        // of the operands are readable as the caller promised.
         unsafe {
             if amx {
-                amx::block(a_block, a.row_bytes, b0, b1, b.row_bytes, a.steps, c)
+                amx::block(a_block, a.row_bytes, b0, b1, b.row_bytes, steps, c)
             } else {
-                dpbf16::block(a_block, a.row_bytes, b0, b1, b.row_bytes, a.steps, c)
+                dpbf16::block(a_block, a.row_bytes, b0, b1, b.row_bytes, steps, c)
             }
         }
     };
-    // SAFETY: AMX is available (asserted); the operands are readable as the caller promised.
-    unsafe {
-        if amx {
-            amx::configure();
-        }
-        for index in 0..blocks_m * blocks_n {
-            // Along the output's memory rows: each of a block's 32 rows then streams on.
-            let (bi, bj) = if out.transposed {
-                (index % blocks_m, index / blocks_m)
-            } else {
-                (index / blocks_n, index % blocks_n)
-            };
-            let (b0, b1) = (b.panel(2 * bj), b.panel(2 * bj + 1));
-            match out.direct(bi, bj) {
-                Some(c) => kernel(a.block(bi), b0, b1, &c),
-                None => {
-                    out.prefetch(bi, bj);
-                    let c = amx::CTile { ptr: block.as_mut_ptr(), row_bytes: 128, load: false };
-                    kernel(a.block(bi), b0, b1, &c);
-                    out.write(bi, bj, &block);
+    let mut kept = KEPT_BLOCKS.take();
+    kept.resize(MACRO.0 * MACRO.1, [0.0; 32 * 32]);
+    // SAFETY: AMX is available (asserted).
+    if amx {
+        unsafe { amx::configure() };
+    }
+    let (macros_m, macros_n) = (blocks_m.div_ceil(MACRO.0), blocks_n.div_ceil(MACRO.1));
+    for index in 0..macros_m * macros_n {
+        // Along the output's memory rows.
+        let (mi, mj) =
+            if out.transposed { (index % macros_m, index / macros_m) } else { (index / macros_n, index % macros_n) };
+        let rows = MACRO.0 * mi..(MACRO.0 * (mi + 1)).min(blocks_m);
+        let cols = MACRO.1 * mj..(MACRO.1 * (mj + 1)).min(blocks_n);
+        for k0 in (0..a.steps.max(1)).step_by(K_STEPS) {
+            let (steps, last) = (K_STEPS.min(a.steps - k0.min(a.steps)), k0 + K_STEPS >= a.steps);
+            for bj in cols.clone() {
+                for bi in rows.clone() {
+                    match out.direct(bi, bj) {
+                        Some(c) => kernel(bi, bj, k0, steps, &amx::CTile { load: c.load || k0 > 0, ..c }),
+                        None => {
+                            let block = &mut kept[(bi - rows.start) * MACRO.1 + bj - cols.start];
+                            if last {
+                                out.prefetch(bi, bj);
+                            }
+                            let c = amx::CTile { ptr: block.as_mut_ptr(), row_bytes: 128, load: k0 > 0 };
+                            kernel(bi, bj, k0, steps, &c);
+                            if last {
+                                // SAFETY: the caller's promise: no other thread writes `out`.
+                                unsafe { out.write(bi, bj, block) };
+                            }
+                        }
+                    }
                 }
             }
         }
-        if amx {
-            amx::release();
-        }
     }
+    // SAFETY: AMX is available (asserted).
+    if amx {
+        unsafe { amx::release() };
+    }
+    KEPT_BLOCKS.set(kept);
 }
 
 /// The packed forms of one chunk of bf16 hidden states, reused by every vocabulary tile.
@@ -487,23 +522,24 @@ fn tiles(len: usize, tile: usize) -> Vec<Range<usize>> {
 /// `z (+)= hc @ weight^T` on the packed kernel of `hc`'s way: the logits of the packed chunk `hc` over the vocabulary rows
 /// of `weight` (bf16 bits, row-major, `hidden_size` columns, `z.cols` rows), `tile` rows at a
 /// time, the tiles spread over the threads. Each tile is `C = W_tile @ hc^T`, written transposed;
-/// its A is read in place from the weight where whole blocks of rows are there.
+/// its A is the weight's rows packed a macro block at a time.
 pub fn logits(z: &mut MatMut<'_>, accumulate: bool, hc: &PackedHidden, weight: &[u16], tile: usize) {
     let h = hc.hidden_size;
     assert!(z.rows == hc.rows && weight.len() >= z.cols * h);
     assert!(z.rows == 0 || hc.transposed.cols >= z.rows, "hidden states packed for the gradients alone");
     let out = Output::new(z, true, accumulate);
     for_each_tile(&tiles(out.rows, tile), |_, t, scratch| {
-        let a = if h.is_multiple_of(32) && weight.len() >= (t.start + pack::padded(t.len())) * h {
-            AOperand { ptr: weight[t.start * h..].as_ptr(), row_bytes: 2 * h, steps: h / 32 }
-        } else {
-            pack::a_from_rows(&weight[t.start * h..], h, t.len(), h, &mut scratch.a);
-            AOperand::packed(&scratch.a)
-        };
-        let out = out.part(t.clone(), 0..out.cols);
-        // SAFETY: A's whole blocks of rows are inside `weight` or packed; B is packed to whole
-        // blocks; this tile's columns of z are written by this task only.
-        unsafe { product(a, BOperand::packed(&hc.transposed), &out, hc.products) };
+        // Packed a macro block's rows at a time, so that they are still in L2 when read. Read in
+        // place, the weight's rows were slower wherever they were not on cache lines (a tile
+        // row across two lines) or were a power of two apart (all in one cache set).
+        for part in tiles(t.len(), 32 * MACRO.0) {
+            let rows = t.start + part.start..t.start + part.end;
+            pack::a_from_rows(&weight[rows.start * h..], h, rows.len(), h, &mut scratch.a);
+            let out = out.part(rows, 0..out.cols);
+            // SAFETY: both operands are packed to whole blocks; these columns of z are written by
+            // this task only.
+            unsafe { product(AOperand::packed(&scratch.a), BOperand::packed(&hc.transposed), &out, hc.products) };
+        }
     });
 }
 
@@ -625,7 +661,7 @@ unsafe fn tile_gradients_split(
     // (padded(2 cols) <= 2 padded(cols)); the caller owns `partial`.
     unsafe { run(a, BOperand::packed(doubled), partial, hc.products) };
     if let Some(dw) = dw {
-        let b = BOperand { ptr: split.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * split.k };
+        let b = BOperand { ptr: split.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * split.stride };
         // SAFETY: A is packed; B's rows (padded(n)) and columns (padded(v), 2 * 32 per block)
         // are inside the packed tile, zero padded; the caller owns `dw`.
         unsafe { run(AOperand::packed(&hc.transposed_for_gradient), b, dw, hc.products) };

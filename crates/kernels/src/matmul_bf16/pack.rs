@@ -16,25 +16,108 @@
 
 use rayon::prelude::*;
 
+/// B panels (16 columns each) per task of the packers that write them row by row: 256 bytes of
+/// each source row read at once.
+const PANELS_PER_TASK: usize = 8;
+
+/// Source rows the panel packers ask for ahead of reading them: each row is one short piece
+/// (`16 * PANELS_PER_TASK` elements) of a long row, which the hardware prefetchers do not follow,
+/// and the weights come from memory.
+const AHEAD: usize = 8;
+
+/// Asks for `src[start..start + len]` (clamped to `src`) to be brought into the caches.
+#[inline(always)]
+fn prefetch_row<T>(src: &[T], start: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let end = (start + len).min(src.len());
+        let bytes = std::mem::size_of::<T>();
+        for i in (start..end).step_by((64 / bytes).max(1)) {
+            // SAFETY: a prefetch never faults; the address is inside `src`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(src.as_ptr().add(i).cast()) };
+        }
+        if start < end {
+            // SAFETY: as above; the last element's line, where the piece ends on another line.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(src.as_ptr().add(end - 1).cast()) };
+        }
+    }
+}
+
 /// `x` rounded up to a multiple of 32.
 pub fn padded(x: usize) -> usize {
     x.div_ceil(32) * 32
+}
+
+/// 16 `u32`s on one cache line.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u32; 16]);
+
+/// `u32`s starting on a cache line, so that each 64-byte row a tile load reads is one line, not
+/// two: the AMX products ran ~1.5x slower on operands 16 bytes off the lines (`Vec`'s alignment
+/// from the allocator), issue 17.
+#[derive(Default)]
+pub struct Lines {
+    lines: Vec<Line>,
+    len: usize,
+}
+
+impl Lines {
+    /// `len` values; those beyond the old length are `value`, the others left as they were.
+    pub fn resize(&mut self, len: usize, value: u32) {
+        let old = self.len;
+        self.lines.resize(len.div_ceil(16), Line([value; 16]));
+        self.len = len;
+        if len > old {
+            self[old..].fill(value);
+        }
+    }
+}
+
+impl std::ops::Deref for Lines {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        // SAFETY: `Line` is 16 `u32`s with no padding; `len <= 16 * lines.len()`.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for Lines {
+    fn deref_mut(&mut self) -> &mut [u32] {
+        // SAFETY: as for `deref`, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast(), self.len) }
+    }
 }
 
 /// A packed A operand: `rows x k` bf16 values, row-major, both multiples of 32, stored as the
 /// `k / 2` pairs of each row (the unit AMX reads; `u32` stores vectorise).
 #[derive(Default)]
 pub struct PackedA {
-    pub data: Vec<u32>,
+    pub data: Lines,
     pub rows: usize,
     pub k: usize,
+    /// Row `r` starts at element `r * stride` ([`row_stride`]).
+    pub stride: usize,
+}
+
+/// The row length (bf16 elements) that holds rows of `k` (a multiple of 32): `k`, plus one
+/// cache line where `k`'s rows would be an even number of lines apart. With an odd number the 16
+/// rows of a tile load fall in 16 different cache sets; rows 4 KiB apart (the split gradient of
+/// a 1024-row tile) all fell in one L1 set, and the products waited on L2 (issue 17).
+pub fn row_stride(k: usize) -> usize {
+    if (k / 32).is_multiple_of(2) {
+        k + 32
+    } else {
+        k
+    }
 }
 
 /// A packed B operand: `cols / 16` panels of `k / 2` rows of 16 pairs; `k` and `cols`
 /// multiples of 32.
 #[derive(Default)]
 pub struct PackedB {
-    pub data: Vec<u32>,
+    pub data: Lines,
     pub k: usize,
     pub cols: usize,
 }
@@ -44,7 +127,8 @@ impl PackedA {
     /// (padding included: zeroing first would write every byte twice).
     fn reset(&mut self, rows: usize, k: usize) {
         (self.rows, self.k) = (padded(rows), padded(k));
-        self.data.resize(self.rows * self.k / 2, 0);
+        self.stride = row_stride(self.k);
+        self.data.resize(self.rows * self.stride / 2, 0);
     }
 }
 
@@ -122,9 +206,13 @@ vectorised! {
 vectorised! {
     /// `dst` = the pairs of `src`'s consecutive elements, then zeros.
     fn pair_row(dst: &mut [u32], src: &[u16]) {
+        let (pairs, odd) = src.as_chunks::<2>();
         let (head, tail) = dst.split_at_mut(src.len().div_ceil(2));
-        for (d, p) in head.iter_mut().zip(src.chunks(2)) {
-            *d = pair(p[0], p.get(1).copied().unwrap_or(0));
+        for (d, &[first, second]) in head.iter_mut().zip(pairs) {
+            *d = pair(first, second);
+        }
+        if let [x] = odd {
+            head[pairs.len()] = pair(*x, 0);
         }
         tail.fill(0);
     }
@@ -134,10 +222,15 @@ vectorised! {
     /// Panels `first..` of `b_from_rows_duplicated`'s B (as many as `panels` holds, `half_k`
     /// pair-rows each): panel row `r` = the pairs `(x, x)` of `src` row `r`'s 16 columns.
     fn duplicate_panels(panels: &mut [u32], half_k: usize, first: usize, src: &[u16], stride: usize, rows: usize, cols: usize) {
-        for (p, panel) in panels.chunks_exact_mut(16 * half_k).enumerate() {
-            let c0 = 16 * (first + p);
-            let width = cols.saturating_sub(c0).min(16);
-            for (r, dst) in panel.chunks_exact_mut(16).enumerate() {
+        let count = panels.len() / (16 * half_k).max(1);
+        // Row by row, each source row read once along its length: panel by panel, the reads
+        // went down a column of rows 2 H bytes apart and waited on memory (issue 17).
+        for r in 0..half_k {
+            prefetch_row(src, (r + AHEAD) * stride + 16 * first, 16 * count);
+            for p in 0..count {
+                let dst = &mut panels[(p * half_k + r) * 16..][..16];
+                let c0 = 16 * (first + p);
+                let width = cols.saturating_sub(c0).min(16);
                 let src_row = if r < rows && width > 0 { &src[r * stride + c0..r * stride + c0 + width] } else { &[] };
                 let (head, tail) = dst.split_at_mut(src_row.len());
                 for (d, &x) in head.iter_mut().zip(src_row) {
@@ -164,10 +257,15 @@ fn interleave_body<T: Copy>(
     cols: usize,
     bits: impl Fn(T) -> u32,
 ) {
-    for (p, panel) in panels.chunks_exact_mut(16 * half_k).enumerate() {
-        let c0 = 16 * (first + p);
-        let width = cols.saturating_sub(c0).min(16);
-        for (k, dst) in panel.chunks_exact_mut(16).enumerate() {
+    let count = panels.len() / (16 * half_k).max(1);
+    // Row pair by row pair, as `duplicate_panels`.
+    for k in 0..half_k {
+        prefetch_row(src, (2 * k + AHEAD) * stride + 16 * first, 16 * count);
+        prefetch_row(src, (2 * k + 1 + AHEAD) * stride + 16 * first, 16 * count);
+        for p in 0..count {
+            let dst = &mut panels[(p * half_k + k) * 16..][..16];
+            let c0 = 16 * (first + p);
+            let width = cols.saturating_sub(c0).min(16);
             let row =
                 |r: usize| if r < rows && width > 0 { &src[r * stride + c0..r * stride + c0 + width] } else { &[] };
             let (even, odd) = (row(2 * k), row(2 * k + 1));
@@ -209,9 +307,9 @@ vectorised! {
 pub fn a_from_f32_rounded(src: &[f32], stride: usize, rows: usize, cols: usize, out: &mut PackedA) {
     out.reset(rows, cols);
     let half_k = out.k / 2;
-    out.data.par_chunks_mut(half_k).enumerate().for_each(|(r, dst)| {
+    out.data.par_chunks_mut(out.stride / 2).enumerate().for_each(|(r, dst)| {
         let row: &[f32] = if r < rows { &src[r * stride..r * stride + cols] } else { &[] };
-        rounded_pair_row(dst, row);
+        rounded_pair_row(&mut dst[..half_k], row);
     });
 }
 
@@ -219,8 +317,8 @@ pub fn a_from_f32_rounded(src: &[f32], stride: usize, rows: usize, cols: usize, 
 pub fn b_from_rows(src: &[u16], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
     out.reset(rows, cols);
     let half_k = out.k / 2;
-    out.data.par_chunks_mut(16 * half_k).enumerate().for_each(|(p, panel)| {
-        interleave_panels(panel, half_k, p, src, stride, rows, cols);
+    out.data.par_chunks_mut(16 * half_k * PANELS_PER_TASK).enumerate().for_each(|(t, panels)| {
+        interleave_panels(panels, half_k, t * PANELS_PER_TASK, src, stride, rows, cols);
     });
 }
 
@@ -228,16 +326,15 @@ pub fn b_from_rows(src: &[u16], stride: usize, rows: usize, cols: usize, out: &m
 pub fn b_from_f32_rounded(src: &[f32], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
     out.reset(rows, cols);
     let half_k = out.k / 2;
-    out.data.par_chunks_mut(16 * half_k).enumerate().for_each(|(p, panel)| {
-        interleave_panels_rounded(panel, half_k, p, src, stride, rows, cols);
+    out.data.par_chunks_mut(16 * half_k * PANELS_PER_TASK).enumerate().for_each(|(t, panels)| {
+        interleave_panels_rounded(panels, half_k, t * PANELS_PER_TASK, src, stride, rows, cols);
     });
 }
 
 /// A = the transpose of `src` (`rows x cols` bf16 bits, row-major): `A[j, r] = src[r, j]`.
 pub fn a_from_transposed(src: &[u16], rows: usize, cols: usize, out: &mut PackedA) {
     out.reset(cols, rows);
-    let half_k = out.k / 2;
-    out.data.par_chunks_mut(half_k).enumerate().for_each(|(j, dst)| {
+    out.data.par_chunks_mut(out.stride / 2).enumerate().for_each(|(j, dst)| {
         dst.fill(0);
         if j < cols {
             for (r, d) in (0..rows).step_by(2).zip(dst.iter_mut()) {
@@ -252,21 +349,21 @@ pub fn a_from_transposed(src: &[u16], rows: usize, cols: usize, out: &mut Packed
 pub fn a_from_rows(src: &[u16], stride: usize, rows: usize, cols: usize, out: &mut PackedA) {
     out.reset(rows, cols);
     let half_k = out.k / 2;
-    for (r, dst) in out.data.chunks_mut(half_k).enumerate() {
+    for (r, dst) in out.data.chunks_mut(out.stride / 2).enumerate() {
         let row: &[u16] = if r < rows { &src[r * stride..r * stride + cols] } else { &[] };
-        pair_row(dst, row);
+        pair_row(&mut dst[..half_k], row);
     }
 }
 
 /// A = the f32 matrix `src` (`rows x cols`, row stride `stride`) with each element split into its
 /// `(hi, lo)` bf16 pair: `2 * padded(cols)` columns, so that the same buffer is also a VNNI B of
-/// `padded(cols)` columns whose row pairs are `(hi, lo)` (rows `2 * out.k` bytes apart).
+/// `padded(cols)` columns whose row pairs are `(hi, lo)` (rows `2 * out.stride` bytes apart).
 pub fn a_from_f32_split(src: &[f32], stride: usize, rows: usize, cols: usize, out: &mut PackedA) {
     out.reset(rows, 2 * padded(cols));
     let half_k = out.k / 2;
-    out.data.par_chunks_mut(half_k).enumerate().for_each(|(r, dst)| {
+    out.data.par_chunks_mut(out.stride / 2).enumerate().for_each(|(r, dst)| {
         let row: &[f32] = if r < rows { &src[r * stride..r * stride + cols] } else { &[] };
-        split_row(dst, row);
+        split_row(&mut dst[..half_k], row);
     });
 }
 
@@ -274,8 +371,8 @@ pub fn a_from_f32_split(src: &[f32], stride: usize, rows: usize, cols: usize, ou
 /// along k: `A[j, 2r] = A[j, 2r + 1] = src[r, j]`, the partner of a split B.
 pub fn a_from_transposed_duplicated(src: &[u16], rows: usize, cols: usize, out: &mut PackedA) {
     out.reset(cols, 2 * rows);
-    let half_k = out.k / 2;
-    out.data.par_chunks_mut(16 * half_k).enumerate().for_each(|(block, dst)| {
+    let row_pairs = out.stride / 2;
+    out.data.par_chunks_mut(16 * row_pairs).enumerate().for_each(|(block, dst)| {
         dst.fill(0);
         let c0 = 16 * block;
         let width = cols.saturating_sub(c0).min(16);
@@ -284,7 +381,7 @@ pub fn a_from_transposed_duplicated(src: &[u16], rows: usize, cols: usize, out: 
         }
         for r in 0..rows {
             for (i, &x) in src[r * cols + c0..r * cols + c0 + width].iter().enumerate() {
-                dst[i * half_k + r] = pair(x, x);
+                dst[i * row_pairs + r] = pair(x, x);
             }
         }
     });
@@ -310,8 +407,8 @@ pub fn b_from_transposed(src: &[u16], stride: usize, cols: usize, k: usize, out:
 pub fn b_from_rows_duplicated(src: &[u16], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
     out.reset(2 * rows, cols);
     let half_k = out.k / 2;
-    out.data.par_chunks_mut(16 * half_k).enumerate().for_each(|(p, panel)| {
-        duplicate_panels(panel, half_k, p, src, stride, rows, cols);
+    out.data.par_chunks_mut(16 * half_k * PANELS_PER_TASK).enumerate().for_each(|(t, panels)| {
+        duplicate_panels(panels, half_k, t * PANELS_PER_TASK, src, stride, rows, cols);
     });
 }
 

@@ -25,11 +25,13 @@ fn assert_close(got: &[f32], want: &[f64], scale: &[f64], tol: f64, what: &str) 
     }
 }
 
-const SHAPES: [(usize, usize, usize); 6] =
-    [(5, 7, 11), (33, 50, 70), (1, 32, 17), (64, 96, 256), (40, 130, 97), (17, 896, 300)];
+/// The last is larger than a macro block of the products in every dimension (`super::MACRO`,
+/// `super::K_STEPS`: 256) and ragged against it.
+const SHAPES: [(usize, usize, usize); 7] =
+    [(5, 7, 11), (33, 50, 70), (1, 32, 17), (64, 96, 256), (40, 130, 97), (17, 896, 300), (290, 300, 611)];
 
-/// Vocabulary rows per tile: ragged (not multiples of 16) and whole.
-const TILES: [usize; 4] = [7, 48, 256, 19];
+/// Vocabulary rows per tile (one per shape): ragged (not multiples of 16) and whole.
+const TILES: [usize; 7] = [7, 48, 256, 19, 7, 48, 600];
 
 /// The packed ways this machine has (AMX, AVX512-BF16, each split and rounded).
 fn packed_ways() -> Vec<Bf16Products> {
