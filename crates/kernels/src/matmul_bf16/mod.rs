@@ -372,10 +372,15 @@ const K_STEPS: usize = 8;
 /// written in place) take `MACRO.0 * MACRO.1 * 4` KiB.
 const MACRO: (usize, usize) = (8, 8);
 
+/// A block of C on cache lines (the tiles load and store its rows of 128 bytes).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct KeptBlock(amx::Block);
+
 thread_local! {
     /// The blocks of a macro block that cannot be accumulated in place (transposed or partial
     /// outputs), between the passes over K.
-    static KEPT_BLOCKS: std::cell::Cell<Vec<amx::Block>> = const { std::cell::Cell::new(Vec::new()) };
+    static KEPT_BLOCKS: std::cell::Cell<Vec<KeptBlock>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// C (+)= A @ B on the packed kernel of `products` (AMX tiles or AVX512-BF16), on the calling
@@ -405,7 +410,7 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
         }
     };
     let mut kept = KEPT_BLOCKS.take();
-    kept.resize(MACRO.0 * MACRO.1, [0.0; 32 * 32]);
+    kept.resize(MACRO.0 * MACRO.1, KeptBlock([0.0; 32 * 32]));
     // SAFETY: AMX is available (asserted).
     if amx {
         unsafe { amx::configure() };
@@ -424,7 +429,7 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
                     match out.direct(bi, bj) {
                         Some(c) => kernel(bi, bj, k0, steps, &amx::CTile { load: c.load || k0 > 0, ..c }),
                         None => {
-                            let block = &mut kept[(bi - rows.start) * MACRO.1 + bj - cols.start];
+                            let block = &mut kept[(bi - rows.start) * MACRO.1 + bj - cols.start].0;
                             if last {
                                 out.prefetch(bi, bj);
                             }
@@ -573,11 +578,15 @@ pub fn gradients(
     let groups: Vec<Range<usize>> = (0..GROUPS.min(all.len()))
         .map(|g| g * all.len() / GROUPS.min(all.len())..(g + 1) * all.len() / GROUPS.min(all.len()))
         .collect();
-    partials.resize(groups.len() * n * h, 0.0);
+    // Each group's sum on cache lines, where the tiles load and store it.
+    let part = (n * h).next_multiple_of(16);
+    partials.resize(groups.len() * part + 16, 0.0);
+    let first = partials.as_ptr().cast::<u8>().align_offset(64) / 4;
+    let partials = &mut partials[first..first + groups.len() * part];
     let base = partials.as_mut_ptr();
     let partial_outs: Vec<Output> = (0..groups.len())
         .map(|g| Output {
-            ptr: base.wrapping_add(g * n * h),
+            ptr: base.wrapping_add(g * part),
             rows: n,
             cols: h,
             stride: h,
@@ -603,7 +612,7 @@ pub fn gradients(
             }
         })
     });
-    sum_partials(dh, &partials[..groups.len() * n * h]);
+    sum_partials(dh, partials, part);
 }
 
 /// How a product is run: [`product`] on the calling thread (a fused-linear tile, the tiles
@@ -696,14 +705,14 @@ unsafe fn tile_gradients_rounded(
     }
 }
 
-/// `dh` = the sum of the `partials` (each `dh.rows x dh.cols`), in order.
-fn sum_partials(dh: &mut MatMut<'_>, partials: &[f32]) {
+/// `dh` = the sum of the `partials` (each `dh.rows x dh.cols`, `part` apart), in order.
+fn sum_partials(dh: &mut MatMut<'_>, partials: &[f32], part: usize) {
     let (n, h) = (dh.rows, dh.cols);
     let stride = dh.stride;
     dh.data.par_chunks_mut(stride).take(n).enumerate().for_each(|(r, row)| {
         let row = &mut row[..h];
         row.fill(0.0);
-        for partial in partials.chunks_exact(n * h) {
+        for partial in partials.chunks_exact(part) {
             for (d, &x) in row.iter_mut().zip(&partial[r * h..(r + 1) * h]) {
                 *d += x;
             }
