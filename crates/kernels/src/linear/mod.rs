@@ -88,11 +88,12 @@ struct Plan {
     tile: usize,
 }
 
-/// Vocabulary rows per tile of the AMX products. Longer tiles make the `d hidden` product's
-/// blocks deeper (64 k-steps a load and store of the output block), shorter ones keep the packed
-/// weights (`4 * tile * H` bytes, 3.5 MiB at H = 896) in the L2 cache; measured on the AMX
-/// machine (N = 1024, H = 896, V = 151936, bf16 step): 64: 2.2 s, 128: 1.8, 256: 2.0, 512: 1.72,
-/// 1024: 1.68, 2048: 1.73-1.98.
+/// Vocabulary rows per tile of the AMX products: a task of the threads, and the rows whose
+/// weight and `dz` one thread packs at a time (`4 * tile * H` bytes of doubled weights, 3.5 MiB
+/// at H = 896). Since the products are blocked for the caches (`matmul_bf16::MACRO`) the tile
+/// matters little; measured on the AMX machine (N = 1024, H = 896, V = 151936, bf16 step,
+/// default / `amx-rounded`, 2026-11-25): 512: 1.12-1.14 / 0.94-0.95 s, 1024: 1.18 / 0.92-0.95,
+/// 2048: 1.12-1.16 / 0.94 (before that blocking: 64: 2.2 s, 256: 2.0, 1024: 1.68, 2048: 1.73-1.98).
 const AMX_TILE: usize = 1024;
 
 impl Plan {
