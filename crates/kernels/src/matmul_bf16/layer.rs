@@ -7,7 +7,8 @@
 //! numbers ([`Bf16Products::Amx`], [`Bf16Products::Avx512Bf16`]: f32-grade gradients as the
 //! fused-linear loss keeps them) or rounded to bf16 as PyTorch takes it (their `Rounded` forms).
 //!
-//! Every output element sums its `k` terms in one tile accumulation, in order: the results do not
+//! Every output element sums its `k` terms in one order (in passes over `k` whose f32 sums are
+//! stored and reloaded exactly), on one thread: the results do not
 //! depend on how the output is split over threads, and [`forward`]'s do not depend on the other
 //! rows of `x` (a decode step's rows get the same bits as the same rows in a whole-sequence pass;
 //! `dx` added onto a buffer may differ in the last bit with the number of rows). The f32 products of

@@ -2,8 +2,9 @@
 //! holds them in. Every packed dimension is zero-padded to a multiple of 32, so the kernel never
 //! sees a ragged edge; the padding's products are zeros the output writer skips.
 //!
-//! - A, row-major `[rows, k]` bf16: a weight tile as it is ([`a_from_rows`]), or the hidden
-//!   states transposed, each element twice ([`a_from_transposed_duplicated`]).
+//! - A, row-major `[rows, k]` bf16, rows [`row_stride`] apart: a weight tile as it is
+//!   ([`a_from_rows`]), or the hidden states transposed, each element twice
+//!   ([`a_from_transposed_duplicated`]).
 //! - B, panels of 16 columns, each `k/2` rows of 16 pairs `(B[2k', j], B[2k'+1, j])`: the hidden
 //!   states transposed ([`b_from_transposed`]) or a weight tile with its rows twice
 //!   ([`b_from_rows_duplicated`]).
@@ -91,13 +92,14 @@ impl std::ops::DerefMut for Lines {
 }
 
 /// A packed A operand: `rows x k` bf16 values, row-major, both multiples of 32, stored as the
-/// `k / 2` pairs of each row (the unit AMX reads; `u32` stores vectorise).
+/// `k / 2` pairs of each row (the unit AMX reads; `u32` stores vectorise), rows `stride / 2`
+/// pairs apart.
 #[derive(Default)]
 pub struct PackedA {
     pub data: Lines,
     pub rows: usize,
     pub k: usize,
-    /// Row `r` starts at element `r * stride` ([`row_stride`]).
+    /// Row `r` starts at bf16 element `r * stride` (`data[r * stride / 2]`, [`row_stride`]).
     pub stride: usize,
 }
 
@@ -123,8 +125,9 @@ pub struct PackedB {
 }
 
 impl PackedA {
-    /// Sets the shape; the data is left as it was, for the packer to overwrite all of it
-    /// (padding included: zeroing first would write every byte twice).
+    /// Sets the shape; the data is left as it was, for the packer to overwrite every row's `k / 2`
+    /// pairs (the padding to 32 included: zeroing first would write every byte twice). The pairs
+    /// between `k` and `stride` are never read.
     fn reset(&mut self, rows: usize, k: usize) {
         (self.rows, self.k) = (padded(rows), padded(k));
         self.stride = row_stride(self.k);
@@ -317,7 +320,7 @@ pub fn a_from_f32_rounded(src: &[f32], stride: usize, rows: usize, cols: usize, 
 pub fn b_from_rows(src: &[u16], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
     out.reset(rows, cols);
     let half_k = out.k / 2;
-    out.data.par_chunks_mut(16 * half_k * PANELS_PER_TASK).enumerate().for_each(|(t, panels)| {
+    out.data.par_chunks_mut((16 * half_k * PANELS_PER_TASK).max(1)).enumerate().for_each(|(t, panels)| {
         interleave_panels(panels, half_k, t * PANELS_PER_TASK, src, stride, rows, cols);
     });
 }
@@ -326,7 +329,7 @@ pub fn b_from_rows(src: &[u16], stride: usize, rows: usize, cols: usize, out: &m
 pub fn b_from_f32_rounded(src: &[f32], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
     out.reset(rows, cols);
     let half_k = out.k / 2;
-    out.data.par_chunks_mut(16 * half_k * PANELS_PER_TASK).enumerate().for_each(|(t, panels)| {
+    out.data.par_chunks_mut((16 * half_k * PANELS_PER_TASK).max(1)).enumerate().for_each(|(t, panels)| {
         interleave_panels_rounded(panels, half_k, t * PANELS_PER_TASK, src, stride, rows, cols);
     });
 }
@@ -391,7 +394,7 @@ pub fn a_from_transposed_duplicated(src: &[u16], rows: usize, cols: usize, out: 
 pub fn b_from_transposed(src: &[u16], stride: usize, cols: usize, k: usize, out: &mut PackedB) {
     out.reset(k, cols);
     let panel_len = out.k * 8;
-    out.data.par_chunks_mut(panel_len).enumerate().for_each(|(p, panel)| {
+    out.data.par_chunks_mut(panel_len.max(1)).enumerate().for_each(|(p, panel)| {
         panel.fill(0);
         for i in 0..16.min(cols.saturating_sub(16 * p)) {
             let row = &src[(16 * p + i) * stride..(16 * p + i) * stride + k];
@@ -407,7 +410,7 @@ pub fn b_from_transposed(src: &[u16], stride: usize, cols: usize, k: usize, out:
 pub fn b_from_rows_duplicated(src: &[u16], stride: usize, rows: usize, cols: usize, out: &mut PackedB) {
     out.reset(2 * rows, cols);
     let half_k = out.k / 2;
-    out.data.par_chunks_mut(16 * half_k * PANELS_PER_TASK).enumerate().for_each(|(t, panels)| {
+    out.data.par_chunks_mut((16 * half_k * PANELS_PER_TASK).max(1)).enumerate().for_each(|(t, panels)| {
         duplicate_panels(panels, half_k, t * PANELS_PER_TASK, src, stride, rows, cols);
     });
 }
