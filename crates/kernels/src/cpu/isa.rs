@@ -30,7 +30,11 @@ impl Isa {
         *DETECTED.get_or_init(|| {
             #[cfg(target_arch = "x86_64")]
             {
-                let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+                let avx2 = is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+                    && is_x86_feature_detected!("bmi1")
+                    && is_x86_feature_detected!("bmi2");
                 let avx512 = avx2
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")

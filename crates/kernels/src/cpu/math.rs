@@ -9,12 +9,12 @@
 //! < 1.7e-38).
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
+pub(crate) const LN2_HI: f32 = 0.693_359_4;
+pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
 /// 1.5 * 2^23: adding it rounds to the nearest integer, which lands in the low mantissa bits.
 pub(crate) const ROUND_MAGIC: f32 = 12_582_912.0;
-const MIN_ARG: f32 = -87.0;
-const MAX_ARG: f32 = 88.0;
+pub(crate) const MIN_ARG: f32 = -87.0;
+pub(crate) const MAX_ARG: f32 = 88.0;
 
 /// `exp(r)` on `[-ln 2 / 2, ln 2 / 2]`, degree 7, highest degree first (Cephes `expf`'s
 /// `1 + r + r^2 P(r)` expanded).

@@ -86,7 +86,7 @@ isa_kernels!(
 #[cfg(target_arch = "x86_64")]
 isa_kernels!(avx512, [#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi1,bmi2")]], simd::Avx512::<false>);
 #[cfg(target_arch = "x86_64")]
-isa_kernels!(avx2, [#[target_feature(enable = "avx2,fma,bmi1,bmi2")]], simd::Portable::<true>);
+isa_kernels!(avx2, [#[target_feature(enable = "avx2,fma,f16c,bmi1,bmi2")]], simd::Avx2);
 isa_kernels!(generic, [], simd::Portable::<false>);
 
 impl<T: Element> Kernels<T> {

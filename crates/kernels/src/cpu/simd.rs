@@ -138,6 +138,15 @@ impl<const FMA: bool> Simd for Portable<FMA> {
 #[derive(Clone, Copy)]
 pub(crate) struct Avx512<const BF16: bool>;
 
+/// AVX2 + FMA + F16C intrinsics, 16 lanes as two 8-lane registers. Only constructed by kernels
+/// compiled with those features, after run-time detection. The same arithmetic as
+/// [`Portable<true>`] (its `exp` included, Cephes' clamp and bit tricks), written out: LLVM
+/// split the portable 16-lane arrays into 128-bit halves and spilled them, and the AVX2 kernels
+/// ran ~3.3x slower per logit than AVX-512's (issue 17).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct Avx2;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,6 +188,17 @@ mod tests {
         conversions::<_, half::bf16>(Portable::<false>);
         conversions::<_, half::f16>(Portable::<false>);
         #[cfg(target_arch = "x86_64")]
+        if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx2 {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn avx2() {
+                conversions::<_, f32>(Avx2);
+                conversions::<_, half::bf16>(Avx2);
+                conversions::<_, half::f16>(Avx2);
+            }
+            // SAFETY: AVX2, FMA and F16C were detected.
+            unsafe { avx2() };
+        }
+        #[cfg(target_arch = "x86_64")]
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx512 {
             #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
             fn all() {
@@ -202,6 +222,16 @@ mod tests {
     #[test]
     fn vector_exp_is_accurate_on_every_instruction_set() {
         assert!(worst(Portable::<false>) < 3e-7);
+        #[cfg(target_arch = "x86_64")]
+        if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx2 {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn avx2_worst() -> f64 {
+                worst(Avx2)
+            }
+            // SAFETY: AVX2, FMA and F16C were detected.
+            let w = unsafe { avx2_worst() };
+            assert!(w < 3e-7, "AVX2 exp worst relative error {w}");
+        }
         #[cfg(target_arch = "x86_64")]
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx512 {
             #[target_feature(enable = "avx512f")]
@@ -335,6 +365,176 @@ mod avx512 {
                         p.cast(),
                         _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v),
                     ),
+                }
+            }
+        }
+        #[inline(always)]
+        fn scalar_mul_add(self, a: f32, b: f32, c: f32) -> f32 {
+            a.mul_add(b, c)
+        }
+        #[inline(always)]
+        fn scalar_exp(self, x: f32) -> f32 {
+            super::math::exp::<true>(x)
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::super::math::{EXP_POLY, LN2_HI, LN2_LO, MAX_ARG, MIN_ARG, ROUND_MAGIC};
+    use super::{Avx2, Simd, LANES};
+    use crate::element::{DType, Element};
+
+    /// Lanes 0..8 and 8..16.
+    type Pair = (__m256, __m256);
+
+    /// `$op` on each half of the pairs, written out: a closure would be compiled without the
+    /// kernel's target features and called, not inlined (see `lanewise!`).
+    macro_rules! halves {
+        ($op:ident($($v:ident),+)) => {
+            // SAFETY: compiled into AVX2 + FMA kernels only (see `Avx2`).
+            unsafe { ($op($($v.0),+), $op($($v.1),+)) }
+        };
+    }
+
+    /// `math::exp::<true>` on 8 lanes.
+    #[inline(always)]
+    fn exp8(x: __m256) -> __m256 {
+        // SAFETY: compiled into AVX2 + FMA kernels only (see `Avx2`).
+        unsafe {
+            // maxps / minps return their second operand when either is NaN: a NaN stays.
+            let xc = _mm256_min_ps(_mm256_set1_ps(MAX_ARG), _mm256_max_ps(_mm256_set1_ps(MIN_ARG), x));
+            let magic = _mm256_set1_ps(ROUND_MAGIC);
+            let shifted = _mm256_fmadd_ps(xc, _mm256_set1_ps(std::f32::consts::LOG2_E), magic);
+            let n = _mm256_sub_ps(shifted, magic);
+            let n_int = _mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_castps_si256(magic));
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), xc);
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+            let mut p = _mm256_set1_ps(EXP_POLY[0]);
+            for &c in &EXP_POLY[1..] {
+                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+            }
+            let scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n_int, _mm256_set1_epi32(127))));
+            let below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(MIN_ARG));
+            _mm256_andnot_ps(below, _mm256_mul_ps(p, scale))
+        }
+    }
+
+    /// The 8 bf16 at `p`, widened.
+    ///
+    /// # Safety
+    /// AVX2 kernels only; 16 bytes readable at `p`.
+    #[inline(always)]
+    unsafe fn widen_bf16(p: *const u16) -> __m256 {
+        unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))) }
+    }
+
+    /// 8 f32 rounded to bf16 bits (nearest even, quiet NaNs kept, as `Element`) in 32-bit lanes.
+    #[inline(always)]
+    fn bf16_bits8(v: __m256) -> __m256i {
+        // SAFETY: compiled into AVX2 kernels only.
+        unsafe {
+            let bits = _mm256_castps_si256(v);
+            let high = _mm256_srli_epi32::<16>(bits);
+            let odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+            let bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
+            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(bits, bias));
+            let quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            _mm256_blendv_epi8(rounded, quiet, nan)
+        }
+    }
+
+    // SAFETY (every method): `Avx2` values exist only inside functions compiled with AVX2, FMA
+    // and F16C enabled and called after detection, so the intrinsics are supported; loads and
+    // stores index slices of at least 16 elements (checked by the slice indexing).
+    impl Simd for Avx2 {
+        type V = Pair;
+
+        #[inline(always)]
+        fn splat(self, x: f32) -> Pair {
+            unsafe { (_mm256_set1_ps(x), _mm256_set1_ps(x)) }
+        }
+        #[inline(always)]
+        fn load(self, src: &[f32]) -> Pair {
+            let p = src[..LANES].as_ptr();
+            unsafe { (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))) }
+        }
+        #[inline(always)]
+        fn store(self, v: Pair, dst: &mut [f32]) {
+            let p = dst[..LANES].as_mut_ptr();
+            unsafe {
+                _mm256_storeu_ps(p, v.0);
+                _mm256_storeu_ps(p.add(8), v.1);
+            }
+        }
+        #[inline(always)]
+        fn add(self, a: Pair, b: Pair) -> Pair {
+            halves!(_mm256_add_ps(a, b))
+        }
+        #[inline(always)]
+        fn sub(self, a: Pair, b: Pair) -> Pair {
+            halves!(_mm256_sub_ps(a, b))
+        }
+        #[inline(always)]
+        fn mul(self, a: Pair, b: Pair) -> Pair {
+            halves!(_mm256_mul_ps(a, b))
+        }
+        #[inline(always)]
+        fn mul_add(self, a: Pair, b: Pair, c: Pair) -> Pair {
+            halves!(_mm256_fmadd_ps(a, b, c))
+        }
+        #[inline(always)]
+        fn max(self, a: Pair, b: Pair) -> Pair {
+            // vmaxps returns its second operand when either is NaN.
+            halves!(_mm256_max_ps(a, b))
+        }
+        #[inline(always)]
+        fn exp(self, x: Pair) -> Pair {
+            (exp8(x.0), exp8(x.1))
+        }
+        #[inline(always)]
+        fn to_array(self, v: Pair) -> [f32; LANES] {
+            let mut out = [0.0; LANES];
+            self.store(v, &mut out);
+            out
+        }
+        #[inline(always)]
+        fn load_t<T: Element>(self, src: &[T]) -> Pair {
+            let p = src[..LANES].as_ptr();
+            // SAFETY: 16 elements of `T` are readable at `p`; the dtype tells their layout.
+            unsafe {
+                match T::DTYPE {
+                    DType::F32 => (_mm256_loadu_ps(p.cast()), _mm256_loadu_ps(p.cast::<f32>().add(8))),
+                    DType::BF16 => (widen_bf16(p.cast()), widen_bf16(p.add(8).cast())),
+                    DType::F16 => {
+                        (_mm256_cvtph_ps(_mm_loadu_si128(p.cast())), _mm256_cvtph_ps(_mm_loadu_si128(p.add(8).cast())))
+                    }
+                }
+            }
+        }
+        #[inline(always)]
+        fn store_t<T: Element>(self, v: Pair, dst: &mut [T]) {
+            let p = dst[..LANES].as_mut_ptr();
+            // SAFETY: 16 elements of `T` are writable at `p`; the dtype tells their layout.
+            unsafe {
+                match T::DTYPE {
+                    DType::F32 => {
+                        _mm256_storeu_ps(p.cast(), v.0);
+                        _mm256_storeu_ps(p.cast::<f32>().add(8), v.1);
+                    }
+                    DType::BF16 => {
+                        // packus interleaves the 128-bit lanes: [lo 0-3, hi 0-3 | lo 4-7, hi 4-7].
+                        let packed = _mm256_packus_epi32(bf16_bits8(v.0), bf16_bits8(v.1));
+                        _mm256_storeu_si256(p.cast(), _mm256_permute4x64_epi64::<0b11_01_10_00>(packed));
+                    }
+                    DType::F16 => {
+                        const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT;
+                        _mm_storeu_si128(p.cast(), _mm256_cvtps_ph::<NEAREST>(v.0));
+                        _mm_storeu_si128(p.add(8).cast(), _mm256_cvtps_ph::<NEAREST>(v.1));
+                    }
                 }
             }
         }
