@@ -1,8 +1,8 @@
 //! Which instruction set the row kernels run with, chosen at run time.
 //!
 //! The row kernels are written once, generically, and compiled four times: for AVX-512 with and
-//! without AVX512-BF16 (intrinsics, `vscalefps` exp), for AVX2 + FMA, and for the baseline target
-//! (no FMA). The best one the CPU supports is used unless [`with_isa`] asks for another on a
+//! without AVX512-BF16 (intrinsics, `vscalefps` exp), for AVX2 + FMA + F16C (intrinsics), and for
+//! the baseline target (no FMA). The best one the CPU supports is used unless [`with_isa`] asks for another on a
 //! thread (tests use it to check every path) or `FLASHGRPO_ISA` (`generic`, `avx2`, `avx512`,
 //! `avx512bf16`) for the process (to time a fallback on a CPU that has better).
 //! Results are identical for any thread count on one path; paths differ by FMA rounding.
@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 pub enum Isa {
     /// Plain Rust, autovectorised for the compilation target (SSE2 on x86-64), no FMA.
     Generic,
-    /// AVX2 and FMA.
+    /// AVX2, FMA, F16C and BMI1/2 (every AVX2 CPU has them), with intrinsics.
     Avx2,
     /// AVX-512 (F, BW, DQ, VL) and FMA, with intrinsics.
     Avx512,

@@ -1,5 +1,7 @@
-//! Sixteen f32 lanes, two ways: portable arrays that LLVM autovectorises for whatever the calling
-//! function is compiled for, and AVX-512 intrinsics (whose `exp` uses `vscalefps` and so needs no
+//! Sixteen f32 lanes, three ways: portable arrays that LLVM autovectorises for whatever the
+//! calling function is compiled for (the baseline kernels; with FMA, the reference the AVX2 ones
+//! are tested against bit for bit), AVX2 intrinsics on two 8-lane registers (the portable
+//! arithmetic written out), and AVX-512 intrinsics (whose `exp` uses `vscalefps` and so needs no
 //! exponent bit tricks, range clamp on the high side, or underflow fix-up). The row kernels are
 //! written once over [`Simd`]; a token value of the implementation selects it, at no cost.
 
@@ -22,7 +24,9 @@ pub(crate) trait Simd: Copy {
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
     /// `a * b + c` (fused where the implementation has FMA).
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
-    /// Lane-wise maximum; a NaN in `b` propagates.
+    /// Lane-wise maximum; a NaN in `b` propagates. Of two zeros the intrinsics return `b`, the
+    /// portable arrays `a` (the sign of a zero maximum never reaches a result: it is subtracted
+    /// and exponentiated).
     fn max(self, a: Self::V, b: Self::V) -> Self::V;
     fn exp(self, x: Self::V) -> Self::V;
     fn to_array(self, v: Self::V) -> [f32; LANES];
@@ -216,6 +220,77 @@ mod tests {
                 // SAFETY: AVX512-BF16 was detected.
                 unsafe { bf16() };
             }
+        }
+    }
+
+    /// The AVX2 intrinsics compute what the portable arrays with FMA compute, bit for bit, on
+    /// special values too (`f32::mul_add` is exact wherever it runs, so the portable side is a
+    /// reference without target features). Zeros of a maximum may differ in sign (see `max`).
+    #[test]
+    fn avx2_matches_portable_bit_for_bit() {
+        #[cfg(target_arch = "x86_64")]
+        if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx2 {
+            let specials = [
+                f32::NAN,
+                -f32::NAN,
+                f32::from_bits(0x7fc1_2345),
+                f32::from_bits(0xff80_0001),
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                0.0,
+                -0.0,
+                -87.0001,
+                -87.0,
+                88.0,
+                88.5,
+                1e30,
+                -1e30,
+                6.0e-8,
+                -3.0e-5,
+                65520.0,
+                65519.0,
+                1.0 + 1.0 / 256.0,
+                1.0 + 3.0 / 512.0,
+                f32::MIN_POSITIVE,
+                1.0e-40,
+            ];
+            let mut values: Vec<f32> = specials.to_vec();
+            values.extend((0..4096).map(|i| ((i as f32 * 0.37).sin() * 120.0) - 20.0));
+            values.resize(values.len().next_multiple_of(LANES), 1.0);
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn check(values: &[f32]) {
+                let (p, a) = (Portable::<true>, Avx2);
+                let bits = |v: [f32; LANES]| v.map(f32::to_bits);
+                for (x, y) in values.chunks_exact(LANES).zip(values.chunks_exact(LANES).skip(1)) {
+                    assert_eq!(bits(p.to_array(p.exp(p.load(x)))), bits(a.to_array(a.exp(a.load(x)))), "exp of {x:?}");
+                    let (pm, am) = (p.to_array(p.max(p.load(x), p.load(y))), a.to_array(a.max(a.load(x), a.load(y))));
+                    for (m, n) in pm.iter().zip(&am) {
+                        assert!(m.to_bits() == n.to_bits() || (*m == 0.0 && *n == 0.0), "max {m} vs {n}");
+                    }
+                    assert_eq!(
+                        bits(p.to_array(p.mul_add(p.load(x), p.load(y), p.load(x)))),
+                        bits(a.to_array(a.mul_add(a.load(x), a.load(y), a.load(x))))
+                    );
+                    let (mut pb, mut ab) = (vec![half::bf16::ZERO; LANES], vec![half::bf16::ZERO; LANES]);
+                    p.store_t(p.load(x), &mut pb);
+                    a.store_t(a.load(x), &mut ab);
+                    assert_eq!(
+                        pb.iter().map(|b| b.to_bits()).collect::<Vec<_>>(),
+                        ab.iter().map(|b| b.to_bits()).collect::<Vec<_>>()
+                    );
+                    assert_eq!(bits(p.to_array(p.load_t(&pb))), bits(a.to_array(a.load_t(&ab))));
+                    let (mut ph, mut ah) = (vec![half::f16::ZERO; LANES], vec![half::f16::ZERO; LANES]);
+                    p.store_t(p.load(x), &mut ph);
+                    a.store_t(a.load(x), &mut ah);
+                    assert_eq!(
+                        ph.iter().map(|h| h.to_bits()).collect::<Vec<_>>(),
+                        ah.iter().map(|h| h.to_bits()).collect::<Vec<_>>()
+                    );
+                    assert_eq!(bits(p.to_array(p.load_t(&ph))), bits(a.to_array(a.load_t(&ah))));
+                }
+            }
+            // SAFETY: AVX2, FMA and F16C were detected.
+            unsafe { check(&values) };
         }
     }
 
