@@ -90,8 +90,21 @@ pub trait DeviceElement {}
 #[cfg(not(feature = "cuda"))]
 impl<T> DeviceElement for T {}
 
-/// A logits element: loaded widened to f32, stored rounded to nearest even.
-pub trait Element: DeviceElement + Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 'static {
+/// Only this crate implements [`Element`]: the vector kernels read and write an element's memory
+/// as its [`DType`] says (16 bf16 are 32 bytes), so a type of another size or layout claiming a
+/// dtype would make them read past its slices.
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+/// A logits element: loaded widened to f32, stored rounded to nearest even. Implemented for
+/// `f32`, `half::bf16` and `half::f16` only (sealed).
+pub trait Element:
+    sealed::Sealed + DeviceElement + Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 'static
+{
     const DTYPE: DType;
     fn to_f32(self) -> f32;
     fn from_f32(value: f32) -> Self;
