@@ -29,15 +29,27 @@ pub(crate) trait Simd: Copy {
     /// and exponentiated).
     fn max(self, a: Self::V, b: Self::V) -> Self::V;
     fn exp(self, x: Self::V) -> Self::V;
-    fn to_array(self, v: Self::V) -> [f32; LANES];
+    #[inline(always)]
+    fn to_array(self, v: Self::V) -> [f32; LANES] {
+        let mut out = [0.0; LANES];
+        self.store(v, &mut out);
+        out
+    }
     /// Loads exactly 16 logits of any dtype, widened to f32.
     fn load_t<T: Element>(self, src: &[T]) -> Self::V;
     /// Stores exactly 16 values rounded to `T` (to nearest even; with AVX512-BF16's conversion, bf16
     /// values below 2^-126 in magnitude become zero, as in [`Avx512`]).
     fn store_t<T: Element>(self, v: Self::V, dst: &mut [T]);
-    /// `a * b + c` on one scalar, as the scalar tails compute it.
-    fn scalar_mul_add(self, a: f32, b: f32, c: f32) -> f32;
-    fn scalar_exp(self, x: f32) -> f32;
+    /// `a * b + c` on one scalar, as the scalar tails compute it (fused: the intrinsic types
+    /// all have FMA; the portable one says).
+    #[inline(always)]
+    fn scalar_mul_add(self, a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+    #[inline(always)]
+    fn scalar_exp(self, x: f32) -> f32 {
+        math::exp::<true>(x)
+    }
     /// Asks for the cache line holding `p` to be brought into L1 (a hint: never faults, so `p`
     /// may point past the end of a row). The same SSE instruction for every x86-64 level.
     #[inline(always)]
@@ -271,23 +283,22 @@ mod tests {
                         bits(p.to_array(p.mul_add(p.load(x), p.load(y), p.load(x)))),
                         bits(a.to_array(a.mul_add(a.load(x), a.load(y), a.load(x))))
                     );
-                    let (mut pb, mut ab) = (vec![half::bf16::ZERO; LANES], vec![half::bf16::ZERO; LANES]);
-                    p.store_t(p.load(x), &mut pb);
-                    a.store_t(a.load(x), &mut ab);
-                    assert_eq!(
-                        pb.iter().map(|b| b.to_bits()).collect::<Vec<_>>(),
-                        ab.iter().map(|b| b.to_bits()).collect::<Vec<_>>()
-                    );
-                    assert_eq!(bits(p.to_array(p.load_t(&pb))), bits(a.to_array(a.load_t(&ab))));
-                    let (mut ph, mut ah) = (vec![half::f16::ZERO; LANES], vec![half::f16::ZERO; LANES]);
-                    p.store_t(p.load(x), &mut ph);
-                    a.store_t(a.load(x), &mut ah);
-                    assert_eq!(
-                        ph.iter().map(|h| h.to_bits()).collect::<Vec<_>>(),
-                        ah.iter().map(|h| h.to_bits()).collect::<Vec<_>>()
-                    );
-                    assert_eq!(bits(p.to_array(p.load_t(&ph))), bits(a.to_array(a.load_t(&ah))));
+                    same_round_trip::<half::bf16>(x);
+                    same_round_trip::<half::f16>(x);
                 }
+            }
+            /// `x` stored as `T` by both and loaded back by both: the same bits each way (compared
+            /// widened: exact, NaN payloads kept).
+            #[inline(always)]
+            fn same_round_trip<T: Element>(x: &[f32]) {
+                let (p, a) = (Portable::<true>, Avx2);
+                let (mut pt, mut at) = (vec![T::default(); LANES], vec![T::default(); LANES]);
+                p.store_t(p.load(x), &mut pt);
+                a.store_t(a.load(x), &mut at);
+                let widened = |t: &[T]| t.iter().map(|v| v.to_f32().to_bits()).collect::<Vec<_>>();
+                assert_eq!(widened(&pt), widened(&at), "{:?} of {x:?}", T::DTYPE);
+                let (pl, al) = (p.to_array(p.load_t(&pt)), a.to_array(a.load_t(&at)));
+                assert_eq!(pl.map(f32::to_bits), al.map(f32::to_bits));
             }
             // SAFETY: AVX2, FMA and F16C were detected.
             unsafe { check(&values) };
@@ -394,12 +405,6 @@ mod avx512 {
             }
         }
         #[inline(always)]
-        fn to_array(self, v: __m512) -> [f32; LANES] {
-            let mut out = [0.0; LANES];
-            self.store(v, &mut out);
-            out
-        }
-        #[inline(always)]
         fn load_t<T: Element>(self, src: &[T]) -> __m512 {
             let p = src[..LANES].as_ptr();
             // SAFETY: 16 elements of `T` are readable at `p`; the dtype tells their layout.
@@ -442,14 +447,6 @@ mod avx512 {
                     ),
                 }
             }
-        }
-        #[inline(always)]
-        fn scalar_mul_add(self, a: f32, b: f32, c: f32) -> f32 {
-            a.mul_add(b, c)
-        }
-        #[inline(always)]
-        fn scalar_exp(self, x: f32) -> f32 {
-            super::math::exp::<true>(x)
         }
     }
 }
@@ -571,12 +568,6 @@ mod avx2 {
             (exp8(x.0), exp8(x.1))
         }
         #[inline(always)]
-        fn to_array(self, v: Pair) -> [f32; LANES] {
-            let mut out = [0.0; LANES];
-            self.store(v, &mut out);
-            out
-        }
-        #[inline(always)]
         fn load_t<T: Element>(self, src: &[T]) -> Pair {
             let p = src[..LANES].as_ptr();
             // SAFETY: 16 elements of `T` are readable at `p`; the dtype tells their layout.
@@ -612,14 +603,6 @@ mod avx2 {
                     }
                 }
             }
-        }
-        #[inline(always)]
-        fn scalar_mul_add(self, a: f32, b: f32, c: f32) -> f32 {
-            a.mul_add(b, c)
-        }
-        #[inline(always)]
-        fn scalar_exp(self, x: f32) -> f32 {
-            super::math::exp::<true>(x)
         }
     }
 }
