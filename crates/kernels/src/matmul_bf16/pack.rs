@@ -67,11 +67,12 @@ pub struct Lines {
 impl Lines {
     /// `len` values; those beyond the old length are `value`, the others left as they were.
     pub fn resize(&mut self, len: usize, value: u32) {
-        let old = self.len;
+        // New lines come filled; only the old lines' unused tail needs writing.
+        let (old, kept) = (self.len, 16 * self.lines.len());
         self.lines.resize(len.div_ceil(16), Line([value; 16]));
         self.len = len;
         if len > old {
-            self[old..].fill(value);
+            self[old..len.min(kept)].fill(value);
         }
     }
 }
@@ -418,6 +419,21 @@ pub fn b_from_rows_duplicated(src: &[u16], stride: usize, rows: usize, cols: usi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Lines` resizes as `Vec` does, on cache lines.
+    #[test]
+    fn lines_resize_as_a_vec() {
+        let (mut lines, mut vec) = (Lines::default(), Vec::<u32>::new());
+        for (len, value) in [(5, 1), (3, 2), (40, 3), (17, 4), (100, 5), (0, 6), (21, 7)] {
+            lines.resize(len, value);
+            vec.resize(len, value);
+            assert_eq!(&lines[..], &vec[..], "len {len}");
+            assert_eq!(lines.as_ptr() as usize % 64, 0);
+            let n = lines.len();
+            lines.iter_mut().zip(0..).for_each(|(x, i)| *x = i * 10 + n as u32);
+            vec.iter_mut().zip(0..).for_each(|(x, i)| *x = i * 10 + n as u32);
+        }
+    }
 
     /// The branch-free rounding against `half`'s on random bit patterns and the special values.
     #[test]
