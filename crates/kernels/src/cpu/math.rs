@@ -28,6 +28,13 @@ pub(crate) const EXP_POLY: [f32; 8] =
 /// about 1.3 ulp at 1 (the whole `exp`'s worst over [-100, 10]: 3.9e-7, against 2.9e-7).
 pub(crate) const EXP_POLY_DEG5: [f32; 6] = [8.312_525e-3, 4.189_011_5e-2, 1.666_711_4e-1, 4.999_923e-1, 1.0, 1.0];
 
+/// `2^f` on `[0, 1)`, degree 5, highest degree first: `1` fixed (so that `2^n` is exact for an
+/// integer `n`) and the rest fitted for the least maximum relative error (8.2e-8 in exact
+/// arithmetic, 1.4e-7 evaluated in f32 with FMA; `bench/tools/fit_exp2_poly.py` fits and checks
+/// it). The AVX-512 `exp2` uses it after `vreduceps` leaves `f = t - floor t`.
+pub(crate) const EXP2_POLY_DEG5: [f32; 6] =
+    [1.867_132_4e-3, 9.017_025e-3, 5.579_991_6e-2, 2.401_644_4e-1, 6.931_513e-1, 1.0];
+
 /// `a * b + c`, fused when `FMA`.
 #[inline(always)]
 pub fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {

@@ -94,17 +94,19 @@ fn load_u<S: Simd, T: Element, const SCALED: bool>(s: S, src: &[T], inv_t: f32) 
     }
 }
 
+/// The largest raw logit of a tile (NaN if one is NaN). With `inv_t > 0`, `lanes_max * inv_t`
+/// is the largest `u = x * inv_t` as the sweeps round it (rounding is monotonic).
 #[inline(always)]
-fn lanes_max<S: Simd, T: Element, const SCALED: bool>(s: S, tile: &[T], inv_t: f32) -> f32 {
+fn lanes_max<S: Simd, T: Element>(s: S, tile: &[T]) -> f32 {
     let full = tile.len() / LANES * LANES;
     let mut acc = s.splat(f32::NEG_INFINITY);
     for c in tile[..full].chunks_exact(LANES) {
         s.prefetch(ahead(c));
-        acc = s.max(acc, load_u::<S, T, SCALED>(s, c, inv_t));
+        acc = s.max(acc, s.load_t(c));
     }
     let mut a = s.to_array(acc);
     for (k, x) in tile[full..].iter().enumerate() {
-        let x = x.to_f32() * inv_t;
+        let x = x.to_f32();
         a[k] = if a[k] >= x { a[k] } else { x };
     }
     a.iter().fold(f32::NEG_INFINITY, |m, &x| if m >= x { m } else { x })
@@ -119,9 +121,9 @@ struct TileSums {
 }
 
 /// `sum exp(u - m)`, `sum exp(u - m) (u - m)`, `sum u` (only with `SUM_U`: label smoothing is its
-/// one user) and `max u` over a tile, in one sweep; with `STORE`, `exp(u - m)` is also written to
-/// `scratch`. `m` need not be the tile's maximum:
-/// the caller only requires `max u <= m + HEADROOM`.
+/// one user) and `max u` over a tile, in one sweep, in natural units; with `STORE`, `exp(u - m)`
+/// is also written to `scratch`. `m` need not be the tile's maximum: [`statistics_natural`] only
+/// requires `max u <= m + HEADROOM`; [`statistics_base2`] passes the tile's maximum.
 #[inline(always)]
 fn tile_sums<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, const SCALED: bool>(
     s: S,
@@ -176,26 +178,29 @@ fn tile_sums<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, const SC
 /// own maximum: `exp(8)` is far from overflow, and the rounding it costs the entropy is ~8 ulp.
 const HEADROOM: f32 = 8.0;
 
-/// Step 1 on one row part; `target` is the target's index within `row`, if it falls there.
+/// Step 1 on one row part in natural units (`exp`), where the vector `exp2` is not native
+/// ([`Simd::NATIVE_EXP2`]) or the temperature is too far from 1 for [`Base2`]; `target` is the
+/// target's index within `row`, if it falls there.
 ///
 /// The sums are kept relative to a reference `m`: the first tile's maximum, raised only when a
 /// later tile exceeds it by more than [`HEADROOM`] (that tile is then summed again relative to
 /// its own maximum, and the running sums rescaled — `stats.rs` explains the shifted entropy
 /// accumulator). So each element is read once per tile, with its maximum found in the same sweep.
-/// With `STORE`, each tile's `exp(u - m)` goes to `scratch` and the `m` it used to `tile_max`.
+/// With `STORE`, each tile's `exp(u - m)` goes to `scratch` and the `m` it used to `tile_ref`.
 #[inline(always)]
-fn statistics_impl<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, const SCALED: bool>(
+fn statistics_natural<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, const SCALED: bool>(
     s: S,
     row: &[T],
     inv_t: f32,
     target: Option<usize>,
     scratch: &mut [f32],
-    tile_max: &mut [f32],
+    tile_ref: &mut [f64],
 ) -> PartialRowStats {
     let (mut m, mut sum, mut e, mut su, mut max) = (f32::NEG_INFINITY, 0.0f32, 0.0f32, 0.0f32, f32::NEG_INFINITY);
     for (t, tile) in row.chunks(TILE).enumerate() {
         if m == f32::NEG_INFINITY {
-            m = lanes_max::<S, T, SCALED>(s, tile, inv_t);
+            let x_max = lanes_max(s, tile);
+            m = if SCALED { x_max * inv_t } else { x_max };
         }
         let scratch_tile: &mut [f32] = if STORE { &mut scratch[t * TILE..t * TILE + tile.len()] } else { &mut [] };
         let mut sums = tile_sums::<S, T, STORE, SUM_U, SCALED>(s, tile, inv_t, m, scratch_tile);
@@ -208,7 +213,7 @@ fn statistics_impl<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, co
             sums = tile_sums::<S, T, STORE, SUM_U, SCALED>(s, tile, inv_t, m, scratch_tile);
         }
         if STORE {
-            tile_max[t] = m;
+            tile_ref[t] = m as f64;
         }
         max = if max >= sums.max { max } else { sums.max };
         sum += sums.sum_exp;
@@ -236,6 +241,236 @@ fn statistics_impl<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, co
     }
 }
 
+/// The statistics pass in base 2: `t = x a - r`, with `a = inv_t log2 e` rounded to f32 and `r`
+/// a reference in the same units, so that one FMA takes a raw logit to the exponent of `exp2`
+/// (temperature, shift and change of base at once) and AVX-512's `exp2` needs no clamp. In the
+/// units of `u = x inv_t`: `u - r w = t w` with `w = inv_t / a` (in f64; ~ln 2), up to the
+/// rounding of `t` (half an ulp: at most 2.4e-7 for the `t` in [-4, 4] that carry the sums).
+#[derive(Clone, Copy)]
+struct Base2 {
+    a: f32,
+    w: f64,
+}
+
+impl Base2 {
+    fn new(inv_t: f32) -> Self {
+        let a = (inv_t as f64 * std::f64::consts::LOG2_E) as f32;
+        Self { a, w: inv_t as f64 / a as f64 }
+    }
+
+    /// Whether `a` can carry the logits: not for a temperature so far from 1 that `a` is 0,
+    /// subnormal or infinite (the statistics are then computed in natural units).
+    fn usable(self) -> bool {
+        self.a.is_normal()
+    }
+
+    /// The reference of a tile whose largest raw logit is `x_max`.
+    fn reference(self, x_max: f32) -> f32 {
+        x_max * self.a
+    }
+
+    /// `r` in the units of `u`.
+    fn natural(self, r: f32) -> f64 {
+        r as f64 * self.w
+    }
+}
+
+/// Sums of the fast tiles relative to one reference `r`, in base 2.
+#[derive(Clone, Copy)]
+struct Base2Sums {
+    /// `sum 2^t`.
+    sum: f32,
+    /// `sum 2^t t`.
+    sum_t: f32,
+    /// `sum x` (raw logits; only with `SUM_U`).
+    sum_x: f32,
+    /// `max x` (raw logits; only with `MAX`, else -inf).
+    max_x: f32,
+}
+
+impl Default for Base2Sums {
+    fn default() -> Self {
+        Self { sum: 0.0, sum_t: 0.0, sum_x: 0.0, max_x: f32::NEG_INFINITY }
+    }
+}
+
+impl Base2Sums {
+    fn add(&mut self, tile: Base2Sums) {
+        self.sum += tile.sum;
+        self.sum_t += tile.sum_t;
+        self.sum_x += tile.sum_x;
+        self.max_x = if self.max_x >= tile.max_x { self.max_x } else { tile.max_x };
+    }
+
+    /// As [`PartialRowStats`] in the units of `u`: relative to the fast tiles' maximum
+    /// `max = max_x inv_t` (as the sweeps round `u`), the difference `kappa` between the
+    /// reference `r w` and it (at most ~0, above by an ulp at most) moved into the sums in f64.
+    /// Without a tracked maximum, relative to the reference itself (below the maximum by at most
+    /// `log2(FAST_SUM_LIMIT) w`, ~8.3).
+    fn stats(self, units: Base2, r: f32, inv_t: f32) -> PartialRowStats {
+        let sum_u = (self.sum_x as f64 * inv_t as f64) as f32;
+        if self.sum == 0.0 {
+            return PartialRowStats { sum_u, ..PartialRowStats::EMPTY };
+        }
+        // Where the maximum was not tracked (`max_x` -inf with a positive sum), the reference
+        // rounded to f32 stands for it.
+        let reference = units.natural(r);
+        let max = if self.max_x > f32::NEG_INFINITY { self.max_x * inv_t } else { reference as f32 };
+        let kappa = reference - max as f64;
+        let scale = kappa.exp();
+        let sum = self.sum as f64;
+        PartialRowStats {
+            max,
+            sum_exp: (sum * scale) as f32,
+            sum_exp_shifted: ((units.w * self.sum_t as f64 + kappa * sum) * scale) as f32,
+            sum_u,
+            target_u: None,
+        }
+    }
+}
+
+/// A fast tile's sum of `2^t` stays at or below this: a tile of [`TILE`] values at or below its
+/// reference sums to at most 2048, so only a tile with values well above the first tile's
+/// maximum, or with non-finite ones (or finite ones whose `t` overflows, as `f32::MIN` used as a
+/// mask), is summed again on the exact path.
+const FAST_SUM_LIMIT: f32 = 4096.0;
+
+/// `sum 2^t`, `sum 2^t t`, (with `SUM_U`) `sum x` and (with `MAX`) `max x` over a tile,
+/// `t = x a - r`; with `STORE`, `2^t` also goes to `scratch`. The statistics' fast path: per 16
+/// logits the widening, one FMA, `exp2` (7 operations on AVX-512), two sums: 12 vector
+/// operations where [`tile_sums`] takes 16 (no subtraction, clamp or rounding trick, and the
+/// maximum only where it is reported: the caller checks the sum for overflow instead; tracking it
+/// cost 7% in cache on cpu-2c).
+#[inline(always)]
+fn tile_sums_base2<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, const MAX: bool>(
+    s: S,
+    tile: &[T],
+    units: Base2,
+    r: f32,
+    scratch: &mut [f32],
+) -> Base2Sums {
+    let full = tile.len() / LANES * LANES;
+    let (av, rv) = (s.splat(units.a), s.splat(-r));
+    let (mut sv, mut tv, mut xv) = (s.splat(0.0), s.splat(0.0), s.splat(0.0));
+    let mut mv = s.splat(f32::NEG_INFINITY);
+    for (j, c) in tile[..full].chunks_exact(LANES).enumerate() {
+        s.prefetch(ahead(c));
+        let x = s.load_t(c);
+        if MAX {
+            mv = s.max(mv, x);
+        }
+        let t = s.mul_add(x, av, rv);
+        let p = s.exp2(t);
+        if STORE {
+            s.store(p, &mut scratch[j * LANES..]);
+        }
+        sv = s.add(sv, p);
+        tv = s.mul_add(p, t, tv);
+        if SUM_U {
+            xv = s.add(xv, x);
+        }
+    }
+    let (mut sa, mut ta, mut xa, mut ma) = (s.to_array(sv), s.to_array(tv), s.to_array(xv), s.to_array(mv));
+    for (k, x) in tile[full..].iter().enumerate() {
+        let x = x.to_f32();
+        if MAX {
+            ma[k] = if ma[k] >= x { ma[k] } else { x };
+        }
+        let t = s.scalar_mul_add(x, units.a, -r);
+        let p = s.scalar_exp2(t);
+        if STORE {
+            scratch[full + k] = p;
+        }
+        sa[k] += p;
+        ta[k] = s.scalar_mul_add(p, t, ta[k]);
+        if SUM_U {
+            xa[k] += x;
+        }
+    }
+    let max_x = ma.iter().fold(f32::NEG_INFINITY, |m, &x| if m >= x { m } else { x });
+    Base2Sums { sum: pairwise(sa), sum_t: pairwise(ta), sum_x: pairwise(xa), max_x }
+}
+
+/// Step 1 on one row part in base 2, where `exp2` is native ([`Simd::NATIVE_EXP2`]); `target`
+/// is the target's index within `row`, if it falls there.
+///
+/// Tile by tile on the fast path ([`tile_sums_base2`]) relative to one reference, the first
+/// tile's maximum. A tile the fast path cannot carry (its sum above [`FAST_SUM_LIMIT`], or not
+/// finite) is summed again exactly, relative to its own maximum ([`tile_sums`], natural units,
+/// `exp`), and combined with the rest in f64 ([`PartialRowStats::combine`]); if its maximum is
+/// above the reference, the later tiles take it as theirs. So each element is read once per tile
+/// on the common path. With `STORE`, each tile's kept values (`2^t` or `exp(u - m)`) go to
+/// `scratch` and the reference they are relative to, in the units of `u`, to `tile_ref`.
+///
+/// Without `STORE` ([`statistics`], whose results leave the crate as vocabulary shards' partial
+/// statistics) they are [`PartialRowStats`]' own: relative to the row's maximum (the fast tiles'
+/// sums moved from their reference to it in f64, [`Base2Sums::stats`]). With `STORE` ([`sweep`],
+/// whose statistics only reach `finish`) the maximum is not tracked, and the sums may be relative
+/// to a reference below it (by at most ~8.3): the same `lse` and entropy.
+#[inline(always)]
+fn statistics_base2<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, const SCALED: bool>(
+    s: S,
+    row: &[T],
+    units: Base2,
+    inv_t: f32,
+    target: Option<usize>,
+    scratch: &mut [f32],
+    tile_ref: &mut [f64],
+) -> PartialRowStats {
+    let (mut r, mut fast, mut exact) = (f32::NEG_INFINITY, Base2Sums::default(), PartialRowStats::EMPTY);
+    // A NaN or Inf met on the exact path (`combine` would drop a NaN maximum).
+    let mut poisoned = false;
+    for (t, tile) in row.chunks(TILE).enumerate() {
+        let scratch_tile: &mut [f32] = if STORE { &mut scratch[t * TILE..t * TILE + tile.len()] } else { &mut [] };
+        if r.is_nan() || r == f32::NEG_INFINITY {
+            r = units.reference(lanes_max(s, tile));
+        }
+        if r.is_finite() {
+            let sums = if STORE {
+                tile_sums_base2::<S, T, STORE, SUM_U, false>(s, tile, units, r, scratch_tile)
+            } else {
+                tile_sums_base2::<S, T, STORE, SUM_U, true>(s, tile, units, r, scratch_tile)
+            };
+            if sums.sum <= FAST_SUM_LIMIT && sums.sum_t.is_finite() {
+                fast.add(sums);
+                if STORE {
+                    tile_ref[t] = units.natural(r);
+                }
+                continue;
+            }
+        }
+        let x_max = lanes_max(s, tile);
+        let m = if SCALED { x_max * inv_t } else { x_max };
+        let sums = tile_sums::<S, T, STORE, SUM_U, SCALED>(s, tile, inv_t, m, scratch_tile);
+        if STORE {
+            tile_ref[t] = m as f64;
+        }
+        let tile_stats = PartialRowStats {
+            max: m,
+            sum_exp: sums.sum_exp,
+            sum_exp_shifted: sums.sum_exp_shifted,
+            sum_u: sums.sum_u,
+            target_u: None,
+        };
+        poisoned |= !tile_stats.is_finite();
+        exact = exact.combine(tile_stats);
+        if m.is_finite() && (m as f64) > units.natural(r) {
+            // The later tiles relative to this maximum: what the fast tiles summed so far joins
+            // the exact part first.
+            exact = exact.combine(fast.stats(units, r, inv_t));
+            fast = Base2Sums::default();
+            r = units.reference(x_max);
+        }
+    }
+    let mut stats = exact.combine(fast.stats(units, r, inv_t));
+    if poisoned || (stats.max == f32::NEG_INFINITY && !row.is_empty()) {
+        // A NaN or Inf, or every value -inf: make the row non-finite for the caller's check.
+        stats.sum_exp = f32::NAN;
+    }
+    stats.target_u = target.map(|y| row[y].to_f32() * inv_t);
+    stats
+}
+
 #[inline(always)]
 pub(crate) fn statistics<S: Simd, T: Element>(
     s: S,
@@ -247,6 +482,25 @@ pub(crate) fn statistics<S: Simd, T: Element>(
     statistics_for::<S, T, false>(s, row, inv_t, target, sum_u, &mut [], &mut [])
 }
 
+/// Step 1 on one row part, in base 2 where that is cheaper ([`statistics_base2`]), else in
+/// natural units ([`statistics_natural`]).
+#[inline(always)]
+fn statistics_impl<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, const SCALED: bool>(
+    s: S,
+    row: &[T],
+    inv_t: f32,
+    target: Option<usize>,
+    scratch: &mut [f32],
+    tile_ref: &mut [f64],
+) -> PartialRowStats {
+    let units = Base2::new(inv_t);
+    if S::NATIVE_EXP2 && units.usable() {
+        statistics_base2::<S, T, STORE, SUM_U, SCALED>(s, row, units, inv_t, target, scratch, tile_ref)
+    } else {
+        statistics_natural::<S, T, STORE, SUM_U, SCALED>(s, row, inv_t, target, scratch, tile_ref)
+    }
+}
+
 /// [`statistics_impl`] with `sum_u` and `inv_t != 1` made compile-time constants.
 #[inline(always)]
 fn statistics_for<S: Simd, T: Element, const STORE: bool>(
@@ -256,13 +510,13 @@ fn statistics_for<S: Simd, T: Element, const STORE: bool>(
     target: Option<usize>,
     sum_u: bool,
     scratch: &mut [f32],
-    tile_max: &mut [f32],
+    tile_ref: &mut [f64],
 ) -> PartialRowStats {
     match (sum_u, inv_t != 1.0) {
-        (true, true) => statistics_impl::<S, T, STORE, true, true>(s, row, inv_t, target, scratch, tile_max),
-        (true, false) => statistics_impl::<S, T, STORE, true, false>(s, row, inv_t, target, scratch, tile_max),
-        (false, true) => statistics_impl::<S, T, STORE, false, true>(s, row, inv_t, target, scratch, tile_max),
-        (false, false) => statistics_impl::<S, T, STORE, false, false>(s, row, inv_t, target, scratch, tile_max),
+        (true, true) => statistics_impl::<S, T, STORE, true, true>(s, row, inv_t, target, scratch, tile_ref),
+        (true, false) => statistics_impl::<S, T, STORE, true, false>(s, row, inv_t, target, scratch, tile_ref),
+        (false, true) => statistics_impl::<S, T, STORE, false, true>(s, row, inv_t, target, scratch, tile_ref),
+        (false, false) => statistics_impl::<S, T, STORE, false, false>(s, row, inv_t, target, scratch, tile_ref),
     }
 }
 
@@ -355,7 +609,7 @@ pub(crate) fn gradient<S: Simd, T: Element>(
 thread_local! {
     /// Per-thread scratch of [`sweep`]: `exp(u - m_tile)` of the row being processed, and the
     /// `m_tile` of each tile. Grows to the widest row seen; a 151936-wide row takes 594 KiB.
-    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f64>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Steps 1 to 3 on one whole row: the statistics (keeping `exp(u - m_tile)`), then `finish`
@@ -374,12 +628,12 @@ pub(crate) fn sweep<S: Simd, T: Element>(
     let len = out.len();
     // Taken out of the thread-local and put back after, so that the work below is compiled in
     // this function (with its target features), not in a closure of `LocalKey::with`.
-    let (mut scratch, mut tile_max) = SCRATCH.with_borrow_mut(std::mem::take);
+    let (mut scratch, mut tile_ref) = SCRATCH.with_borrow_mut(std::mem::take);
     scratch.resize(scratch.len().max(len), 0.0);
-    tile_max.resize(tile_max.len().max(len.div_ceil(TILE)), 0.0);
+    tile_ref.resize(tile_ref.len().max(len.div_ceil(TILE)), 0.0);
     let done = 'row: {
         let row = src.unwrap_or(out);
-        let stats = statistics_for::<S, T, true>(s, row, inv_t, target, sum_u, &mut scratch, &mut tile_max);
+        let stats = statistics_for::<S, T, true>(s, row, inv_t, target, sum_u, &mut scratch, &mut tile_ref);
         let Some(g) = finish(stats) else { break 'row false };
         let mut buf = [0.0f32; TILE];
         for (t, start) in (0..len).step_by(TILE).enumerate() {
@@ -388,8 +642,9 @@ pub(crate) fn sweep<S: Simd, T: Element>(
             if g.is_zero() {
                 u.fill(0.0);
             } else {
-                // p_j = exp(u_j - m_t) * exp(m_t - lse), the first factor kept by the statistics.
-                let k = s.scalar_exp(tile_max[t] - g.lse);
+                // p_j = exp(u_j - m_t) * exp(m_t - lse), the first factor kept by the statistics
+                // (relative to the tile's reference m_t, in f64: see `Base2`).
+                let k = (tile_ref[t] - g.lse as f64).exp() as f32;
                 let kept = &scratch[start..end];
                 if g.c == 0.0 {
                     // No log p needed: out = kept * (k b) + d, rounded straight into the output.
@@ -412,7 +667,7 @@ pub(crate) fn sweep<S: Simd, T: Element>(
         }
         true
     };
-    SCRATCH.with_borrow_mut(|slot| *slot = (scratch, tile_max));
+    SCRATCH.with_borrow_mut(|slot| *slot = (scratch, tile_ref));
     done
 }
 
@@ -427,5 +682,102 @@ fn rescale_tile<S: Simd, T: Element>(s: S, kept: &[f32], kb: f32, d: f32, out: &
     }
     for j in full..out.len() {
         out[j] = T::from_f32(s.scalar_mul_add(kept[j], kb, d));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The statistics pass against f64 on every instruction set: [`statistics`] reports the row's
+    //! maximum (as [`PartialRowStats`] defines it), whichever path (base 2 or exact) each tile
+    //! took, and [`sweep`]'s statistics give the same `lse`, entropy and `log p`.
+    use super::super::isa::{with_isa, Isa};
+    use super::super::{GradientTarget, Kernels};
+    use crate::element::Element;
+    use crate::objective::RowGradient;
+    use crate::stats::PartialRowStats;
+    use crate::synthetic::normal_matrix;
+
+    /// Rows that send tiles down each path: plain, a later tile far above the first (exact path,
+    /// new reference), a later tile a little above (base 2, reference kept below the maximum),
+    /// masks near `f32::MIN` (`t` overflows; bf16 holds them), a tail shorter than a vector.
+    fn rows() -> Vec<(&'static str, Vec<f32>)> {
+        let plain = normal_matrix(1, 10_007, 2.0, 11);
+        let mut spiky = plain.clone();
+        spiky[7000] = 60.0;
+        let mut above = plain.clone();
+        for x in &mut above[4100..4200] {
+            *x += 5.0;
+        }
+        let mut masked = plain.clone();
+        for x in masked.iter_mut().skip(3000).step_by(3) {
+            *x = -3.0e38;
+        }
+        vec![("plain", plain), ("spiky", spiky), ("above", above), ("masked", masked), ("short", vec![0.5, -3.0, 9.0])]
+    }
+
+    fn reference(row: &[f32], inv_t: f32, target: usize) -> PartialRowStats {
+        let u: Vec<f32> = row.iter().map(|&x| x * inv_t).collect();
+        let m = u.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let e = |x: f32| (x as f64 - m as f64).exp();
+        PartialRowStats {
+            max: m,
+            sum_exp: u.iter().map(|&x| e(x)).sum::<f64>() as f32,
+            sum_exp_shifted: u.iter().map(|&x| e(x) * (x as f64 - m as f64)).sum::<f64>() as f32,
+            sum_u: u.iter().map(|&x| x as f64).sum::<f64>() as f32,
+            target_u: Some(u[target]),
+        }
+    }
+
+    fn check(what: &str, got: PartialRowStats, want: &PartialRowStats) {
+        assert_eq!(got.max, want.max, "{what}: max");
+        assert_eq!(got.target_u, want.target_u, "{what}: target");
+        let close = |a: f32, b: f32, tol: f64| (a as f64 - b as f64).abs() <= tol * b.abs().max(1.0) as f64;
+        assert!(close(got.sum_exp, want.sum_exp, 2e-6), "{what}: sum_exp {} vs {}", got.sum_exp, want.sum_exp);
+        // `e` in the units of the entropy it gives, `H = ln s - e / s`, against LOSSES.md's 1e-5
+        // (the "above" row, values well above the first tile's maximum, is the worst: ~6e-6).
+        let (de, s) = ((got.sum_exp_shifted as f64 - want.sum_exp_shifted as f64).abs(), want.sum_exp as f64);
+        assert!(de / s <= 1e-5, "{what}: sum_exp_shifted {} vs {}", got.sum_exp_shifted, want.sum_exp_shifted);
+        if !want.sum_u.is_finite() {
+            return;
+        }
+        assert!(close(got.sum_u, want.sum_u, 1e-5), "{what}: sum_u {} vs {}", got.sum_u, want.sum_u);
+    }
+
+    fn every_row<T: Element>(isa: Isa) {
+        for (name, row) in rows() {
+            let row: Vec<T> = row.iter().map(|&x| T::from_f32(x)).collect();
+            let widened: Vec<f32> = row.iter().map(|x| x.to_f32()).collect();
+            for inv_t in [1.0f32, 1.0 / 0.7] {
+                if name == "masked" && inv_t != 1.0 {
+                    continue; // the masks' u overflows to -inf: a non-finite row
+                }
+                let target = widened.len() / 2;
+                let want = reference(&widened, inv_t, target);
+                let what = format!("{isa:?} {name} {} inv_t {inv_t}", std::any::type_name::<T>());
+                let k = with_isa(isa, Kernels::<T>::select);
+                check(&what, k.statistics(&row, inv_t, Some(target), true), &want);
+                let mut swept = None;
+                let mut out = row.clone();
+                k.sweep(GradientTarget::InPlace(&mut out), inv_t, Some(target), true, &mut |s| {
+                    swept = Some(s);
+                    Some(RowGradient::ZERO)
+                });
+                // The sweep's sums may be relative to a reference below the maximum: what
+                // `finish` makes of them is what must agree.
+                let (got, want) = (swept.expect("finish called").finish(row.len()), want.finish(row.len()));
+                assert!((got.lse - want.lse).abs() <= 1e-6 * want.lse.abs().max(1.0), "{what} (sweep): lse");
+                assert!((got.entropy - want.entropy).abs() <= 1e-5, "{what} (sweep): entropy");
+                let (got_logp, want_logp) = (got.logp.expect("a target"), want.logp.expect("a target"));
+                assert!((got_logp - want_logp).abs() <= 1e-6 * want_logp.abs().max(1.0), "{what} (sweep): logp");
+            }
+        }
+    }
+
+    #[test]
+    fn statistics_report_the_rows_maximum_on_every_instruction_set() {
+        for isa in Isa::available() {
+            every_row::<f32>(isa);
+            every_row::<half::bf16>(isa);
+        }
     }
 }
