@@ -1,7 +1,7 @@
 //! The AMX micro-kernel: `C[32, 32] = A[32, K] @ B[K, 32]` in bf16 with f32 accumulation, on the
 //! tile registers of Intel's Advanced Matrix Extensions (`tdpbf16ps`: a 16x16 f32 tile += a 16x32
 //! bf16 tile times a 32x16 bf16 tile, 16,384 flops per instruction; 1.4-2.0 TFLOP/s per core
-//! here with the operands in L1 and L2, `examples/amx_block_rate.rs`, ~15x the f32 `gemm` rate).
+//! here with the operands in L1 and L2, `examples/block_rate.rs`, ~15x the f32 `gemm` rate).
 //!
 //! Register use (one tile configuration, eight 16-row x 64-byte tiles): `tmm0..tmm3` hold the four
 //! 16x16 quarters of C, `tmm4`/`tmm5` the two 16-row halves of A's 32-column step, `tmm6`/`tmm7`
