@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bf16 fused-linear GRPO against its peers in one run, the arms alternated over ROUNDS rounds
 # (this VM's speed drifts): flashgrpo f32; flashgrpo bf16 with the detected bf16 products (AMX
-# where the CPU has it); the same with the logits' gradient rounded to bf16
-# (FLASHGRPO_BF16_PRODUCTS=amx-rounded; without AMX this arm is the widened one); flashgrpo bf16
+# where the CPU has it, else AVX512-BF16); the same with the logits' gradient rounded to bf16
+# (FLASHGRPO_BF16_PRODUCTS=amx-rounded, or avx512-bf16-rounded on a CPU without AMX); flashgrpo bf16
 # with the products widened to f32 (FLASHGRPO_BF16_PRODUCTS=widened, the path before issue 17);
 # PyTorch eager bf16 (TRL's loss on materialised logits) and Liger-Kernel's chunked loss in bf16.
 # Prints each arm's per-round step time and their median, then the bf16 and f32 matrix-product
@@ -21,6 +21,8 @@ case ${2:-n1024} in
   original) config=configs/bench-linear-original.yaml shape=(--n 2048 --hidden 1536) hidden=1536 ;;
   *) echo "unknown shape ${2}: n1024 or original" >&2; exit 2 ;;
 esac
+# The rounded form of the packed products this CPU runs (the same way as the default arm's).
+if grep -qw amx_bf16 /proc/cpuinfo; then rounded=amx-rounded; else rounded=avx512-bf16-rounded; fi
 ours() { "$bin" bench --config "$config" "$@" | awk '$1 == "bench/step_s_p50" {print $2}'; }
 peer() { "$python" bench/peers/peer_loss.py --framework "$1" "${shape[@]}" --dtype bf16 --steps 3 --warmup 1 |
   "$python" -c 'import json, sys; print(json.load(sys.stdin)["step_s_p50"])'; }
@@ -31,7 +33,7 @@ for r in $(seq "$rounds"); do
     case $arm in
       flashgrpo-f32) t=$(ours) ;;
       flashgrpo-bf16) t=$(ours --set dtype=bf16) ;;
-      flashgrpo-bf16-rounded) t=$(FLASHGRPO_BF16_PRODUCTS=amx-rounded ours --set dtype=bf16) ;;
+      flashgrpo-bf16-rounded) t=$(FLASHGRPO_BF16_PRODUCTS=$rounded ours --set dtype=bf16) ;;
       flashgrpo-bf16-widened) t=$(FLASHGRPO_BF16_PRODUCTS=widened ours --set dtype=bf16) ;;
       torch-eager-bf16) t=$(peer torch-eager) ;;
       liger-bf16) t=$(peer liger) ;;
@@ -46,4 +48,4 @@ for arm in "${order[@]}"; do
   echo "$arm step_s median $median (rounds:${times[$arm]})"
 done
 "$python" bench/peers/bf16_matmul.py --rows 256 --hidden "$hidden"
-"$bin" bench --config "$config" --set dtype=bf16 --set steps=1 --set warmup=0 | grep -E 'matmul(_bf16)?_gflops'
+"$bin" bench --config "$config" --set dtype=bf16 --set steps=1 --set warmup=0 | grep -E 'matmul(_bf16)?_gflops|bf16_products'
