@@ -539,13 +539,26 @@ pub fn logits(z: &mut MatMut<'_>, accumulate: bool, hc: &PackedHidden, weight: &
         // row across two lines) or were a power of two apart (all in one cache set).
         for part in tiles(t.len(), 32 * MACRO.0) {
             let rows = t.start + part.start..t.start + part.end;
-            pack::a_from_rows(&weight[rows.start * h..], h, rows.len(), h, &mut scratch.a);
+            let a = if in_place_a(hc.products, h, rows.len()) {
+                AOperand { ptr: weight[rows.start * h..].as_ptr(), row_bytes: 2 * h, steps: h / 32 }
+            } else {
+                pack::a_from_rows(&weight[rows.start * h..], h, rows.len(), h, &mut scratch.a);
+                AOperand::packed(&scratch.a)
+            };
             let out = out.part(rows, 0..out.cols);
-            // SAFETY: both operands are packed to whole blocks; these columns of z are written by
-            // this task only.
-            unsafe { product(AOperand::packed(&scratch.a), BOperand::packed(&hc.transposed), &out, hc.products) };
+            // SAFETY: A is packed to whole blocks, or read in place where its rows are whole
+            // blocks of whole k-steps; B is packed; these columns of z are written by this task
+            // only.
+            unsafe { product(a, BOperand::packed(&hc.transposed), &out, hc.products) };
         }
     });
+}
+
+/// Whether the logits product reads `rows` weight rows of `h` values in place as its A: on
+/// `vdpbf16ps`, which reads A a pair at a time (broadcast), where the rows are whole blocks of
+/// whole k-steps. (AMX's tile loads want packed rows on cache lines, an odd number apart.)
+fn in_place_a(products: Bf16Products, h: usize, rows: usize) -> bool {
+    !products.on_amx() && h % 32 == 0 && rows % 32 == 0
 }
 
 /// Vocabulary tiles fall into this many fixed groups, each summing its tiles' share of `d hidden`

@@ -27,11 +27,21 @@ fn assert_close(got: &[f32], want: &[f64], scale: &[f64], tol: f64, what: &str) 
 
 /// The last is larger than a macro block of the products in every dimension (`super::MACRO`,
 /// `super::K_STEPS`: 256) and ragged against it.
-const SHAPES: [(usize, usize, usize); 7] =
-    [(5, 7, 11), (33, 50, 70), (1, 32, 17), (64, 96, 256), (40, 130, 97), (17, 896, 300), (290, 300, 611)];
+/// (The last but one has whole k-steps and parts of whole blocks: the logits product reads its
+/// weight in place on `vdpbf16ps`, and packs the parts left over.)
+const SHAPES: [(usize, usize, usize); 8] = [
+    (5, 7, 11),
+    (33, 50, 70),
+    (1, 32, 17),
+    (64, 96, 256),
+    (40, 130, 97),
+    (17, 896, 300),
+    (45, 64, 1000),
+    (290, 300, 611),
+];
 
 /// Vocabulary rows per tile (one per shape): ragged (not multiples of 16) and whole.
-const TILES: [usize; 7] = [7, 48, 256, 19, 7, 48, 600];
+const TILES: [usize; 8] = [7, 48, 256, 19, 7, 48, 600, 600];
 
 /// The packed ways this machine has (AMX, AVX512-BF16, each split and rounded).
 fn packed_ways() -> Vec<Bf16Products> {
