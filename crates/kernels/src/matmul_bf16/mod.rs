@@ -558,7 +558,7 @@ pub fn logits(z: &mut MatMut<'_>, accumulate: bool, hc: &PackedHidden, weight: &
 /// `vdpbf16ps`, which reads A a pair at a time (broadcast), where the rows are whole blocks of
 /// whole k-steps. (AMX's tile loads want packed rows on cache lines, an odd number apart.)
 fn in_place_a(products: Bf16Products, h: usize, rows: usize) -> bool {
-    !products.on_amx() && h % 32 == 0 && rows % 32 == 0
+    !products.on_amx() && h.is_multiple_of(32) && rows.is_multiple_of(32)
 }
 
 /// Vocabulary tiles fall into this many fixed groups, each summing its tiles' share of `d hidden`
