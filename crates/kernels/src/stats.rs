@@ -57,7 +57,8 @@ impl PartialRowStats {
     }
 
     /// The non-finite check, at no extra pass over the logits: a NaN poisons `sum_exp`, a +Inf
-    /// the maximum, a -Inf `sum_exp_shifted` (`exp(-inf) * -inf`). `sum_u` is not consulted: it
+    /// the maximum, a -Inf `sum_exp_shifted` (`exp(-inf) * -inf`); the CPU's base-2 statistics
+    /// pass (`cpu/row.rs`) makes `sum_exp` NaN for any of them. `sum_u` is not consulted: it
     /// may overflow for finite logits near `f32::MIN` (used to mask vocabulary entries).
     pub fn is_finite(&self) -> bool {
         self.max.is_finite()

@@ -32,6 +32,9 @@ pub enum GradientTarget<'a, T> {
 
 type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>, bool) -> PartialRowStats;
 type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>);
+/// What [`sweep`] does with a row's statistics. They may be relative to a reference below the
+/// row's maximum (the base-2 pass does not track it, `row::statistics_base2`): use them through
+/// [`PartialRowStats::finish`] and [`PartialRowStats::is_finite`], not their `max`.
 type Finish<'f> = &'f mut dyn FnMut(PartialRowStats) -> Option<RowGradient>;
 type SweepFn<T> = for<'a, 'f> unsafe fn(GradientTarget<'a, T>, f32, Option<usize>, bool, Finish<'f>) -> bool;
 

@@ -9,8 +9,9 @@
 //! - [`gradient`] recomputes `p_j = exp(u_j - lse)` from the logits (after all rows' statistics,
 //!   for sequence-level objectives and vocabulary shards);
 //! - [`sweep`] keeps `exp(u_j - m_tile)` from the statistics pass in a per-thread scratch row
-//!   and rescales it once the objective has given `lse` and the row's scalars: one `exp` per
-//!   element instead of two, and the logits are read from memory once.
+//!   (`m_tile` the reference the tile was summed against; on AVX-512 the kept values are `2^t`,
+//!   [`Base2`]) and rescales it once the objective has given `lse` and the row's scalars: one
+//!   exponential per element instead of two, and the logits are read from memory once.
 //!
 //! Everything is `#[inline(always)]` and generic: `mod.rs` compiles it once per instruction set.
 //! (Non-temporal stores for new gradient buffers were tried and measured no faster here; see
@@ -94,7 +95,7 @@ fn load_u<S: Simd, T: Element, const SCALED: bool>(s: S, src: &[T], inv_t: f32) 
     }
 }
 
-/// The largest raw logit of a tile (NaN if one is NaN). With `inv_t > 0`, `lanes_max * inv_t`
+/// The largest raw logit of a tile (a NaN may or may not come through: the sums catch NaN). With `inv_t > 0`, `lanes_max * inv_t`
 /// is the largest `u = x * inv_t` as the sweeps round it (rounding is monotonic).
 #[inline(always)]
 fn lanes_max<S: Simd, T: Element>(s: S, tile: &[T]) -> f32 {
@@ -258,6 +259,14 @@ impl Base2 {
         Self { a, w: inv_t as f64 / a as f64 }
     }
 
+    /// Whether a reference `r` leaves the fast path exact enough: `t = x a - r` of the logit that
+    /// set it is the rounding of `r`, at most half an ulp, so `|r| < 2^24` keeps it within 0.5 (a
+    /// larger one, from logits beyond ~1e7 such as finite masks of -1e15, could push every `2^t`
+    /// of a tile below the subnormals); such tiles are summed exactly.
+    fn carries(r: f32) -> bool {
+        r.abs() < 16_777_216.0
+    }
+
     /// Whether `a` can carry the logits: not for a temperature so far from 1 that `a` is 0,
     /// subnormal or infinite (the statistics are then computed in natural units).
     fn usable(self) -> bool {
@@ -275,15 +284,16 @@ impl Base2 {
     }
 }
 
-/// Sums of the fast tiles relative to one reference `r`, in base 2.
+/// Sums of the fast tiles relative to one reference `r`, in base 2: each tile's in f32 (16
+/// lanes, pairwise), the tiles' added in f64.
 #[derive(Clone, Copy)]
 struct Base2Sums {
     /// `sum 2^t`.
-    sum: f32,
+    sum: f64,
     /// `sum 2^t t`.
-    sum_t: f32,
+    sum_t: f64,
     /// `sum x` (raw logits; only with `SUM_U`).
-    sum_x: f32,
+    sum_x: f64,
     /// `max x` (raw logits; only with `MAX`, else -inf).
     max_x: f32,
 }
@@ -304,11 +314,12 @@ impl Base2Sums {
 
     /// As [`PartialRowStats`] in the units of `u`: relative to the fast tiles' maximum
     /// `max = max_x inv_t` (as the sweeps round `u`), the difference `kappa` between the
-    /// reference `r w` and it (at most ~0, above by an ulp at most) moved into the sums in f64.
+    /// reference `r w` and it (at most ~0.35 above it, the rounding of `r`: [`Base2::carries`])
+    /// moved into the sums in f64.
     /// Without a tracked maximum, relative to the reference itself (below the maximum by at most
     /// `log2(FAST_SUM_LIMIT) w`, ~8.3).
     fn stats(self, units: Base2, r: f32, inv_t: f32) -> PartialRowStats {
-        let sum_u = (self.sum_x as f64 * inv_t as f64) as f32;
+        let sum_u = (self.sum_x * inv_t as f64) as f32;
         if self.sum == 0.0 {
             return PartialRowStats { sum_u, ..PartialRowStats::EMPTY };
         }
@@ -318,11 +329,11 @@ impl Base2Sums {
         let max = if self.max_x > f32::NEG_INFINITY { self.max_x * inv_t } else { reference as f32 };
         let kappa = reference - max as f64;
         let scale = kappa.exp();
-        let sum = self.sum as f64;
+        let sum = self.sum;
         PartialRowStats {
             max,
             sum_exp: (sum * scale) as f32,
-            sum_exp_shifted: ((units.w * self.sum_t as f64 + kappa * sum) * scale) as f32,
+            sum_exp_shifted: ((units.w * self.sum_t + kappa * sum) * scale) as f32,
             sum_u,
             target_u: None,
         }
@@ -333,7 +344,7 @@ impl Base2Sums {
 /// reference sums to at most 2048, so only a tile with values well above the first tile's
 /// maximum, or with non-finite ones (or finite ones whose `t` overflows, as `f32::MIN` used as a
 /// mask), is summed again on the exact path.
-const FAST_SUM_LIMIT: f32 = 4096.0;
+const FAST_SUM_LIMIT: f64 = 4096.0;
 
 /// `sum 2^t`, `sum 2^t t`, (with `SUM_U`) `sum x` and (with `MAX`) `max x` over a tile,
 /// `t = x a - r`; with `STORE`, `2^t` also goes to `scratch`. The statistics' fast path: per 16
@@ -388,7 +399,7 @@ fn tile_sums_base2<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, co
         }
     }
     let max_x = ma.iter().fold(f32::NEG_INFINITY, |m, &x| if m >= x { m } else { x });
-    Base2Sums { sum: pairwise(sa), sum_t: pairwise(ta), sum_x: pairwise(xa), max_x }
+    Base2Sums { sum: pairwise(sa) as f64, sum_t: pairwise(ta) as f64, sum_x: pairwise(xa) as f64, max_x }
 }
 
 /// Step 1 on one row part in base 2, where `exp2` is native ([`Simd::NATIVE_EXP2`]); `target`
@@ -425,7 +436,7 @@ fn statistics_base2<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, c
         if r.is_nan() || r == f32::NEG_INFINITY {
             r = units.reference(lanes_max(s, tile));
         }
-        if r.is_finite() {
+        if Base2::carries(r) {
             let sums = if STORE {
                 tile_sums_base2::<S, T, STORE, SUM_U, false>(s, tile, units, r, scratch_tile)
             } else {
@@ -607,12 +618,13 @@ pub(crate) fn gradient<S: Simd, T: Element>(
 }
 
 thread_local! {
-    /// Per-thread scratch of [`sweep`]: `exp(u - m_tile)` of the row being processed, and the
-    /// `m_tile` of each tile. Grows to the widest row seen; a 151936-wide row takes 594 KiB.
+    /// Per-thread scratch of [`sweep`]: the kept values of the row being processed (`exp(u -
+    /// m_tile)`, or `2^t` on the base-2 path), and each tile's reference `m_tile` in the units of
+    /// `u` (f64: see [`Base2`]). Grows to the widest row seen; a 151936-wide row takes 594 KiB.
     static SCRATCH: RefCell<(Vec<f32>, Vec<f64>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Steps 1 to 3 on one whole row: the statistics (keeping `exp(u - m_tile)`), then `finish`
+/// Steps 1 to 3 on one whole row: the statistics (keeping `exp(u - m_tile)` or `2^t`), then `finish`
 /// (the objective) turns them into the row's gradient scalars, then the gradient from the kept
 /// values. Returns false, writing nothing, when `finish` refuses the statistics (NaN or Inf).
 #[inline(always)]
@@ -699,6 +711,7 @@ mod tests {
 
     /// Rows that send tiles down each path: plain, a later tile far above the first (exact path,
     /// new reference), a later tile a little above (base 2, reference kept below the maximum),
+    /// logits too large for a base-2 reference,
     /// masks near `f32::MIN` (`t` overflows; bf16 holds them), a tail shorter than a vector.
     fn rows() -> Vec<(&'static str, Vec<f32>)> {
         let plain = normal_matrix(1, 10_007, 2.0, 11);
@@ -712,7 +725,20 @@ mod tests {
         for x in masked.iter_mut().skip(3000).step_by(3) {
             *x = -3.0e38;
         }
-        vec![("plain", plain), ("spiky", spiky), ("above", above), ("masked", masked), ("short", vec![0.5, -3.0, 9.0])]
+        let mut huge = plain.clone();
+        huge[10] = 5.0e9;
+        vec![
+            ("plain", plain),
+            ("spiky", spiky),
+            ("above", above),
+            ("masked", masked),
+            // Finite masks far beyond 2^24 / log2(e): the base-2 reference would be off by more
+            // than its own rounding (every 2^t of the tile below the subnormals).
+            ("all -1e15", vec![-1.0e15; 5000]),
+            ("all -1e36", vec![-1.0e36; 5000]),
+            ("huge first", huge),
+            ("short", vec![0.5, -3.0, 9.0]),
+        ]
     }
 
     fn reference(row: &[f32], inv_t: f32, target: usize) -> PartialRowStats {
