@@ -113,66 +113,150 @@ fn lanes_max<S: Simd, T: Element>(s: S, tile: &[T]) -> f32 {
     a.iter().fold(f32::NEG_INFINITY, |m, &x| if m >= x { m } else { x })
 }
 
-/// A tile's sums relative to a reference `m`, and its maximum.
+/// How a tile's sweep takes a logit `x` to the exponent its sums are taken in: natural units
+/// (`d = u - m`, `exp`; [`Natural`]) or base 2 (`t = x a - r`, `exp2`; [`Base2At`]). Each also
+/// names the value the sweep sums and takes the maximum of (`u`, or the raw `x` in base 2).
+trait Exponent<S: Simd>: Copy {
+    /// `(value, exponent)` of 16 logits.
+    fn split(self, s: S, x: S::V) -> (S::V, S::V);
+    /// The same for one logit (the scalar tails).
+    fn split_scalar(self, s: S, x: f32) -> (f32, f32);
+    fn exp(self, s: S, d: S::V) -> S::V;
+    fn exp_scalar(self, s: S, d: f32) -> f32;
+}
+
+/// Natural units relative to `m`: `u = x inv_t` (the multiply skipped without `SCALED`), `d = u - m`.
+#[derive(Clone, Copy)]
+struct Natural<const SCALED: bool> {
+    inv_t: f32,
+    m: f32,
+}
+
+impl<S: Simd, const SCALED: bool> Exponent<S> for Natural<SCALED> {
+    #[inline(always)]
+    fn split(self, s: S, x: S::V) -> (S::V, S::V) {
+        let u = if SCALED { s.mul(x, s.splat(self.inv_t)) } else { x };
+        (u, s.sub(u, s.splat(self.m)))
+    }
+    #[inline(always)]
+    fn split_scalar(self, _: S, x: f32) -> (f32, f32) {
+        let u = x * self.inv_t;
+        (u, u - self.m)
+    }
+    #[inline(always)]
+    fn exp(self, s: S, d: S::V) -> S::V {
+        s.exp(d)
+    }
+    #[inline(always)]
+    fn exp_scalar(self, s: S, d: f32) -> f32 {
+        s.scalar_exp(d)
+    }
+}
+
+/// Base 2 relative to `r`: `t = x a - r` in one FMA ([`Base2`]).
+#[derive(Clone, Copy)]
+struct Base2At {
+    a: f32,
+    r: f32,
+}
+
+impl<S: Simd> Exponent<S> for Base2At {
+    #[inline(always)]
+    fn split(self, s: S, x: S::V) -> (S::V, S::V) {
+        (x, s.mul_add(x, s.splat(self.a), s.splat(-self.r)))
+    }
+    #[inline(always)]
+    fn split_scalar(self, s: S, x: f32) -> (f32, f32) {
+        (x, s.scalar_mul_add(x, self.a, -self.r))
+    }
+    #[inline(always)]
+    fn exp(self, s: S, t: S::V) -> S::V {
+        s.exp2(t)
+    }
+    #[inline(always)]
+    fn exp_scalar(self, s: S, t: f32) -> f32 {
+        s.scalar_exp2(t)
+    }
+}
+
+/// A tile's sums in the units of an [`Exponent`] `e`.
 struct TileSums {
-    sum_exp: f32,
-    sum_exp_shifted: f32,
-    sum_u: f32,
+    /// `sum e^d` (`sum 2^t` in base 2).
+    sum: f32,
+    /// `sum e^d d`.
+    sum_d: f32,
+    /// `sum` of the values (only with `SUM_U`: label smoothing is its one user).
+    sum_v: f32,
+    /// `max` of the values (only with `MAX`, else -inf).
     max: f32,
 }
 
-/// `sum exp(u - m)`, `sum exp(u - m) (u - m)`, `sum u` (only with `SUM_U`: label smoothing is its
-/// one user) and `max u` over a tile, in one sweep, in natural units; with `STORE`, `exp(u - m)`
-/// is also written to `scratch`. `m` need not be the tile's maximum: [`statistics_natural`] only
-/// requires `max u <= m + HEADROOM`; [`statistics_base2`] passes the tile's maximum.
+/// One sweep over a tile: [`TileSums`] in the units of `e`; with `STORE`, each `e^d` also goes to
+/// `scratch` (the kept values [`sweep`] rescales). In natural units `e^d = exp(u - m)` with `m`
+/// at or near the tile's maximum ([`statistics_natural`] only requires `max u <= m + HEADROOM`);
+/// in base 2, per 16 logits the widening, one FMA, `exp2` (7 operations on AVX-512) and two sums:
+/// 12 vector operations where natural units take 16 (no subtraction, clamp or rounding trick),
+/// the maximum only where it is reported (tracking it cost 7% in cache on cpu-2c).
 #[inline(always)]
-fn tile_sums<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, const SCALED: bool>(
+fn tile_sums<S: Simd, T: Element, E: Exponent<S>, const STORE: bool, const SUM_U: bool, const MAX: bool>(
+    s: S,
+    tile: &[T],
+    e: E,
+    scratch: &mut [f32],
+) -> TileSums {
+    let full = tile.len() / LANES * LANES;
+    let (mut sv, mut dv, mut vv) = (s.splat(0.0), s.splat(0.0), s.splat(0.0));
+    let mut maxv = s.splat(f32::NEG_INFINITY);
+    for (j, c) in tile[..full].chunks_exact(LANES).enumerate() {
+        s.prefetch(ahead(c));
+        let (v, d) = e.split(s, s.load_t(c));
+        if MAX {
+            maxv = s.max(maxv, v);
+        }
+        let p = e.exp(s, d);
+        if STORE {
+            s.store(p, &mut scratch[j * LANES..]);
+        }
+        sv = s.add(sv, p);
+        dv = s.mul_add(p, d, dv);
+        if SUM_U {
+            vv = s.add(vv, v);
+        }
+    }
+    let (mut sa, mut da, mut va, mut ma) = (s.to_array(sv), s.to_array(dv), s.to_array(vv), s.to_array(maxv));
+    for (k, x) in tile[full..].iter().enumerate() {
+        let (v, d) = e.split_scalar(s, x.to_f32());
+        if MAX {
+            ma[k] = if ma[k] >= v { ma[k] } else { v };
+        }
+        let p = e.exp_scalar(s, d);
+        if STORE {
+            scratch[full + k] = p;
+        }
+        sa[k] += p;
+        da[k] = s.scalar_mul_add(p, d, da[k]);
+        if SUM_U {
+            va[k] += v;
+        }
+    }
+    TileSums {
+        sum: pairwise(sa),
+        sum_d: pairwise(da),
+        sum_v: pairwise(va),
+        max: ma.iter().fold(f32::NEG_INFINITY, |a, &x| if a >= x { a } else { x }),
+    }
+}
+
+/// [`tile_sums`] in natural units relative to `m`, with the maximum.
+#[inline(always)]
+fn natural_sums<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, const SCALED: bool>(
     s: S,
     tile: &[T],
     inv_t: f32,
     m: f32,
     scratch: &mut [f32],
 ) -> TileSums {
-    let full = tile.len() / LANES * LANES;
-    let mv = s.splat(m);
-    let (mut sv, mut ev, mut uv) = (s.splat(0.0), s.splat(0.0), s.splat(0.0));
-    let mut maxv = s.splat(f32::NEG_INFINITY);
-    for (j, c) in tile[..full].chunks_exact(LANES).enumerate() {
-        s.prefetch(ahead(c));
-        let x = load_u::<S, T, SCALED>(s, c, inv_t);
-        maxv = s.max(maxv, x);
-        let d = s.sub(x, mv);
-        let p = s.exp(d);
-        if STORE {
-            s.store(p, &mut scratch[j * LANES..]);
-        }
-        sv = s.add(sv, p);
-        ev = s.mul_add(p, d, ev);
-        if SUM_U {
-            uv = s.add(uv, x);
-        }
-    }
-    let (mut sa, mut ea, mut ua, mut ma) = (s.to_array(sv), s.to_array(ev), s.to_array(uv), s.to_array(maxv));
-    for (k, x) in tile[full..].iter().enumerate() {
-        let x = x.to_f32() * inv_t;
-        ma[k] = if ma[k] >= x { ma[k] } else { x };
-        let d = x - m;
-        let p = s.scalar_exp(d);
-        if STORE {
-            scratch[full + k] = p;
-        }
-        sa[k] += p;
-        ea[k] = s.scalar_mul_add(p, d, ea[k]);
-        if SUM_U {
-            ua[k] += x;
-        }
-    }
-    TileSums {
-        sum_exp: pairwise(sa),
-        sum_exp_shifted: pairwise(ea),
-        sum_u: pairwise(ua),
-        max: ma.iter().fold(f32::NEG_INFINITY, |a, &x| if a >= x { a } else { x }),
-    }
+    tile_sums::<S, T, Natural<SCALED>, STORE, SUM_U, true>(s, tile, Natural { inv_t, m }, scratch)
 }
 
 /// How far above the reference a tile's values may go before the tile is redone relative to its
@@ -204,22 +288,22 @@ fn statistics_natural<S: Simd, T: Element, const STORE: bool, const SUM_U: bool,
             m = if SCALED { x_max * inv_t } else { x_max };
         }
         let scratch_tile: &mut [f32] = if STORE { &mut scratch[t * TILE..t * TILE + tile.len()] } else { &mut [] };
-        let mut sums = tile_sums::<S, T, STORE, SUM_U, SCALED>(s, tile, inv_t, m, scratch_tile);
+        let mut sums = natural_sums::<S, T, STORE, SUM_U, SCALED>(s, tile, inv_t, m, scratch_tile);
         if sums.max > m + HEADROOM {
             let shift = m - sums.max;
             let k = s.scalar_exp(shift);
             e = s.scalar_mul_add(shift, sum, e) * k;
             sum *= k;
             m = sums.max;
-            sums = tile_sums::<S, T, STORE, SUM_U, SCALED>(s, tile, inv_t, m, scratch_tile);
+            sums = natural_sums::<S, T, STORE, SUM_U, SCALED>(s, tile, inv_t, m, scratch_tile);
         }
         if STORE {
             tile_ref[t] = m as f64;
         }
         max = if max >= sums.max { max } else { sums.max };
-        sum += sums.sum_exp;
-        e += sums.sum_exp_shifted;
-        su += sums.sum_u;
+        sum += sums.sum;
+        e += sums.sum_d;
+        su += sums.sum_v;
     }
     if m == f32::NEG_INFINITY && !row.is_empty() {
         // Every value was -inf or NaN: make the row non-finite for the caller's check.
@@ -346,66 +430,10 @@ impl Base2Sums {
 /// mask), is summed again on the exact path.
 const FAST_SUM_LIMIT: f64 = 4096.0;
 
-/// `sum 2^t`, `sum 2^t t`, (with `SUM_U`) `sum x` and (with `MAX`) `max x` over a tile,
-/// `t = x a - r`; with `STORE`, `2^t` also goes to `scratch`. The statistics' fast path: per 16
-/// logits the widening, one FMA, `exp2` (7 operations on AVX-512), two sums: 12 vector
-/// operations where [`tile_sums`] takes 16 (no subtraction, clamp or rounding trick, and the
-/// maximum only where it is reported: the caller checks the sum for overflow instead; tracking it
-/// cost 7% in cache on cpu-2c).
-#[inline(always)]
-fn tile_sums_base2<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, const MAX: bool>(
-    s: S,
-    tile: &[T],
-    units: Base2,
-    r: f32,
-    scratch: &mut [f32],
-) -> Base2Sums {
-    let full = tile.len() / LANES * LANES;
-    let (av, rv) = (s.splat(units.a), s.splat(-r));
-    let (mut sv, mut tv, mut xv) = (s.splat(0.0), s.splat(0.0), s.splat(0.0));
-    let mut mv = s.splat(f32::NEG_INFINITY);
-    for (j, c) in tile[..full].chunks_exact(LANES).enumerate() {
-        s.prefetch(ahead(c));
-        let x = s.load_t(c);
-        if MAX {
-            mv = s.max(mv, x);
-        }
-        let t = s.mul_add(x, av, rv);
-        let p = s.exp2(t);
-        if STORE {
-            s.store(p, &mut scratch[j * LANES..]);
-        }
-        sv = s.add(sv, p);
-        tv = s.mul_add(p, t, tv);
-        if SUM_U {
-            xv = s.add(xv, x);
-        }
-    }
-    let (mut sa, mut ta, mut xa, mut ma) = (s.to_array(sv), s.to_array(tv), s.to_array(xv), s.to_array(mv));
-    for (k, x) in tile[full..].iter().enumerate() {
-        let x = x.to_f32();
-        if MAX {
-            ma[k] = if ma[k] >= x { ma[k] } else { x };
-        }
-        let t = s.scalar_mul_add(x, units.a, -r);
-        let p = s.scalar_exp2(t);
-        if STORE {
-            scratch[full + k] = p;
-        }
-        sa[k] += p;
-        ta[k] = s.scalar_mul_add(p, t, ta[k]);
-        if SUM_U {
-            xa[k] += x;
-        }
-    }
-    let max_x = ma.iter().fold(f32::NEG_INFINITY, |m, &x| if m >= x { m } else { x });
-    Base2Sums { sum: pairwise(sa) as f64, sum_t: pairwise(ta) as f64, sum_x: pairwise(xa) as f64, max_x }
-}
-
 /// Step 1 on one row part in base 2, where `exp2` is native ([`Simd::NATIVE_EXP2`]); `target`
 /// is the target's index within `row`, if it falls there.
 ///
-/// Tile by tile on the fast path ([`tile_sums_base2`]) relative to one reference, the first
+/// Tile by tile on the fast path ([`tile_sums`] in base 2) relative to one reference, the first
 /// tile's maximum. A tile the fast path cannot carry (its sum above [`FAST_SUM_LIMIT`], or not
 /// finite) is summed again exactly, relative to its own maximum ([`tile_sums`], natural units,
 /// `exp`), and combined with the rest in f64 ([`PartialRowStats::combine`]); if its maximum is
@@ -437,13 +465,19 @@ fn statistics_base2<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, c
             r = units.reference(lanes_max(s, tile));
         }
         if Base2::carries(r) {
+            let e = Base2At { a: units.a, r };
             let sums = if STORE {
-                tile_sums_base2::<S, T, STORE, SUM_U, false>(s, tile, units, r, scratch_tile)
+                tile_sums::<S, T, Base2At, STORE, SUM_U, false>(s, tile, e, scratch_tile)
             } else {
-                tile_sums_base2::<S, T, STORE, SUM_U, true>(s, tile, units, r, scratch_tile)
+                tile_sums::<S, T, Base2At, STORE, SUM_U, true>(s, tile, e, scratch_tile)
             };
-            if sums.sum <= FAST_SUM_LIMIT && sums.sum_t.is_finite() {
-                fast.add(sums);
+            if sums.sum as f64 <= FAST_SUM_LIMIT && sums.sum_d.is_finite() {
+                fast.add(Base2Sums {
+                    sum: sums.sum as f64,
+                    sum_t: sums.sum_d as f64,
+                    sum_x: sums.sum_v as f64,
+                    max_x: sums.max,
+                });
                 if STORE {
                     tile_ref[t] = units.natural(r);
                 }
@@ -452,15 +486,15 @@ fn statistics_base2<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, c
         }
         let x_max = lanes_max(s, tile);
         let m = if SCALED { x_max * inv_t } else { x_max };
-        let sums = tile_sums::<S, T, STORE, SUM_U, SCALED>(s, tile, inv_t, m, scratch_tile);
+        let sums = natural_sums::<S, T, STORE, SUM_U, SCALED>(s, tile, inv_t, m, scratch_tile);
         if STORE {
             tile_ref[t] = m as f64;
         }
         let tile_stats = PartialRowStats {
             max: m,
-            sum_exp: sums.sum_exp,
-            sum_exp_shifted: sums.sum_exp_shifted,
-            sum_u: sums.sum_u,
+            sum_exp: sums.sum,
+            sum_exp_shifted: sums.sum_d,
+            sum_u: sums.sum_v,
             target_u: None,
         };
         poisoned |= !tile_stats.is_finite();
