@@ -95,8 +95,9 @@ fn load_u<S: Simd, T: Element, const SCALED: bool>(s: S, src: &[T], inv_t: f32) 
     }
 }
 
-/// The largest raw logit of a tile (a NaN may or may not come through: the sums catch NaN). With `inv_t > 0`, `lanes_max * inv_t`
-/// is the largest `u = x * inv_t` as the sweeps round it (rounding is monotonic).
+/// The largest raw logit of a tile (a NaN may or may not come through: the sums catch NaN).
+/// With `inv_t > 0`, `lanes_max * inv_t` is the largest `u = x * inv_t` as the sweeps round it
+/// (rounding is monotonic).
 #[inline(always)]
 fn lanes_max<S: Simd, T: Element>(s: S, tile: &[T]) -> f32 {
     let full = tile.len() / LANES * LANES;
@@ -389,19 +390,19 @@ impl Default for Base2Sums {
 }
 
 impl Base2Sums {
-    fn add(&mut self, tile: Base2Sums) {
-        self.sum += tile.sum;
-        self.sum_t += tile.sum_t;
-        self.sum_x += tile.sum_x;
-        self.max_x = if self.max_x >= tile.max_x { self.max_x } else { tile.max_x };
+    /// Adds a fast tile's [`TileSums`] (taken in base 2 relative to the same `r`).
+    fn add(&mut self, tile: &TileSums) {
+        self.sum += tile.sum as f64;
+        self.sum_t += tile.sum_d as f64;
+        self.sum_x += tile.sum_v as f64;
+        self.max_x = if self.max_x >= tile.max { self.max_x } else { tile.max };
     }
 
     /// As [`PartialRowStats`] in the units of `u`: relative to the fast tiles' maximum
     /// `max = max_x inv_t` (as the sweeps round `u`), the difference `kappa` between the
     /// reference `r w` and it (at most ~0.35 above it, the rounding of `r`: [`Base2::carries`])
-    /// moved into the sums in f64.
-    /// Without a tracked maximum, relative to the reference itself (below the maximum by at most
-    /// `log2(FAST_SUM_LIMIT) w`, ~8.3).
+    /// moved into the sums in f64. Without a tracked maximum, relative to the reference itself
+    /// (below the maximum by at most `log2(FAST_SUM_LIMIT) w`, ~8.3).
     fn stats(self, units: Base2, r: f32, inv_t: f32) -> PartialRowStats {
         let sum_u = (self.sum_x * inv_t as f64) as f32;
         if self.sum == 0.0 {
@@ -472,12 +473,7 @@ fn statistics_base2<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, c
                 tile_sums::<S, T, Base2At, STORE, SUM_U, true>(s, tile, e, scratch_tile)
             };
             if sums.sum as f64 <= FAST_SUM_LIMIT && sums.sum_d.is_finite() {
-                fast.add(Base2Sums {
-                    sum: sums.sum as f64,
-                    sum_t: sums.sum_d as f64,
-                    sum_x: sums.sum_v as f64,
-                    max_x: sums.max,
-                });
+                fast.add(&sums);
                 if STORE {
                     tile_ref[t] = units.natural(r);
                 }
@@ -745,8 +741,8 @@ mod tests {
 
     /// Rows that send tiles down each path: plain, a later tile far above the first (exact path,
     /// new reference), a later tile a little above (base 2, reference kept below the maximum),
-    /// logits too large for a base-2 reference,
-    /// masks near `f32::MIN` (`t` overflows; bf16 holds them), a tail shorter than a vector.
+    /// masks near `f32::MIN` (`t` overflows; bf16 holds them), logits too large for a base-2
+    /// reference, a tail shorter than a vector.
     fn rows() -> Vec<(&'static str, Vec<f32>)> {
         let plain = normal_matrix(1, 10_007, 2.0, 11);
         let mut spiky = plain.clone();

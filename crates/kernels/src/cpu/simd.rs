@@ -33,9 +33,9 @@ pub(crate) trait Simd: Copy {
     /// reduction (AVX-512): only then does the statistics pass work in base 2.
     const NATIVE_EXP2: bool = false;
     /// `2^t`: 0 for `-inf` and below the subnormals (the default: below about -125.5, where
-    /// `exp` clamps), `NaN` for `NaN`. By default `exp(t ln 2)`
-    /// (the product's rounding adds ~`|t| 2^-24` to the relative error); AVX-512 has a cheaper
-    /// one of its own ([`Simd::NATIVE_EXP2`]).
+    /// `exp` clamps), `NaN` for `NaN`. By default `exp(t ln 2)` (the product's rounding adds
+    /// ~`|t| 2^-24` to the relative error); AVX-512 has a cheaper one of its own
+    /// ([`Simd::NATIVE_EXP2`]).
     #[inline(always)]
     fn exp2(self, t: Self::V) -> Self::V {
         self.exp(self.mul(t, self.splat(std::f32::consts::LN_2)))
