@@ -53,7 +53,7 @@ fn main() {
             if kernel == "amx" {
                 amx::block(a_block, 64 * steps, b.as_ptr(), b1, 64, steps, &tile);
             } else {
-                dpbf16::block(a_block, 64 * steps, b.as_ptr(), b1, 64, steps, &tile);
+                dpbf16::block(dpbf16::ABlock::rows(a_block, 64 * steps), b.as_ptr(), b1, 64, steps, &tile);
             }
         }
         let seconds = start.elapsed().as_secs_f64();

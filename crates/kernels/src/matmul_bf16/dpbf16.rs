@@ -27,16 +27,40 @@ pub fn available() -> bool {
     }
 }
 
-/// As [`super::amx::block`]: `C (+)= A[32, 32 * steps] @ B[32 * steps, 32]`, `a` at A's first
-/// row (rows `a_row_bytes` apart, a step 64 bytes along), `b0` / `b1` at the panels' first rows
-/// (rows `b_row_bytes` apart, 16 rows a step).
+/// Where the 32 rows of an A block lie for [`block`]: row `r` at `ptr + (r / 16) * half_bytes +
+/// (r % 16) * row_bytes` bytes, its pairs `pair_bytes` apart. `vdpbf16ps` takes A a broadcast
+/// pair at a time, so A need not be packed in rows as AMX's tile loads want it: read in place a
+/// transposed operand's rows are adjacent pairs and its pairs whole rows apart (the `d weight`
+/// product reads the logits' gradient so and writes `d weight` in its own layout).
+#[derive(Clone, Copy)]
+pub struct ABlock {
+    pub ptr: *const u16,
+    pub row_bytes: usize,
+    pub half_bytes: usize,
+    pub pair_bytes: usize,
+}
+
+impl ABlock {
+    /// Rows `row_bytes` apart, each row's pairs contiguous (packed or in place, as AMX reads A).
+    pub fn rows(ptr: *const u16, row_bytes: usize) -> Self {
+        Self { ptr, row_bytes, half_bytes: 16 * row_bytes, pair_bytes: 4 }
+    }
+
+    /// Row `r`'s first pair.
+    fn row(&self, r: usize) -> *const u32 {
+        self.ptr.wrapping_byte_add(r / 16 * self.half_bytes + r % 16 * self.row_bytes).cast()
+    }
+}
+
+/// As [`super::amx::block`]: `C (+)= A[32, 32 * steps] @ B[32 * steps, 32]`, A's rows where `a`
+/// says, `b0` / `b1` at the panels' first rows (rows `b_row_bytes` apart, 16 rows a step).
 ///
 /// # Safety
-/// AVX512-BF16 must be [`available`]; the operands and C as [`super::amx::block`] requires.
+/// AVX512-BF16 must be [`available`]; A's 32 rows readable for `16 * steps` pairs, B and C as
+/// [`super::amx::block`] requires.
 #[target_feature(enable = "avx512f,avx512bf16")]
 pub unsafe fn block(
-    a: *const u16,
-    a_row_bytes: usize,
+    a: ABlock,
     b0: *const u16,
     b1: *const u16,
     b_row_bytes: usize,
@@ -55,15 +79,14 @@ pub unsafe fn block(
                     [_mm512_setzero_ps(); 2]
                 }
             });
-            let a_rows: [*const u32; ROWS] =
-                std::array::from_fn(|r| a.byte_add((pass * ROWS + r) * a_row_bytes).cast());
+            let a_rows: [*const u32; ROWS] = std::array::from_fn(|r| a.row(pass * ROWS + r));
             for pair_row in 0..16 * steps {
-                let b_at = pair_row * b_row_bytes;
+                let (a_at, b_at) = (pair_row * a.pair_bytes, pair_row * b_row_bytes);
                 let (p0, p1) =
                     (_mm512_loadu_si512(b0.byte_add(b_at).cast()), _mm512_loadu_si512(b1.byte_add(b_at).cast()));
                 let (p0, p1) = (as_bf16_pairs(p0), as_bf16_pairs(p1));
                 for (row, acc) in a_rows.iter().zip(acc.iter_mut()) {
-                    let pair = as_bf16_pairs(_mm512_set1_epi32(row.add(pair_row).read_unaligned() as i32));
+                    let pair = as_bf16_pairs(_mm512_set1_epi32(row.byte_add(a_at).read_unaligned() as i32));
                     acc[0] = _mm512_dpbf16_ps(acc[0], pair, p0);
                     acc[1] = _mm512_dpbf16_ps(acc[1], pair, p1);
                 }

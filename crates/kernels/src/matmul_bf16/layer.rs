@@ -84,7 +84,7 @@ pub fn backward(
     let mut packed_x = PackedHidden::default();
     packed_x.pack_for_gradients(&rounded_bits(x), n, inputs, products);
     let dx_out = Output::new(dx, false, accumulate_dx);
-    let dw_out = Output::new(&mut MatMut::new(dw, outputs, inputs), true, true);
+    let dw_out = Output::new(&mut MatMut::new(dw, outputs, inputs), !super::weight_gradient_in_place(products), true);
     // SAFETY: this call owns `dx` and `dw`; each product's tasks write disjoint parts.
     unsafe {
         gradient_products(&dx_out, Some(&dw_out), dy, w, &packed_x, &mut TileScratch::default(), parallel_product)

@@ -174,6 +174,15 @@ impl Output {
         Self { ptr: self.ptr.wrapping_add(r * self.stride + c), rows: rows.len(), cols: cols.len(), ..*self }
     }
 
+    /// The part of a weight's gradient (`V x H`, or transposed) of weight rows `rows`.
+    fn weight_rows(&self, rows: Range<usize>) -> Self {
+        if self.transposed {
+            self.part(0..self.rows, rows)
+        } else {
+            self.part(rows, 0..self.cols)
+        }
+    }
+
     /// Block `(bi, bj)` of C in place, where the tiles can read and write it there: not
     /// transposed, and the whole block inside the output.
     fn direct(&self, bi: usize, bj: usize) -> Option<amx::CTile> {
@@ -316,12 +325,15 @@ fn transpose16(rows: &mut [std::arch::x86_64::__m512; 16]) {
     }
 }
 
-/// An A operand of [`product`]: row `i` at `ptr + i * row_bytes`, read 32 rows and `steps`
-/// k-steps (64 bytes each) at a time.
+/// An A operand of [`product`]: row `i` at `ptr + (i / 16) * half_bytes + (i % 16) * row_bytes`
+/// bytes, its pairs `pair_bytes` apart, `steps` k-steps (16 pairs each) long. AMX reads only
+/// rows of contiguous pairs ([`AOperand::rows`]); `vdpbf16ps` reads any ([`dpbf16::ABlock`]).
 #[derive(Clone, Copy)]
 struct AOperand {
     ptr: *const u16,
     row_bytes: usize,
+    half_bytes: usize,
+    pair_bytes: usize,
     steps: usize,
 }
 
@@ -340,13 +352,23 @@ unsafe impl Sync for AOperand {}
 unsafe impl Sync for BOperand {}
 
 impl AOperand {
+    /// Rows `row_bytes` apart, each row's pairs contiguous.
+    fn rows(ptr: *const u16, row_bytes: usize, steps: usize) -> Self {
+        Self { ptr, row_bytes, half_bytes: 16 * row_bytes, pair_bytes: 4, steps }
+    }
+
     fn packed(a: &PackedA) -> Self {
-        Self { ptr: a.data.as_ptr().cast(), row_bytes: 2 * a.stride, steps: a.k / 32 }
+        Self::rows(a.data.as_ptr().cast(), 2 * a.stride, a.k / 32)
     }
 
     /// The first row of block row `bi`.
     fn block(&self, bi: usize) -> *const u16 {
-        self.ptr.wrapping_byte_add(32 * bi * self.row_bytes)
+        self.ptr.wrapping_byte_add(2 * bi * self.half_bytes)
+    }
+
+    /// Whether the rows are AMX's kind: each one's pairs contiguous, 16 rows evenly apart.
+    fn contiguous_rows(&self) -> bool {
+        self.pair_bytes == 4 && self.half_bytes == 16 * self.row_bytes
     }
 }
 
@@ -395,8 +417,9 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
     let amx = products.on_amx();
     assert!(if amx { amx::available() } else { products.packed() && dpbf16::available() });
     let (blocks_m, blocks_n) = (out.rows.div_ceil(32), out.cols.div_ceil(32));
+    assert!(!amx || a.contiguous_rows(), "AMX reads A's rows packed");
     let kernel = |bi: usize, bj: usize, k0: usize, steps: usize, c: &amx::CTile| {
-        let a_block = a.block(bi).wrapping_add(32 * k0);
+        let a_block = a.block(bi).wrapping_byte_add(16 * k0 * a.pair_bytes);
         let (b0, b1) = (b.panel(2 * bj), b.panel(2 * bj + 1));
         let (b0, b1) = (b0.wrapping_byte_add(16 * k0 * b.row_bytes), b1.wrapping_byte_add(16 * k0 * b.row_bytes));
         // SAFETY: the kernel is available (asserted; AMX configured below); steps k0..k0 + steps
@@ -405,7 +428,8 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
             if amx {
                 amx::block(a_block, a.row_bytes, b0, b1, b.row_bytes, steps, c)
             } else {
-                dpbf16::block(a_block, a.row_bytes, b0, b1, b.row_bytes, steps, c)
+                let (row_bytes, half_bytes, pair_bytes) = (a.row_bytes, a.half_bytes, a.pair_bytes);
+                dpbf16::block(dpbf16::ABlock { ptr: a_block, row_bytes, half_bytes, pair_bytes }, b0, b1, b.row_bytes, steps, c)
             }
         }
     };
@@ -427,7 +451,17 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
             for bj in cols.clone() {
                 for bi in rows.clone() {
                     match out.direct(bi, bj) {
-                        Some(c) => kernel(bi, bj, k0, steps, &amx::CTile { load: c.load || k0 > 0, ..c }),
+                        Some(c) => {
+                            if c.load && k0 == 0 {
+                                // The next block's C from memory while this one computes.
+                                match (bi + 1 < rows.end, bj + 1 < cols.end) {
+                                    (true, _) => out.prefetch(bi + 1, bj),
+                                    (false, true) => out.prefetch(rows.start, bj + 1),
+                                    (false, false) => {}
+                                }
+                            }
+                            kernel(bi, bj, k0, steps, &amx::CTile { load: c.load || k0 > 0, ..c })
+                        }
                         None => {
                             let block = &mut kept[(bi - rows.start) * MACRO.1 + bj - cols.start].0;
                             if last {
@@ -457,9 +491,12 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
 pub struct PackedHidden {
     /// `hc^T`: the B of the logits product.
     transposed: PackedB,
-    /// The A of the weight-gradient product: `hc^T` with each element twice (against the split
-    /// `dz`), or as it is (against `dz` rounded).
+    /// On AMX, the A of the weight-gradient product `d weight^T = hc^T @ dz`: `hc^T` with each
+    /// element twice (against the split `dz`), or as it is (against `dz` rounded).
     transposed_for_gradient: PackedA,
+    /// On `vdpbf16ps`, the B of the weight-gradient product `d weight = dz^T @ hc`, written in
+    /// place: `hc` with each row twice (against the split `dz`), or as it is.
+    rows_for_gradient: PackedB,
     /// The way of the products (whether the gradient products take `dz` rounded to bf16).
     products: Bf16Products,
     rows: usize,
@@ -489,15 +526,33 @@ impl PackedHidden {
         } else {
             self.transposed = PackedB::default();
         }
-        if !gradients {
-            self.transposed_for_gradient = PackedA::default();
-        } else if products.rounded() {
-            pack::a_from_transposed(hc, rows, h, &mut self.transposed_for_gradient);
-        } else {
-            pack::a_from_transposed_duplicated(hc, rows, h, &mut self.transposed_for_gradient);
+        (self.transposed_for_gradient, self.rows_for_gradient) = Default::default();
+        match (gradients, weight_gradient_in_place(products), products.rounded()) {
+            (false, ..) => {}
+            (true, false, true) => pack::a_from_transposed(hc, rows, h, &mut self.transposed_for_gradient),
+            (true, false, false) => pack::a_from_transposed_duplicated(hc, rows, h, &mut self.transposed_for_gradient),
+            (true, true, true) => pack::b_from_rows(hc, h, rows, h, &mut self.rows_for_gradient),
+            (true, true, false) => pack::b_from_rows_duplicated(hc, h, rows, h, &mut self.rows_for_gradient),
         }
         (self.products, self.rows, self.hidden_size) = (products, rows, h);
     }
+
+    /// Whether the operands of the gradient products are packed (not for the logits alone).
+    fn packed_for_gradients(&self) -> bool {
+        if weight_gradient_in_place(self.products) {
+            self.rows_for_gradient.cols >= self.hidden_size
+        } else {
+            self.transposed_for_gradient.rows >= self.hidden_size
+        }
+    }
+}
+
+/// Whether `d weight` is written in place as `dz^T @ hc` (on `vdpbf16ps`, which reads A a pair
+/// at a time from anywhere: `dz^T` is the packed `dz` read across) or as `(hc^T @ dz)^T` through
+/// 16 x 16 transposes (AMX, whose tile loads want A's rows packed). In place saves the
+/// transposes and lets the kernel load and store `d weight`'s blocks itself.
+fn weight_gradient_in_place(products: Bf16Products) -> bool {
+    !products.on_amx()
 }
 
 /// The per-tile operands a thread packs, kept from tile to tile (and call to call).
@@ -540,7 +595,7 @@ pub fn logits(z: &mut MatMut<'_>, accumulate: bool, hc: &PackedHidden, weight: &
         for part in tiles(t.len(), 32 * MACRO.0) {
             let rows = t.start + part.start..t.start + part.end;
             let a = if in_place_a(hc.products, h, rows.len()) {
-                AOperand { ptr: weight[rows.start * h..].as_ptr(), row_bytes: 2 * h, steps: h / 32 }
+                AOperand::rows(weight[rows.start * h..].as_ptr(), 2 * h, h / 32)
             } else {
                 pack::a_from_rows(&weight[rows.start * h..], h, rows.len(), h, &mut scratch.a);
                 AOperand::packed(&scratch.a)
@@ -586,7 +641,7 @@ pub fn gradients(
 ) {
     let (n, h, v) = (dz.rows, hc.hidden_size, dz.cols);
     assert!(dh.rows == n && dh.cols == h && hc.rows == n && weight.len() >= v * h);
-    assert!(n == 0 || hc.transposed_for_gradient.rows >= h, "hidden states packed for the logits alone");
+    assert!(n == 0 || hc.packed_for_gradients(), "hidden states packed for the logits alone");
     let all = tiles(v, tile);
     let groups: Vec<Range<usize>> = (0..GROUPS.min(all.len()))
         .map(|g| g * all.len() / GROUPS.min(all.len())..(g + 1) * all.len() / GROUPS.min(all.len()))
@@ -609,14 +664,14 @@ pub fn gradients(
         .collect();
     let dw_out = dw.map(|dw| {
         assert!(dw.len() >= v * h);
-        Output::new(&mut MatMut::new(dw, v, h), true, accumulate_dw)
+        Output::new(&mut MatMut::new(dw, v, h), !weight_gradient_in_place(hc.products), accumulate_dw)
     });
     let (partial_outs, dw_out) = (&partial_outs, &dw_out);
     groups.par_iter().enumerate().for_each(|(g, group)| {
         with_scratch(&TILE_SCRATCH, |scratch| {
             for (i, t) in all[group.clone()].iter().enumerate() {
                 let partial = Output { accumulate: i > 0, ..partial_outs[g] };
-                let dw_tile = dw_out.as_ref().map(|out| out.part(0..h, t.clone()));
+                let dw_tile = dw_out.as_ref().map(|out| out.weight_rows(t.clone()));
                 // (No rows: `dz` is empty.)
                 let dz_tile = Mat { data: dz.data.get(t.start..).unwrap_or(&[]), cols: t.len(), ..dz };
                 let weight_tile = &weight[t.start * h..];
@@ -683,7 +738,15 @@ unsafe fn tile_gradients_split(
     // SAFETY: both operands are packed to whole blocks, A's `steps` inside its rows
     // (padded(2 cols) <= 2 padded(cols)); the caller owns `partial`.
     unsafe { run(a, BOperand::packed(doubled), partial, hc.products) };
-    if let Some(dw) = dw {
+    let Some(dw) = dw else { return };
+    if weight_gradient_in_place(hc.products) {
+        // `dz^T`: row j (vocabulary) is column j's pairs, rows r one packed row apart.
+        let b = &hc.rows_for_gradient;
+        let a = AOperand { ptr: split.data.as_ptr().cast(), row_bytes: 4, half_bytes: 64, pair_bytes: 2 * split.stride, steps: b.k / 32 };
+        // SAFETY: A's rows (padded(v) columns of pairs) and pairs (padded(n) >= b.k / 2 rows)
+        // are inside the packed tile; B is packed; the caller owns `dw`.
+        unsafe { run(a, BOperand::packed(b), dw, hc.products) };
+    } else {
         let b = BOperand { ptr: split.data.as_ptr().cast(), panel_elems: 32, row_bytes: 2 * split.stride };
         // SAFETY: A is packed; B's rows (padded(n)) and columns (padded(v), 2 * 32 per block)
         // are inside the packed tile, zero padded; the caller owns `dw`.
@@ -712,8 +775,16 @@ unsafe fn tile_gradients_rounded(
     pack::b_from_rows(weight, h, v, h, rows);
     // SAFETY: both packed to whole blocks over the same padded(v) k; the caller owns `partial`.
     unsafe { run(AOperand::packed(rounded), BOperand::packed(rows), partial, hc.products) };
-    if let Some(dw) = dw {
-        pack::b_from_f32_rounded(dz.data, dz.stride, n, v, rounded_b);
+    let Some(dw) = dw else { return };
+    pack::b_from_f32_rounded(dz.data, dz.stride, n, v, rounded_b);
+    if weight_gradient_in_place(hc.products) {
+        // `dz^T`: the rounded B's panels read across, row j (vocabulary) lane j % 16 of panel
+        // j / 16, its pairs the panel's rows.
+        let (b, k) = (BOperand::packed(&hc.rows_for_gradient), rounded_b.k);
+        let a = AOperand { ptr: rounded_b.data.as_ptr().cast(), row_bytes: 4, half_bytes: 32 * k, pair_bytes: 64, steps: k / 32 };
+        // SAFETY: both packed to whole blocks over the same padded(n) k; the caller owns `dw`.
+        unsafe { run(a, b, dw, hc.products) };
+    } else {
         // SAFETY: both packed to whole blocks over the same padded(n) k; the caller owns `dw`.
         unsafe { run(AOperand::packed(&hc.transposed_for_gradient), BOperand::packed(rounded_b), dw, hc.products) };
     }
