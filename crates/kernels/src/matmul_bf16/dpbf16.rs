@@ -1,6 +1,7 @@
 //! The AVX512-BF16 micro-kernel, for CPUs with `vdpbf16ps` and no AMX (AMD Zen 4 and later,
 //! Intel Cooper Lake): the same `C[32, 32] (+)= A[32, K] @ B[K, 32]` as [`super::amx::block`], on
-//! the same packed operands ([`super::pack`]), so that every product of [`super`] runs on either.
+//! the same packed operands ([`super::pack`]), so that every product of [`super`] runs on either;
+//! and A read where AMX cannot (in place, or across a packed operand: [`ABlock`]).
 //!
 //! `vdpbf16ps` multiplies 16 pairs of bf16 by 16 pairs and adds each pair's two products to an
 //! f32 lane: one broadcast pair of A's row against one VNNI row of a B panel (16 columns) is one
@@ -59,14 +60,7 @@ impl ABlock {
 /// AVX512-BF16 must be [`available`]; A's 32 rows readable for `16 * steps` pairs, B and C as
 /// [`super::amx::block`] requires.
 #[target_feature(enable = "avx512f,avx512bf16")]
-pub unsafe fn block(
-    a: ABlock,
-    b0: *const u16,
-    b1: *const u16,
-    b_row_bytes: usize,
-    steps: usize,
-    c: &CTile,
-) {
+pub unsafe fn block(a: ABlock, b0: *const u16, b1: *const u16, b_row_bytes: usize, steps: usize, c: &CTile) {
     use std::arch::x86_64::*;
     // SAFETY (whole function): every address is inside the operands and C the caller vouches for.
     unsafe {

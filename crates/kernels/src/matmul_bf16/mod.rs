@@ -429,7 +429,14 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
                 amx::block(a_block, a.row_bytes, b0, b1, b.row_bytes, steps, c)
             } else {
                 let (row_bytes, half_bytes, pair_bytes) = (a.row_bytes, a.half_bytes, a.pair_bytes);
-                dpbf16::block(dpbf16::ABlock { ptr: a_block, row_bytes, half_bytes, pair_bytes }, b0, b1, b.row_bytes, steps, c)
+                dpbf16::block(
+                    dpbf16::ABlock { ptr: a_block, row_bytes, half_bytes, pair_bytes },
+                    b0,
+                    b1,
+                    b.row_bytes,
+                    steps,
+                    c,
+                )
             }
         }
     };
@@ -625,9 +632,10 @@ pub const GROUPS: usize = 16;
 /// vocabulary rows at a time, the tiles spread over the threads. `partials` holds the groups'
 /// sums of `dh` (kept for reuse).
 ///
-/// Each tile's `dz` is split into bf16 pairs ([`pack::a_from_f32_split`]), the A of
-/// `dz @ W_tile` (against the tile's rows twice) and the B of `dW_tile^T = hc^T @ dz` (against
-/// `hc^T` with its elements twice), written transposed into `dw`.
+/// Each tile's `dz` is split into bf16 pairs ([`pack::a_from_f32_split`]) or rounded, the A of
+/// `dz @ W_tile` (against the tile's rows, twice where split); `dW_tile` is `dz^T @ hc` written
+/// in place on `vdpbf16ps` and `(hc^T @ dz)^T` written transposed on AMX
+/// ([`weight_gradient_in_place`]).
 #[allow(clippy::too_many_arguments)]
 pub fn gradients(
     dh: &mut MatMut<'_>,
@@ -715,8 +723,9 @@ unsafe fn gradient_products(
 }
 
 /// One vocabulary tile's gradient products on `dz` split into bf16 pairs: `partial (+)= dz @ W`
-/// (A: the split `dz`, B: the tile's rows twice) and `dw^T (+)= hc^T @ dz` (A: `hc^T` with each
-/// element twice, B: the same split `dz` read as VNNI).
+/// (A: the split `dz`, B: the tile's rows twice) and `dw (+)= dz^T @ hc` (A: the same split `dz`
+/// read across, B: `hc` with each row twice), or on AMX `dw^T (+)= hc^T @ dz` (A: `hc^T` with
+/// each element twice, B: the split `dz` read as VNNI).
 ///
 /// # Safety
 /// No other thread writes `partial` or `dw` at the same time.
@@ -742,7 +751,13 @@ unsafe fn tile_gradients_split(
     if weight_gradient_in_place(hc.products) {
         // `dz^T`: row j (vocabulary) is column j's pairs, rows r one packed row apart.
         let b = &hc.rows_for_gradient;
-        let a = AOperand { ptr: split.data.as_ptr().cast(), row_bytes: 4, half_bytes: 64, pair_bytes: 2 * split.stride, steps: b.k / 32 };
+        let a = AOperand {
+            ptr: split.data.as_ptr().cast(),
+            row_bytes: 4,
+            half_bytes: 64,
+            pair_bytes: 2 * split.stride,
+            steps: b.k / 32,
+        };
         // SAFETY: A's rows (padded(v) columns of pairs) and pairs (padded(n) >= b.k / 2 rows)
         // are inside the packed tile; B is packed; the caller owns `dw`.
         unsafe { run(a, BOperand::packed(b), dw, hc.products) };
@@ -756,7 +771,7 @@ unsafe fn tile_gradients_split(
 
 /// As [`tile_gradients_split`] with `dz` rounded to bf16 (as PyTorch and Liger take it in
 /// bf16): half the flops, bf16-grade gradients. A: `dz` rounded, B: the tile's rows; then A:
-/// `hc^T`, B: `dz` rounded as VNNI.
+/// `dz` rounded as VNNI and read across, B: `hc` (on AMX: A `hc^T`, B `dz` as VNNI).
 ///
 /// # Safety
 /// As for [`tile_gradients_split`].
@@ -781,7 +796,13 @@ unsafe fn tile_gradients_rounded(
         // `dz^T`: the rounded B's panels read across, row j (vocabulary) lane j % 16 of panel
         // j / 16, its pairs the panel's rows.
         let (b, k) = (BOperand::packed(&hc.rows_for_gradient), rounded_b.k);
-        let a = AOperand { ptr: rounded_b.data.as_ptr().cast(), row_bytes: 4, half_bytes: 32 * k, pair_bytes: 64, steps: k / 32 };
+        let a = AOperand {
+            ptr: rounded_b.data.as_ptr().cast(),
+            row_bytes: 4,
+            half_bytes: 32 * k,
+            pair_bytes: 64,
+            steps: k / 32,
+        };
         // SAFETY: both packed to whole blocks over the same padded(n) k; the caller owns `dw`.
         unsafe { run(a, b, dw, hc.products) };
     } else {
