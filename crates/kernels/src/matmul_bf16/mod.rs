@@ -194,9 +194,10 @@ impl Output {
         })
     }
 
-    /// Asks for the memory of block `(bi, bj)` ahead of [`Self::write`], so that it arrives while
-    /// the tiles compute the block (a transposed write reads 32 rows of 128 bytes, each in another
-    /// page of a large output: without this the write waits on memory).
+    /// Asks for the memory of block `(bi, bj)` ahead of [`Self::write`] or of the kernel's own
+    /// load of it, so that it arrives while the kernel computes (a transposed write reads 32 rows
+    /// of 128 bytes, each in another page of a large output: without this the write waits on
+    /// memory).
     fn prefetch(&self, bi: usize, bj: usize) {
         #[cfg(target_arch = "x86_64")]
         {
@@ -459,8 +460,9 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
                 for bi in rows.clone() {
                     match out.direct(bi, bj) {
                         Some(c) => {
-                            if c.load && k0 == 0 {
-                                // The next block's C from memory while this one computes.
+                            if !amx && c.load && k0 == 0 {
+                                // The next block's C from memory while this one computes (on
+                                // `vdpbf16ps`, where `d weight` is accumulated in place).
                                 match (bi + 1 < rows.end, bj + 1 < cols.end) {
                                     (true, _) => out.prefetch(bi + 1, bj),
                                     (false, true) => out.prefetch(rows.start, bj + 1),
@@ -533,13 +535,26 @@ impl PackedHidden {
         } else {
             self.transposed = PackedB::default();
         }
-        (self.transposed_for_gradient, self.rows_for_gradient) = Default::default();
+        // The buffer packed keeps its memory from chunk to chunk (no allocation, no zeroing).
+        let (a, b) = (&mut self.transposed_for_gradient, &mut self.rows_for_gradient);
         match (gradients, weight_gradient_in_place(products), products.rounded()) {
-            (false, ..) => {}
-            (true, false, true) => pack::a_from_transposed(hc, rows, h, &mut self.transposed_for_gradient),
-            (true, false, false) => pack::a_from_transposed_duplicated(hc, rows, h, &mut self.transposed_for_gradient),
-            (true, true, true) => pack::b_from_rows(hc, h, rows, h, &mut self.rows_for_gradient),
-            (true, true, false) => pack::b_from_rows_duplicated(hc, h, rows, h, &mut self.rows_for_gradient),
+            (false, ..) => (*a, *b) = Default::default(),
+            (true, false, rounded) => {
+                *b = PackedB::default();
+                if rounded {
+                    pack::a_from_transposed(hc, rows, h, a)
+                } else {
+                    pack::a_from_transposed_duplicated(hc, rows, h, a)
+                }
+            }
+            (true, true, rounded) => {
+                *a = PackedA::default();
+                if rounded {
+                    pack::b_from_rows(hc, h, rows, h, b)
+                } else {
+                    pack::b_from_rows_duplicated(hc, h, rows, h, b)
+                }
+            }
         }
         (self.products, self.rows, self.hidden_size) = (products, rows, h);
     }
@@ -697,7 +712,7 @@ pub fn gradients(
 type Run = unsafe fn(AOperand, BOperand, &Output, Bf16Products);
 
 /// The gradient products of `dz` (`n x v`, f32) through `weight` (`v` rows of `hc.hidden_size`
-/// bf16 bits): `partial (+)= dz @ weight` and `dw^T (+)= hc^T @ dz`, with `dz` split or rounded
+/// bf16 bits): `partial (+)= dz @ weight` and `dw (+)= dz^T @ hc` ([`weight_gradient_in_place`]), with `dz` split or rounded
 /// as `hc`'s way says, each product run by `run`. Shared by the fused-linear loss (a vocabulary
 /// tile at a time) and a model's linear layers ([`layer::backward`]).
 ///
@@ -742,7 +757,7 @@ unsafe fn tile_gradients_split(
     let TileScratch { a: split, b: doubled, .. } = scratch;
     pack::a_from_f32_split(dz.data, dz.stride, n, v, split);
     pack::b_from_rows_duplicated(weight, h, v, h, doubled);
-    // A's rows hold 2 * padded(cols) pairs; B has the rows of padded(2 * cols).
+    // A's rows hold 2 * padded(cols) bf16 values (padded(cols) pairs); B has padded(2 * cols) rows.
     let a = AOperand { steps: doubled.k / 32, ..AOperand::packed(split) };
     // SAFETY: both operands are packed to whole blocks, A's `steps` inside its rows
     // (padded(2 cols) <= 2 padded(cols)); the caller owns `partial`.

@@ -1,4 +1,4 @@
-//! Packing the operands of the AMX kernel ([`super::amx`]) from the layouts the fused-linear loss
+//! Packing the operands of the AMX and `vdpbf16ps` kernels ([`super::amx`], [`super::dpbf16`]) from the layouts the fused-linear loss
 //! holds them in. Every packed dimension is zero-padded to a multiple of 32, so the kernel never
 //! sees a ragged edge; the padding's products are zeros the output writer skips.
 //!
@@ -11,7 +11,8 @@
 //! - The logits' gradient `dz` (f32), a tile at a time: [`a_from_f32_split`] turns each element
 //!   into two bf16 numbers side by side, `x = hi + lo` with `hi = bf16(x)`, `lo = bf16(x - hi)`.
 //!   The packed tile is an A of twice the columns (against a B with duplicated rows) and, read as
-//!   VNNI, a B (against an A with duplicated columns): one product
+//!   VNNI, a B (against an A with duplicated columns, on AMX) or, read across, the A of `dz^T`
+//!   (against a B with duplicated rows, on `vdpbf16ps`): one product
 //!   computes `x * b` to 16 bits of `x` instead of 8, so the gradient products keep f32's accuracy
 //!   (LOSSES.md's 1e-4 for fused-linear gradients) at twice the flops of rounding `dz` to bf16.
 
