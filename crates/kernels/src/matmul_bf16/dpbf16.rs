@@ -47,6 +47,11 @@ impl ABlock {
         Self { ptr, row_bytes, half_bytes: 16 * row_bytes, pair_bytes: 4 }
     }
 
+    /// Whether the rows are AMX's kind: each one's pairs contiguous, 16 rows evenly apart.
+    pub fn contiguous_rows(&self) -> bool {
+        self.pair_bytes == 4 && self.half_bytes == 16 * self.row_bytes
+    }
+
     /// Row `r`'s first pair.
     fn row(&self, r: usize) -> *const u32 {
         self.ptr.wrapping_byte_add(r / 16 * self.half_bytes + r % 16 * self.row_bytes).cast()

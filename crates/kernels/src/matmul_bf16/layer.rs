@@ -102,7 +102,7 @@ unsafe fn parallel_product(a: AOperand, b: BOperand, out: &Output, products: Bf1
     (0..tasks_m * tasks_n).into_par_iter().for_each(|task| {
         let (r0, c0) = (task / tasks_n * rows, task % tasks_n * cols);
         let part = out.part(r0..(r0 + rows).min(out.rows), c0..(c0 + cols).min(out.cols));
-        let a = AOperand { ptr: a.block(r0 / 32), ..a };
+        let a = a.starting_at_block(r0 / 32);
         let b = BOperand { ptr: b.panel(c0 / 16), ..b };
         // SAFETY: the caller's promise, for this task's blocks of A's rows and B's panels; the
         // tasks' parts of the output are disjoint.

@@ -326,15 +326,11 @@ fn transpose16(rows: &mut [std::arch::x86_64::__m512; 16]) {
     }
 }
 
-/// An A operand of [`product`]: row `i` at `ptr + (i / 16) * half_bytes + (i % 16) * row_bytes`
-/// bytes, its pairs `pair_bytes` apart, `steps` k-steps (16 pairs each) long. AMX reads only
-/// rows of contiguous pairs ([`AOperand::rows`]); `vdpbf16ps` reads any ([`dpbf16::ABlock`]).
+/// An A operand of [`product`]: where its rows and pairs lie ([`dpbf16::ABlock`]: AMX reads only
+/// rows of contiguous pairs, `vdpbf16ps` any), `steps` k-steps (16 pairs each) long.
 #[derive(Clone, Copy)]
 struct AOperand {
-    ptr: *const u16,
-    row_bytes: usize,
-    half_bytes: usize,
-    pair_bytes: usize,
+    layout: dpbf16::ABlock,
     steps: usize,
 }
 
@@ -355,21 +351,36 @@ unsafe impl Sync for BOperand {}
 impl AOperand {
     /// Rows `row_bytes` apart, each row's pairs contiguous.
     fn rows(ptr: *const u16, row_bytes: usize, steps: usize) -> Self {
-        Self { ptr, row_bytes, half_bytes: 16 * row_bytes, pair_bytes: 4, steps }
+        Self { layout: dpbf16::ABlock::rows(ptr, row_bytes), steps }
     }
 
     fn packed(a: &PackedA) -> Self {
         Self::rows(a.data.as_ptr().cast(), 2 * a.stride, a.k / 32)
     }
 
-    /// The first row of block row `bi`.
-    fn block(&self, bi: usize) -> *const u16 {
-        self.ptr.wrapping_byte_add(2 * bi * self.half_bytes)
+    /// `dz^T` from [`pack::a_from_f32_split`]'s `dz` (`split`), read across: row `j` (a column of
+    /// `dz`) is its rows' pairs `j`, 4 bytes apart; its pairs are the packed rows.
+    fn across_split(split: &PackedA, steps: usize) -> Self {
+        let ptr = split.data.as_ptr().cast();
+        Self { layout: dpbf16::ABlock { ptr, row_bytes: 4, half_bytes: 64, pair_bytes: 2 * split.stride }, steps }
     }
 
-    /// Whether the rows are AMX's kind: each one's pairs contiguous, 16 rows evenly apart.
-    fn contiguous_rows(&self) -> bool {
-        self.pair_bytes == 4 && self.half_bytes == 16 * self.row_bytes
+    /// The transpose of a VNNI B ([`PackedB`]), read across: row `j` is lane `j % 16` of panel
+    /// `j / 16`, its pairs the panel's rows (64 bytes apart).
+    fn across_panels(b: &PackedB) -> Self {
+        let ptr = b.data.as_ptr().cast();
+        Self { layout: dpbf16::ABlock { ptr, row_bytes: 4, half_bytes: 32 * b.k, pair_bytes: 64 }, steps: b.k / 32 }
+    }
+
+    /// Block row `bi`, at its first k-step `k0`.
+    fn block(&self, bi: usize, k0: usize) -> dpbf16::ABlock {
+        let l = self.layout;
+        dpbf16::ABlock { ptr: l.ptr.wrapping_byte_add(2 * bi * l.half_bytes + 16 * k0 * l.pair_bytes), ..l }
+    }
+
+    /// The operand from block row `bi` on.
+    fn starting_at_block(self, bi: usize) -> Self {
+        Self { layout: self.block(bi, 0), ..self }
     }
 }
 
@@ -418,26 +429,18 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
     let amx = products.on_amx();
     assert!(if amx { amx::available() } else { products.packed() && dpbf16::available() });
     let (blocks_m, blocks_n) = (out.rows.div_ceil(32), out.cols.div_ceil(32));
-    assert!(!amx || a.contiguous_rows(), "AMX reads A's rows packed");
+    assert!(!amx || a.layout.contiguous_rows(), "AMX reads A's rows packed");
     let kernel = |bi: usize, bj: usize, k0: usize, steps: usize, c: &amx::CTile| {
-        let a_block = a.block(bi).wrapping_byte_add(16 * k0 * a.pair_bytes);
+        let a_block = a.block(bi, k0);
         let (b0, b1) = (b.panel(2 * bj), b.panel(2 * bj + 1));
         let (b0, b1) = (b0.wrapping_byte_add(16 * k0 * b.row_bytes), b1.wrapping_byte_add(16 * k0 * b.row_bytes));
         // SAFETY: the kernel is available (asserted; AMX configured below); steps k0..k0 + steps
         // of the operands are readable as the caller promised.
         unsafe {
             if amx {
-                amx::block(a_block, a.row_bytes, b0, b1, b.row_bytes, steps, c)
+                amx::block(a_block.ptr, a_block.row_bytes, b0, b1, b.row_bytes, steps, c)
             } else {
-                let (row_bytes, half_bytes, pair_bytes) = (a.row_bytes, a.half_bytes, a.pair_bytes);
-                dpbf16::block(
-                    dpbf16::ABlock { ptr: a_block, row_bytes, half_bytes, pair_bytes },
-                    b0,
-                    b1,
-                    b.row_bytes,
-                    steps,
-                    c,
-                )
+                dpbf16::block(a_block, b0, b1, b.row_bytes, steps, c)
             }
         }
     };
@@ -463,10 +466,8 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
                             if !amx && c.load && k0 == 0 {
                                 // The next block's C from memory while this one computes (on
                                 // `vdpbf16ps`, where `d weight` is accumulated in place).
-                                match (bi + 1 < rows.end, bj + 1 < cols.end) {
-                                    (true, _) => out.prefetch(bi + 1, bj),
-                                    (false, true) => out.prefetch(rows.start, bj + 1),
-                                    (false, false) => {}
+                                if let Some((ni, nj)) = next_block(bi, bj, &rows, &cols) {
+                                    out.prefetch(ni, nj);
                                 }
                             }
                             kernel(bi, bj, k0, steps, &amx::CTile { load: c.load || k0 > 0, ..c })
@@ -493,6 +494,16 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
         unsafe { amx::release() };
     }
     KEPT_BLOCKS.set(kept);
+}
+
+/// The block after `(bi, bj)` in [`product`]'s order within a macro block (down its columns), if
+/// any.
+fn next_block(bi: usize, bj: usize, rows: &Range<usize>, cols: &Range<usize>) -> Option<(usize, usize)> {
+    if bi + 1 < rows.end {
+        Some((bi + 1, bj))
+    } else {
+        (bj + 1 < cols.end).then_some((rows.start, bj + 1))
+    }
 }
 
 /// The packed forms of one chunk of bf16 hidden states, reused by every vocabulary tile.
@@ -712,8 +723,8 @@ pub fn gradients(
 type Run = unsafe fn(AOperand, BOperand, &Output, Bf16Products);
 
 /// The gradient products of `dz` (`n x v`, f32) through `weight` (`v` rows of `hc.hidden_size`
-/// bf16 bits): `partial (+)= dz @ weight` and `dw (+)= dz^T @ hc` ([`weight_gradient_in_place`]), with `dz` split or rounded
-/// as `hc`'s way says, each product run by `run`. Shared by the fused-linear loss (a vocabulary
+/// bf16 bits): `partial (+)= dz @ weight` and `dw (+)= dz^T @ hc` ([`weight_gradient_in_place`]),
+/// with `dz` split or rounded as `hc`'s way says, each product run by `run`. Shared by the fused-linear loss (a vocabulary
 /// tile at a time) and a model's linear layers ([`layer::backward`]).
 ///
 /// # Safety
@@ -764,15 +775,8 @@ unsafe fn tile_gradients_split(
     unsafe { run(a, BOperand::packed(doubled), partial, hc.products) };
     let Some(dw) = dw else { return };
     if weight_gradient_in_place(hc.products) {
-        // `dz^T`: row j (vocabulary) is column j's pairs, rows r one packed row apart.
         let b = &hc.rows_for_gradient;
-        let a = AOperand {
-            ptr: split.data.as_ptr().cast(),
-            row_bytes: 4,
-            half_bytes: 64,
-            pair_bytes: 2 * split.stride,
-            steps: b.k / 32,
-        };
+        let a = AOperand::across_split(split, b.k / 32);
         // SAFETY: A's rows (padded(v) columns of pairs) and pairs (padded(n) >= b.k / 2 rows)
         // are inside the packed tile; B is packed; the caller owns `dw`.
         unsafe { run(a, BOperand::packed(b), dw, hc.products) };
@@ -808,16 +812,7 @@ unsafe fn tile_gradients_rounded(
     let Some(dw) = dw else { return };
     pack::b_from_f32_rounded(dz.data, dz.stride, n, v, rounded_b);
     if weight_gradient_in_place(hc.products) {
-        // `dz^T`: the rounded B's panels read across, row j (vocabulary) lane j % 16 of panel
-        // j / 16, its pairs the panel's rows.
-        let (b, k) = (BOperand::packed(&hc.rows_for_gradient), rounded_b.k);
-        let a = AOperand {
-            ptr: rounded_b.data.as_ptr().cast(),
-            row_bytes: 4,
-            half_bytes: 32 * k,
-            pair_bytes: 64,
-            steps: k / 32,
-        };
+        let (a, b) = (AOperand::across_panels(rounded_b), BOperand::packed(&hc.rows_for_gradient));
         // SAFETY: both packed to whole blocks over the same padded(n) k; the caller owns `dw`.
         unsafe { run(a, b, dw, hc.products) };
     } else {

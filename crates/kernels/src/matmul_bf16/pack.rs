@@ -1,5 +1,5 @@
-//! Packing the operands of the AMX and `vdpbf16ps` kernels ([`super::amx`], [`super::dpbf16`]) from the layouts the fused-linear loss
-//! holds them in. Every packed dimension is zero-padded to a multiple of 32, so the kernel never
+//! Packing the operands of the AMX and `vdpbf16ps` kernels ([`super::amx`], [`super::dpbf16`])
+//! from the layouts the fused-linear loss holds them in. Every packed dimension is zero-padded to a multiple of 32, so the kernel never
 //! sees a ragged edge; the padding's products are zeros the output writer skips.
 //!
 //! - A, row-major `[rows, k]` bf16, rows [`row_stride`] apart: a weight tile as it is
