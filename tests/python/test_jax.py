@@ -228,6 +228,35 @@ def check_fused_linear():
         close_norm("jax fused_linear_logprob under vmap(grad)", f"problem {i}", per_problem[i], want, 1e-4)
 
 
+def check_fused_linear_mixed_dtypes():
+    """A weight of another dtype than the hidden states is cast to theirs (as Liger-Kernel and
+    the PyTorch front end do); each gradient comes back in its input's dtype."""
+    k = jax.random.split(jax.random.PRNGKey(13), 4)
+    B, T, H, V = 2, 3, 32, 70
+    targets = jax.random.randint(k[3], (B, T), 0, V)
+    adv = jnp.array([0.4, -0.9])
+    for hidden_dtype, weight_dtype in [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]:
+        hidden = jax.random.normal(k[0], (B, T, H)).astype(hidden_dtype)
+        weight = (jax.random.normal(k[1], (V, H)) * (2.0 / H**0.5)).astype(weight_dtype)
+        bias = (jax.random.normal(k[2], (V,)) * 0.5).astype(weight_dtype)
+        case = f"jax fused_linear_grpo hidden {hidden_dtype.__name__} weight {weight_dtype.__name__}"
+
+        def ours(h, w, b):
+            return fj.fused_linear_grpo_loss(h, w, targets, adv, bias=b, beta=0.0)
+
+        def theirs(h, w, b):
+            cast = (lambda x: x.astype(hidden_dtype).astype(jnp.float32))
+            return reference_grpo(cast(h) @ cast(w).T + cast(b), targets, jnp.ones((B, T)), adv, None, None, beta=0.0)
+
+        loss, grads = jax.value_and_grad(ours, argnums=(0, 1, 2))(hidden, weight, bias)
+        want, want_grads = jax.value_and_grad(theirs, argnums=(0, 1, 2))(hidden, weight, bias)
+        close(case, "loss", loss, want, 1e-4)
+        for name, g, w, x in zip(["hidden", "weight", "bias"], grads, want_grads, (hidden, weight, bias)):
+            if g.dtype != x.dtype:
+                FAILURES.append(f"{case}: grad_{name} dtype {g.dtype}, input {x.dtype}")
+            close_norm(case, f"grad_{name}", g.astype(jnp.float32), w.astype(jnp.float32), 1e-2)
+
+
 def gradcheck_original():
     """The original system's gradcheck from Python: GRPO, dapo, beta 0.04, eps 0.2 / 0.28,
     off-policy, 10% masked rows, B=1, T=129, V=151936, f32; reference in float32 JAX."""
@@ -252,6 +281,7 @@ def main():
     check_cross_entropy_logprob_entropy()
     check_vmap()
     check_fused_linear()
+    check_fused_linear_mixed_dtypes()
     gradcheck_original()
     for f in FAILURES[:40]:
         print("FAIL", f)

@@ -263,11 +263,14 @@ _linear_rows.defvjp(_linear_rows_fwd, _linear_rows_bwd)
 
 def _linear_inputs(hidden, weight, bias, row_inputs):
     """The fused-linear call's arguments, checked: hidden, weight, bias (empty when absent) and the
-    seven per-row inputs."""
+    seven per-row inputs. A weight or bias of another dtype than ``hidden`` is cast to it (a copy,
+    as Liger-Kernel and ``flashgrpo.torch`` cast the weight); JAX casts each cotangent back to its
+    input's dtype."""
     hidden, weight = _float_input("hidden", hidden), _float_input("weight", weight)
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.dtype != hidden.dtype:
-        raise ValueError(f"`hidden` {list(hidden.shape)} {hidden.dtype} and `weight` {list(weight.shape)} "
-                         f"{weight.dtype}: expected [.., H] and [V, H] of one dtype")
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"`hidden` {list(hidden.shape)} and `weight` {list(weight.shape)}: expected [.., H] and "
+                         f"[V, H]")
+    weight = weight.astype(hidden.dtype)
     bias = jnp.zeros((0,), hidden.dtype) if bias is None else _float_input("bias", bias).astype(hidden.dtype)
     batch, seq_len = _rows("hidden", hidden, "H")
     return hidden, weight, bias, _per_row(batch, seq_len, **row_inputs)
