@@ -430,7 +430,7 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
     assert!(if amx { amx::available() } else { products.packed() && dpbf16::available() });
     let (blocks_m, blocks_n) = (out.rows.div_ceil(32), out.cols.div_ceil(32));
     assert!(!amx || a.layout.contiguous_rows(), "AMX reads A's rows packed");
-    let kernel = |bi: usize, bj: usize, k0: usize, steps: usize, c: &amx::CTile| {
+    let kernel = |bi: usize, bj: usize, k0: usize, steps: usize, c: &amx::CTile, next_c: Option<*const f32>| {
         let a_block = a.block(bi, k0);
         let (b0, b1) = (b.panel(2 * bj), b.panel(2 * bj + 1));
         let (b0, b1) = (b0.wrapping_byte_add(16 * k0 * b.row_bytes), b1.wrapping_byte_add(16 * k0 * b.row_bytes));
@@ -440,7 +440,7 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
             if amx {
                 amx::block(a_block.ptr, a_block.row_bytes, b0, b1, b.row_bytes, steps, c)
             } else {
-                dpbf16::block(a_block, b0, b1, b.row_bytes, steps, c)
+                dpbf16::block(a_block, b0, b1, b.row_bytes, steps, c, next_c)
             }
         }
     };
@@ -463,14 +463,19 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
                 for bi in rows.clone() {
                     match out.direct(bi, bj) {
                         Some(c) => {
+                            // The next block's C from memory while this one computes (on
+                            // `vdpbf16ps`, where `d weight` is accumulated in place; the kernel
+                            // spreads the asks over the block).
+                            let mut next_c = None;
                             if !amx && c.load && k0 == 0 {
-                                // The next block's C from memory while this one computes (on
-                                // `vdpbf16ps`, where `d weight` is accumulated in place).
                                 if let Some((ni, nj)) = next_block(bi, bj, &rows, &cols) {
-                                    out.prefetch(ni, nj);
+                                    match out.direct(ni, nj) {
+                                        Some(n) => next_c = Some(n.ptr.cast_const()),
+                                        None => out.prefetch(ni, nj),
+                                    }
                                 }
                             }
-                            kernel(bi, bj, k0, steps, &amx::CTile { load: c.load || k0 > 0, ..c })
+                            kernel(bi, bj, k0, steps, &amx::CTile { load: c.load || k0 > 0, ..c }, next_c)
                         }
                         None => {
                             let block = &mut kept[(bi - rows.start) * MACRO.1 + bj - cols.start].0;
@@ -478,7 +483,7 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
                                 out.prefetch(bi, bj);
                             }
                             let c = amx::CTile { ptr: block.as_mut_ptr(), row_bytes: 128, load: k0 > 0 };
-                            kernel(bi, bj, k0, steps, &c);
+                            kernel(bi, bj, k0, steps, &c, None);
                             if last {
                                 // SAFETY: the caller's promise: no other thread writes `out`.
                                 unsafe { out.write(bi, bj, block) };
