@@ -16,6 +16,13 @@ use super::amx::CTile;
 /// Rows of A per register-blocked pass.
 const ROWS: usize = 8;
 
+/// Lines of C a pass of [`block`] covers (`ROWS` rows of 32 f32, two lines each): what it asks
+/// for of the next C per pass, one every 8 pair rows, so a pass of 8 k-steps covers them.
+const LINES_PER_PASS: usize = 2 * ROWS;
+
+/// The steps a pass needs for [`block`] to ask for every line of the next C.
+pub const STEPS_TO_ASK_AHEAD: usize = LINES_PER_PASS / 2;
+
 /// Whether this CPU has AVX512-BF16 (and AVX-512F).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -61,8 +68,9 @@ impl ABlock {
 /// As [`super::amx::block`]: `C (+)= A[32, 32 * steps] @ B[32 * steps, 32]`, A's rows where `a`
 /// says, `b0` / `b1` at the panels' first rows (rows `b_row_bytes` apart, 16 rows a step).
 ///
-/// With `next_c` (another block of C, its rows `c.row_bytes` apart, that comes from memory) the
-/// kernel asks for its 64 lines meanwhile, one every 8 pair rows: asked all at once before the
+/// With `next_c` (another block of C, its rows `c.row_bytes` apart, that comes from memory; pass
+/// it only where `steps >= STEPS_TO_ASK_AHEAD`, else fewer lines are asked for) the kernel asks
+/// for its 64 lines meanwhile, one every 8 pair rows: asked all at once before the
 /// block they arrived late (`block_rate` with C from memory: 204 GFLOP/s, spread: 230, in the
 /// caches: 232; `d weight` on cpu-2c 3-9% faster).
 ///
@@ -94,10 +102,11 @@ pub unsafe fn block(
             });
             let a_rows: [*const u32; ROWS] = std::array::from_fn(|r| a.row(pass * ROWS + r));
             for pair_row in 0..16 * steps {
-                // Every 8 pair rows, line `pair_row / 8` of the same 8 rows of the next C (all 16
-                // where `steps >= 8`, as in every full pass). (A flat loop: with the rows in groups
-                // of 8 the kernel ran 2-3% slower, its own rate included.)
-                if let Some(next) = next_c.filter(|_| pair_row % 8 == 0 && pair_row < 128) {
+                // Every 8 pair rows, line `pair_row / 8` of the same rows of the next C: its
+                // `LINES_PER_PASS` lines over a pass where `steps >= 8` (the callers pass `next_c`
+                // only then). (A flat loop: with the pair rows in groups of 8 the kernel ran 3%
+                // slower, its own rate included.)
+                if let Some(next) = next_c.filter(|_| pair_row % 8 == 0 && pair_row < 8 * LINES_PER_PASS) {
                     let line = pair_row / 8;
                     let p = next.wrapping_byte_add((pass * ROWS + line / 2) * c.row_bytes + line % 2 * 64);
                     _mm_prefetch::<_MM_HINT_T0>(p.cast());

@@ -470,8 +470,10 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
                             if !amx && c.load && k0 == 0 {
                                 if let Some((ni, nj)) = next_block(bi, bj, &rows, &cols) {
                                     match out.direct(ni, nj) {
-                                        Some(n) => next_c = Some(n.ptr.cast_const()),
-                                        None => out.prefetch(ni, nj),
+                                        Some(n) if steps >= dpbf16::STEPS_TO_ASK_AHEAD => {
+                                            next_c = Some(n.ptr.cast_const())
+                                        }
+                                        _ => out.prefetch(ni, nj),
                                     }
                                 }
                             }

@@ -198,8 +198,16 @@ def logprob(logits, targets, *, temperature=1.0, in_place=False):
 # ---------------------------------------------------------------- fused-linear
 
 
+def _as_hidden_dtype(hidden, weight, bias):
+    """The weight and bias in the hidden states' dtype, as the kernels take them (a copy where they
+    differ, as Liger-Kernel and ``flashgrpo.torch`` cast the weight). Cast inside the custom VJPs,
+    so that each f32 gradient is cast once, straight to its input's own dtype."""
+    return weight.astype(hidden.dtype), bias.astype(hidden.dtype)
+
+
 def _linear_call(op, opts, chunk, hidden, weight, bias, side, with_grad):
     _register()
+    weight, bias = _as_hidden_dtype(hidden, weight, bias)
     rows = hidden.size // hidden.shape[-1]
     shapes = [jax.ShapeDtypeStruct((), jnp.float32)] + [jax.ShapeDtypeStruct((rows,), jnp.float32)] * 5
     if with_grad:
@@ -245,7 +253,7 @@ def _linear_rows_fwd(op, value, opts, chunk, hidden, weight, bias, *side):
     shapes = [jax.ShapeDtypeStruct((), jnp.float32)] + [jax.ShapeDtypeStruct((rows,), jnp.float32)] * 5
     shapes.append(jax.ShapeDtypeStruct((rows * 5,), jnp.float32))  # each row's gradient scalars
     results = jax.ffi.ffi_call("flashgrpo_linear_rows", shapes, vmap_method="sequential")(
-        hidden, weight, bias, *side, op=op, options=opts, chunk_memory_mb=str(chunk))
+        hidden, *_as_hidden_dtype(hidden, weight, bias), *side, op=op, options=opts, chunk_memory_mb=str(chunk))
     return _outputs_of(results)[1][value], (hidden, weight, bias, side, results[6])
 
 
@@ -253,7 +261,7 @@ def _linear_rows_bwd(op, value, opts, chunk, residual, cotangent):
     hidden, weight, bias, side, row_gradients = residual
     shapes = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (hidden, weight, bias)]
     grads = jax.ffi.ffi_call("flashgrpo_linear_rows_grad", shapes, vmap_method="sequential")(
-        hidden, weight, bias, *side, row_gradients, cotangent.astype(jnp.float32).reshape(-1), op=op,
+        hidden, *_as_hidden_dtype(hidden, weight, bias), *side, row_gradients, cotangent.astype(jnp.float32).reshape(-1), op=op,
         options=opts, chunk_memory_mb=str(chunk))
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (hidden, weight, bias))) + _NO_COTANGENTS
 
@@ -263,15 +271,13 @@ _linear_rows.defvjp(_linear_rows_fwd, _linear_rows_bwd)
 
 def _linear_inputs(hidden, weight, bias, row_inputs):
     """The fused-linear call's arguments, checked: hidden, weight, bias (empty when absent) and the
-    seven per-row inputs. A weight or bias of another dtype than ``hidden`` is cast to it (a copy,
-    as Liger-Kernel and ``flashgrpo.torch`` cast the weight); JAX casts each cotangent back to its
-    input's dtype."""
+    seven per-row inputs. A weight or bias of another dtype than ``hidden`` is cast to it inside the
+    custom calls' VJPs (``_as_hidden_dtype``)."""
     hidden, weight = _float_input("hidden", hidden), _float_input("weight", weight)
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"`hidden` {list(hidden.shape)} and `weight` {list(weight.shape)}: expected [.., H] and "
                          f"[V, H]")
-    weight = weight.astype(hidden.dtype)
-    bias = jnp.zeros((0,), hidden.dtype) if bias is None else _float_input("bias", bias).astype(hidden.dtype)
+    bias = jnp.zeros((0,), hidden.dtype) if bias is None else _float_input("bias", bias)
     batch, seq_len = _rows("hidden", hidden, "H")
     return hidden, weight, bias, _per_row(batch, seq_len, **row_inputs)
 
