@@ -10,7 +10,6 @@ use anyhow::Result;
 use clap::ValueEnum;
 use flashgrpo_kernels::linear::{matmul_bf16_gflops, matmul_gflops};
 use flashgrpo_kernels::{Backend, Bf16Products, Cpu, DType, Isa};
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -174,11 +173,10 @@ impl Runner for Cpu {
         let n = (512 << 20) / 4;
         let src = vec![1.0f32; n];
         let mut dst = vec![0.0f32; n];
-        let chunk = n.div_ceil(rayon::current_num_threads()).max(1);
         let mut best = f64::INFINITY;
         for _ in 0..6 {
             let start = Instant::now();
-            dst.par_chunks_mut(chunk).zip(src.par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
+            flashgrpo_kernels::backend::parallel_copy(&mut dst, &src);
             best = best.min(start.elapsed().as_secs_f64());
         }
         std::hint::black_box(&dst);

@@ -464,19 +464,9 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
                     match out.direct(bi, bj) {
                         Some(c) => {
                             // The next block's C from memory while this one computes (on
-                            // `vdpbf16ps`, where `d weight` is accumulated in place; the kernel
-                            // spreads the asks over the block).
-                            let mut next_c = None;
-                            if !amx && c.load && k0 == 0 {
-                                if let Some((ni, nj)) = next_block(bi, bj, &rows, &cols) {
-                                    match out.direct(ni, nj) {
-                                        Some(n) if steps >= dpbf16::STEPS_TO_ASK_AHEAD => {
-                                            next_c = Some(n.ptr.cast_const())
-                                        }
-                                        _ => out.prefetch(ni, nj),
-                                    }
-                                }
-                            }
+                            // `vdpbf16ps`, where `d weight` is accumulated in place).
+                            let next = next_block(bi, bj, &rows, &cols).filter(|_| !amx && c.load && k0 == 0);
+                            let next_c = next.and_then(|(ni, nj)| ask_for_block(out, ni, nj, steps));
                             kernel(bi, bj, k0, steps, &amx::CTile { load: c.load || k0 > 0, ..c }, next_c)
                         }
                         None => {
@@ -501,6 +491,19 @@ unsafe fn product(a: AOperand, b: BOperand, out: &Output, products: Bf16Products
         unsafe { amx::release() };
     }
     KEPT_BLOCKS.set(kept);
+}
+
+/// Asks for block `(ni, nj)` of `out` ahead of its use: returns its C for the `vdpbf16ps` kernel
+/// to ask for over the block it computes (in place, where a pass covers all its lines: spread,
+/// they arrive in time), else asks for it all now.
+fn ask_for_block(out: &Output, ni: usize, nj: usize, steps: usize) -> Option<*const f32> {
+    match out.direct(ni, nj) {
+        Some(n) if steps >= dpbf16::STEPS_TO_ASK_AHEAD => Some(n.ptr.cast_const()),
+        _ => {
+            out.prefetch(ni, nj);
+            None
+        }
+    }
 }
 
 /// The block after `(bi, bj)` in [`product`]'s order within a macro block (down its columns), if

@@ -261,8 +261,8 @@ def _linear_rows_bwd(op, value, opts, chunk, residual, cotangent):
     hidden, weight, bias, side, row_gradients = residual
     shapes = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (hidden, weight, bias)]
     grads = jax.ffi.ffi_call("flashgrpo_linear_rows_grad", shapes, vmap_method="sequential")(
-        hidden, *_as_hidden_dtype(hidden, weight, bias), *side, row_gradients, cotangent.astype(jnp.float32).reshape(-1), op=op,
-        options=opts, chunk_memory_mb=str(chunk))
+        hidden, *_as_hidden_dtype(hidden, weight, bias), *side, row_gradients,
+        cotangent.astype(jnp.float32).reshape(-1), op=op, options=opts, chunk_memory_mb=str(chunk))
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (hidden, weight, bias))) + _NO_COTANGENTS
 
 
