@@ -145,13 +145,14 @@ pub(crate) fn non_finite(rows: &Rows, row: usize) -> LossError {
     LossError::NonFiniteLogits { row, b, t }
 }
 
-/// Which part of the `[N, V]` logits a buffer holds: the rows `first_row..first_row + len` and
-/// the vocabulary columns `columns`, of the batch described by `rows`.
+/// Which part of the `[N, V]` logits a buffer holds: `len` rows of the batch described by `rows`
+/// (all of them, or the rows `listed`, in that order, as a fused-linear chunk of active rows holds
+/// them) over the vocabulary columns `columns`.
 #[derive(Clone)]
 pub(crate) struct Block<'a> {
     pub rows: &'a Rows<'a>,
     pub active: &'a [bool],
-    pub first_row: usize,
+    pub listed: Option<&'a [usize]>,
     pub len: usize,
     pub columns: Range<usize>,
 }
@@ -159,7 +160,17 @@ pub(crate) struct Block<'a> {
 impl<'a> Block<'a> {
     /// The whole batch, over `columns`.
     pub fn all_rows(rows: &'a Rows<'a>, active: &'a [bool], columns: Range<usize>) -> Self {
-        Self { rows, active, first_row: 0, len: rows.len(), columns }
+        Self { rows, active, listed: None, len: rows.len(), columns }
+    }
+
+    /// The listed rows of the batch, in that order, over `columns`.
+    pub fn listed(rows: &'a Rows<'a>, active: &'a [bool], listed: &'a [usize], columns: Range<usize>) -> Self {
+        Self { rows, active, listed: Some(listed), len: listed.len(), columns }
+    }
+
+    /// The batch row held at `local`, the buffer's row.
+    fn row(&self, local: usize) -> usize {
+        self.listed.map_or(local, |rows| rows[local])
     }
 
     fn target(&self, row: usize) -> Option<usize> {
@@ -187,7 +198,7 @@ pub(crate) fn statistics<T: Element>(
         .with_min_len(rows_per_task(width))
         .enumerate()
         .map(|(local, r)| {
-            let i = block.first_row + local;
+            let i = block.row(local);
             if block.active[i] {
                 k.statistics(r, inv_t, block.target(i), sum_u)
             } else {
@@ -195,8 +206,8 @@ pub(crate) fn statistics<T: Element>(
             }
         })
         .collect();
-    match (0..stats.len()).find(|&l| block.active[block.first_row + l] && !stats[l].is_finite()) {
-        Some(local) => Err(non_finite(block.rows, block.first_row + local)),
+    match (0..stats.len()).find(|&l| block.active[block.row(l)] && !stats[l].is_finite()) {
+        Some(local) => Err(non_finite(block.rows, block.row(local))),
         None => Ok(stats),
     }
 }
@@ -215,20 +226,22 @@ pub(crate) fn gradient<T: Element>(
     let inv_t = (1.0 / temperature) as f32;
     let min_len = rows_per_task(width);
     let k = Kernels::<T>::select();
-    let first = block.first_row;
+    let one_row = |l: usize, write: GradientTarget<'_, T>| {
+        let i = block.row(l);
+        k.gradient(write, &grads[i], inv_t, block.target(i))
+    };
     match target {
-        GradientTarget::Into { logits, out } => {
-            out.par_chunks_mut(width).zip(logits.par_chunks(width)).with_min_len(min_len).enumerate().for_each(
-                |(l, (out, logits))| {
-                    k.gradient(GradientTarget::Into { logits, out }, &grads[first + l], inv_t, block.target(first + l))
-                },
-            )
-        }
-        GradientTarget::InPlace(logits) => {
-            logits.par_chunks_mut(width).with_min_len(min_len).enumerate().for_each(|(l, r)| {
-                k.gradient(GradientTarget::InPlace(r), &grads[first + l], inv_t, block.target(first + l))
-            })
-        }
+        GradientTarget::Into { logits, out } => out
+            .par_chunks_mut(width)
+            .zip(logits.par_chunks(width))
+            .with_min_len(min_len)
+            .enumerate()
+            .for_each(|(l, (out, logits))| one_row(l, GradientTarget::Into { logits, out })),
+        GradientTarget::InPlace(logits) => logits
+            .par_chunks_mut(width)
+            .with_min_len(min_len)
+            .enumerate()
+            .for_each(|(l, r)| one_row(l, GradientTarget::InPlace(r))),
     }
 }
 
@@ -267,24 +280,23 @@ pub(crate) fn sweep<T: Element>(
         result
     };
     let min_len = rows_per_task(width);
-    let first = block.first_row;
     let results: Vec<Option<(RowStats, RowOutcome)>> = match target {
         GradientTarget::Into { logits, out } => out
             .par_chunks_mut(width)
             .zip(logits.par_chunks(width))
             .with_min_len(min_len)
             .enumerate()
-            .map(|(l, (out, logits))| one_row(first + l, GradientTarget::Into { logits, out }))
+            .map(|(l, (out, logits))| one_row(block.row(l), GradientTarget::Into { logits, out }))
             .collect(),
         GradientTarget::InPlace(logits) => logits
             .par_chunks_mut(width)
             .with_min_len(min_len)
             .enumerate()
-            .map(|(l, r)| one_row(first + l, GradientTarget::InPlace(r)))
+            .map(|(l, r)| one_row(block.row(l), GradientTarget::InPlace(r)))
             .collect(),
     };
     match results.iter().position(Option::is_none) {
-        Some(local) => Err(non_finite(block.rows, first + local)),
+        Some(local) => Err(non_finite(block.rows, block.row(local))),
         None => Ok(results.into_iter().flatten().collect()),
     }
 }

@@ -12,6 +12,10 @@
 //!   need every row's statistics before any gradient: a statistics pass, the objective, then a
 //!   gradient pass that recomputes the logits (four products).
 //!
+//! Only active rows go through the products: a masked row's (or an ignored target's) logits are
+//! never read and its gradient rows are zero, so the chunks hold the active rows alone (gathered
+//! where a masked row falls between them) and the skipped rows' `d hidden` is written as zero.
+//!
 //! Memory is bounded by [`ChunkBudget`]: a chunk of rows is sized so that its f32 logits (and,
 //! for bf16/f16 inputs, an f32 copy of a weight tile) fit, never O(N V). Gradients are f32 and
 //! overwritten; products run through `gemm` ([`matmul`]), whose reductions have a fixed order, so
@@ -116,7 +120,9 @@ impl Plan {
         } else {
             (columns, 0, 4 * columns)
         };
-        let rows = even_chunk_rows(n, budget.bytes.saturating_sub(tile_bytes) / per_row.max(1));
+        let most = budget.bytes.saturating_sub(tile_bytes) / per_row.max(1);
+        let rows = even_chunk_rows(n, most);
+        let rows = if packed { whole_blocks(rows, most, n) } else { rows };
         Self { rows, tile: tile.min(columns).max(1) }
     }
 }
@@ -127,6 +133,39 @@ impl Plan {
 pub(crate) fn even_chunk_rows(n: usize, most: usize) -> usize {
     let n = n.max(1);
     n.div_ceil(n.div_ceil(most.clamp(1, n)))
+}
+
+/// Chunk rows rounded up to whole blocks of the packed products (32 rows: the logits product's
+/// columns, `d hidden`'s rows, `d weight`'s k-steps) where `most` allows: 922 active rows in
+/// chunks of at most 285 make 256, 256, 256 and 154 (29 blocks), not four of 231 (32 blocks,
+/// each chunk's last one 7/32 full).
+fn whole_blocks(rows: usize, most: usize, n: usize) -> usize {
+    let up = rows.next_multiple_of(matmul_bf16::BLOCK);
+    if up <= most {
+        up.min(n.max(1))
+    } else {
+        rows
+    }
+}
+
+/// The first of `rows` (ascending) when they are consecutive, as a chunk with no skipped row
+/// inside is: its hidden states and `d hidden` are then read and written in place.
+fn consecutive(rows: &[usize]) -> Option<usize> {
+    let (&first, &last) = (rows.first()?, rows.last()?);
+    (last - first + 1 == rows.len()).then_some(first)
+}
+
+/// The `h`-wide rows `rows` of `values`: a slice of it when they are consecutive, else gathered
+/// into `buf`.
+fn rows_of<'b, T: Copy>(values: &'b [T], rows: &[usize], h: usize, buf: &'b mut Vec<T>) -> &'b [T] {
+    if let Some(first) = consecutive(rows) {
+        return &values[first * h..(first + rows.len()) * h];
+    }
+    buf.clear();
+    for &r in rows {
+        buf.extend_from_slice(&values[r * h..(r + 1) * h]);
+    }
+    buf
 }
 
 /// The values as f32: the slice itself, or a widened copy in `buf`.
@@ -154,6 +193,12 @@ struct Streamer<'p, 'a, T> {
     z: Vec<f32>,
     /// The products' operands for the chunk in hand.
     operands: Operands,
+    /// The rows that go through the products, ascending: the active ones. Chunks are ranges of it.
+    computed: Vec<usize>,
+    /// A chunk's hidden states when its rows are not consecutive.
+    gathered_hidden: Vec<T>,
+    /// A chunk's `d hidden` when its rows are not consecutive, before it goes to them.
+    gathered_grad: Vec<f32>,
 }
 
 /// The chunk's hidden states and the weight tiles as the products take them.
@@ -189,17 +234,44 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         } else {
             Operands::F32 { hidden: Vec::new(), weight: Vec::new() }
         };
-        let plan = Plan::new::<T>(n, h, v, budget, packed);
-        Ok(Self { prepared, inputs, columns, plan, z: Vec::new(), operands })
+        let computed: Vec<usize> = (0..n).filter(|&i| prepared.active_rows()[i]).collect();
+        let plan = Plan::new::<T>(computed.len(), h, v, budget, packed);
+        Ok(Self {
+            prepared,
+            inputs,
+            columns,
+            plan,
+            z: Vec::new(),
+            operands,
+            computed,
+            gathered_hidden: Vec::new(),
+            gathered_grad: Vec::new(),
+        })
     }
 
     fn width(&self) -> usize {
         self.columns.len()
     }
 
-    fn chunks(&self) -> impl Iterator<Item = Range<usize>> {
-        let (n, step) = (self.prepared.spec().rows.len(), self.plan.rows);
-        (0..n).step_by(step).map(move |r| r..(r + step).min(n))
+    /// Ranges of [`Self::computed`].
+    fn chunks(&self) -> Vec<Range<usize>> {
+        let (n, step) = (self.computed.len(), self.plan.rows);
+        (0..n).step_by(step).map(move |r| r..(r + step).min(n)).collect()
+    }
+
+    /// Before the chunks: the skipped rows' `d hidden` is zero, and with no row to compute, the
+    /// weight and bias gradients (overwritten unless accumulated) are zero too.
+    fn zero_skipped(&self, grads: &mut LinearGradients<'_>) {
+        let h = self.inputs.hidden_size;
+        let skipped = self.prepared.active_rows().iter().enumerate().filter(|(_, &active)| !active);
+        for (row, _) in skipped {
+            grads.hidden[row * h..(row + 1) * h].fill(0.0);
+        }
+        if self.computed.is_empty() && !grads.accumulate {
+            for g in [grads.weight.as_deref_mut(), grads.bias.as_deref_mut()].into_iter().flatten() {
+                g.fill(0.0);
+            }
+        }
     }
 
     fn tiles(&self) -> Vec<Range<usize>> {
@@ -220,7 +292,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             z.par_chunks_mut(v).for_each(|row| row.copy_from_slice(&bias));
         }
         let (weight, accumulate) = (self.inputs.weight, self.inputs.bias.is_some());
-        let hidden_rows = &self.inputs.hidden[chunk.start * h..chunk.end * h];
+        let hidden_rows = rows_of(self.inputs.hidden, &self.computed[chunk.clone()], h, &mut self.gathered_hidden);
         match &mut self.operands {
             Operands::F32 { hidden, weight: buf } => {
                 let hc = as_f32(hidden_rows, buf).to_vec();
@@ -233,7 +305,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 *hidden = hc;
             }
             Operands::Packed { hidden, products, .. } => {
-                let bits = |x: &'a [T]| T::as_bf16_bits(x).expect("bf16 operands");
+                let bits = |x| T::as_bf16_bits(x).expect("bf16 operands");
                 hidden.pack(bits(hidden_rows), n, h, *products);
                 let mut out = MatMut { data: z, rows: n, cols: v, stride: v };
                 matmul_bf16::logits(&mut out, accumulate, hidden, bits(weight), self.plan.tile);
@@ -251,7 +323,15 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         if let Some(db) = grads.bias.as_deref_mut() {
             bias_gradient(db, &self.z[..n * v], v, first_chunk);
         }
-        let dh = &mut grads.hidden[chunk.start * h..chunk.end * h];
+        let rows = &self.computed[chunk.clone()];
+        let in_place = consecutive(rows);
+        let dh = match in_place {
+            Some(first) => &mut grads.hidden[first * h..(first + n) * h],
+            None => {
+                self.gathered_grad.resize(n * h, 0.0);
+                &mut self.gathered_grad[..n * h]
+            }
+        };
         match &mut self.operands {
             Operands::F32 { hidden, weight: buf } => {
                 let dz = &self.z[..n * v];
@@ -275,34 +355,38 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 matmul_bf16::gradients(dh, dw, !first_chunk, dz, weight, hidden, self.plan.tile, partials);
             }
         }
+        if in_place.is_none() {
+            for (&row, g) in rows.iter().zip(self.gathered_grad.chunks_exact(h)) {
+                grads.hidden[row * h..(row + 1) * h].copy_from_slice(g);
+            }
+        }
     }
 
     /// Pass 1: every row's partial statistics over the columns.
     fn statistics(&mut self) -> Result<Vec<PartialRowStats>, LossError> {
-        let mut stats = Vec::with_capacity(self.prepared.spec().rows.len());
-        let chunks: Vec<Range<usize>> = self.chunks().collect();
+        let mut stats = vec![PartialRowStats::EMPTY; self.prepared.spec().rows.len()];
         let temperature = self.prepared.spec().options.temperature;
-        for chunk in chunks {
+        for chunk in self.chunks() {
             self.logits(&chunk);
             let n = chunk.len() * self.width();
-            stats.extend(cpu::statistics(
-                &self.z[..n],
-                &chunk_block(self.prepared, &self.columns, &chunk),
-                temperature,
-                self.prepared.needs_sum_u(),
-            )?);
+            let rows = &self.computed[chunk];
+            let block = chunk_block(self.prepared, &self.columns, rows);
+            let got = cpu::statistics(&self.z[..n], &block, temperature, self.prepared.needs_sum_u())?;
+            for (&row, s) in rows.iter().zip(got) {
+                stats[row] = s;
+            }
         }
         Ok(stats)
     }
 
     /// Pass 2: the gradients from every row's gradient scalars, recomputing the logits.
     fn gradient(&mut self, row_grads: &[RowGradient], grads: &mut LinearGradients<'_>) {
-        let chunks: Vec<Range<usize>> = self.chunks().collect();
+        self.zero_skipped(grads);
         let temperature = self.prepared.spec().options.temperature;
-        for (i, chunk) in chunks.iter().enumerate() {
+        for (i, chunk) in self.chunks().iter().enumerate() {
             self.logits(chunk);
             let n = chunk.len() * self.width();
-            let block = chunk_block(self.prepared, &self.columns, chunk);
+            let block = chunk_block(self.prepared, &self.columns, &self.computed[chunk.clone()]);
             cpu::gradient(GradientTarget::InPlace(&mut self.z[..n]), &block, row_grads, temperature);
             self.backward(chunk, grads, i == 0);
         }
@@ -314,20 +398,25 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         objective: &Objective<'_>,
         grads: &mut LinearGradients<'_>,
     ) -> Result<Vec<(RowStats, RowOutcome)>, LossError> {
-        let chunks: Vec<Range<usize>> = self.chunks().collect();
+        self.zero_skipped(grads);
         let temperature = self.prepared.spec().options.temperature;
-        let mut results = Vec::with_capacity(self.prepared.spec().rows.len());
-        for (i, chunk) in chunks.iter().enumerate() {
+        // A skipped row's, as the row passes give an inactive row.
+        let mut results = vec![(RowStats::default(), RowOutcome::ZERO); self.prepared.spec().rows.len()];
+        for (i, chunk) in self.chunks().iter().enumerate() {
             self.logits(chunk);
             let n = chunk.len() * self.width();
-            let block = chunk_block(self.prepared, &self.columns, chunk);
-            results.extend(cpu::sweep(
+            let rows = &self.computed[chunk.clone()];
+            let block = chunk_block(self.prepared, &self.columns, rows);
+            let got = cpu::sweep(
                 GradientTarget::InPlace(&mut self.z[..n]),
                 &block,
                 objective,
                 temperature,
                 self.prepared.needs_sum_u(),
-            )?);
+            )?;
+            for (&row, r) in rows.iter().zip(got) {
+                results[row] = r;
+            }
             self.backward(chunk, grads, i == 0);
         }
         Ok(results)
@@ -351,16 +440,10 @@ fn bias_gradient(db: &mut [f32], dz: &[f32], v: usize, overwrite: bool) {
     });
 }
 
-/// The rows of `chunk` over `columns`, as the CPU row passes take them. A free function (not a
+/// A chunk's `rows` over `columns`, as the CPU row passes take them. A free function (not a
 /// method) so that it borrows only these fields while the chunk's logits are borrowed mutably.
-fn chunk_block<'b>(prepared: &'b PreparedLoss<'_>, columns: &Range<usize>, chunk: &Range<usize>) -> Block<'b> {
-    Block {
-        rows: &prepared.spec().rows,
-        active: prepared.active_rows(),
-        first_row: chunk.start,
-        len: chunk.len(),
-        columns: columns.clone(),
-    }
+fn chunk_block<'b>(prepared: &'b PreparedLoss<'_>, columns: &Range<usize>, rows: &'b [usize]) -> Block<'b> {
+    Block::listed(&prepared.spec().rows, prepared.active_rows(), rows, columns.clone())
 }
 
 fn check_gradients(

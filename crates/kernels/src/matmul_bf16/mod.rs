@@ -401,6 +401,10 @@ impl BOperand {
 /// in-L1 rate (issue 17).
 const K_STEPS: usize = 8;
 
+/// The side of the products' blocks of C: a product's rows and columns, and its k-steps, are
+/// computed in whole blocks of 32 (a ragged edge costs a whole block).
+pub const BLOCK: usize = 32;
+
 /// A macro block's block rows and columns (32 each): its rows' chunks of A (`MACRO.0 * 16` KiB)
 /// stay in L2 across its columns, and the f32 blocks it keeps between passes (where C is not
 /// written in place) take `MACRO.0 * MACRO.1 * 4` KiB.
