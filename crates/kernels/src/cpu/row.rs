@@ -632,13 +632,46 @@ pub(crate) fn gradient<S: Simd, T: Element>(
     }
 }
 
-/// `p (b + c log p) + d` of 16 logits `x` with `p = exp(u - lse)` recomputed (`u = x inv_t`
-/// with `SCALED`, the `c` term with `LOG_P`).
+/// How [`recomputed`] takes a logit to `p`: in natural units, `u = x inv_t` and `p = exp(u - lse)`;
+/// in base 2, where the output is 16-bit and `exp2` is native ([`Simd::NATIVE_EXP2`]),
+/// `t = x (inv_t log2 e) - lse log2 e` in one FMA and `p = 2^t` (8 operations where natural units
+/// take 11-12). Base 2's `t` carries the rounding of both scaled terms, up to ~3e-6 relative in
+/// `p` at logits near 30: far below a bf16 or f16 output's own rounding (2^-9, 2^-11), and kept
+/// away from f32 outputs, which stay in natural units.
+#[derive(Clone, Copy)]
+struct Recompute {
+    base2: bool,
+    /// `inv_t`, or `inv_t log2 e` in base 2.
+    scale: f32,
+    /// `lse`, or `lse log2 e` in base 2.
+    shift: f32,
+}
+
+impl Recompute {
+    #[inline(always)]
+    fn new<S: Simd, T: Element>(inv_t: f32, lse: f32) -> Self {
+        use std::f32::consts::LOG2_E;
+        let base2 = S::NATIVE_EXP2 && std::mem::size_of::<T>() == 2;
+        if base2 {
+            Self { base2, scale: inv_t * LOG2_E, shift: lse * LOG2_E }
+        } else {
+            Self { base2, scale: inv_t, shift: lse }
+        }
+    }
+}
+
+/// `p (b + c log p) + d` of 16 logits `x` with `p` recomputed as `r` says (`u = x inv_t` with
+/// `SCALED` in natural units, the `c` term with `LOG_P`).
 #[inline(always)]
-fn recomputed<S: Simd, const SCALED: bool, const LOG_P: bool>(s: S, x: S::V, inv_t: f32, g: &RowGradient) -> S::V {
-    let u = if SCALED { s.mul(x, s.splat(inv_t)) } else { x };
-    let log_p = s.sub(u, s.splat(g.lse));
-    let p = s.exp(log_p);
+fn recomputed<S: Simd, const SCALED: bool, const LOG_P: bool>(s: S, x: S::V, r: Recompute, g: &RowGradient) -> S::V {
+    let (p, log_p) = if r.base2 {
+        let t = s.mul_add(x, s.splat(r.scale), s.splat(-r.shift));
+        (s.exp2(t), s.mul(t, s.splat(std::f32::consts::LN_2)))
+    } else {
+        let u = if SCALED { s.mul(x, s.splat(r.scale)) } else { x };
+        let log_p = s.sub(u, s.splat(r.shift));
+        (s.exp(log_p), log_p)
+    };
     if LOG_P {
         s.mul_add(p, s.mul_add(s.splat(g.c), log_p, s.splat(g.b)), s.splat(g.d))
     } else {
@@ -658,6 +691,7 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool>(
     let (src, out) = parts(dst);
     let len = out.len();
     let full = len / LANES * LANES;
+    let r = Recompute::new::<S, T>(inv_t, g.lse);
     // The 16 logits around the target, kept before an in-place pass overwrites them.
     let target_vector = target.filter(|&y| y < full).map(|y| {
         let start = y / LANES * LANES;
@@ -670,20 +704,20 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool>(
             for j in (0..full).step_by(LANES) {
                 s.prefetch(ahead(&logits[j..]));
                 s.prefetch(ahead(&out[j..]));
-                let v = recomputed::<S, SCALED, LOG_P>(s, s.load_t(&logits[j..]), inv_t, g);
+                let v = recomputed::<S, SCALED, LOG_P>(s, s.load_t(&logits[j..]), r, g);
                 s.store_t(v, &mut out[j..]);
             }
         }
         None => {
             for j in (0..full).step_by(LANES) {
                 s.prefetch(ahead(&out[j..]));
-                let v = recomputed::<S, SCALED, LOG_P>(s, s.load_t(&out[j..]), inv_t, g);
+                let v = recomputed::<S, SCALED, LOG_P>(s, s.load_t(&out[j..]), r, g);
                 s.store_t(v, &mut out[j..]);
             }
         }
     }
     if let Some((y, start, kept)) = target_vector {
-        let mut lanes = s.to_array(recomputed::<S, SCALED, LOG_P>(s, s.load_t(&kept), inv_t, g));
+        let mut lanes = s.to_array(recomputed::<S, SCALED, LOG_P>(s, s.load_t(&kept), r, g));
         lanes[y - start] += g.a;
         s.store_t(s.load(&lanes), &mut out[start..]);
     }
@@ -787,7 +821,7 @@ mod tests {
     //! took, and [`sweep`]'s statistics give the same `lse`, entropy and `log p`.
     use super::super::isa::{with_isa, Isa};
     use super::super::{GradientTarget, Kernels};
-    use crate::element::Element;
+    use crate::element::{DType, Element};
     use crate::objective::RowGradient;
     use crate::stats::PartialRowStats;
     use crate::synthetic::normal_matrix;
@@ -887,7 +921,13 @@ mod tests {
     /// with and without temperature and the `c log p` term, in place and into another buffer
     /// (the same bits).
     fn recomputed_gradient<T: Element>(isa: Isa) {
-        let tolerance = if std::mem::size_of::<T>() == 4 { 4e-6 } else { 8e-3 };
+        // f32 to its accuracy; 16-bit outputs to their rounding (half an ulp: 2^-9, 2^-11) and a
+        // margin for `p`'s own error (base 2 on AVX-512).
+        let tolerance = match T::DTYPE {
+            DType::F32 => 4e-6,
+            DType::BF16 => 4.5e-3,
+            DType::F16 => 1e-3,
+        };
         for len in [1000, 37, 5] {
             let row: Vec<T> = normal_matrix(1, len, 2.0, len as u64).iter().map(|&x| T::from_f32(x)).collect();
             for (inv_t, c, target) in
@@ -925,6 +965,7 @@ mod tests {
         for isa in Isa::available() {
             recomputed_gradient::<f32>(isa);
             recomputed_gradient::<half::bf16>(isa);
+            recomputed_gradient::<half::f16>(isa);
         }
     }
 
