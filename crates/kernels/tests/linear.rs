@@ -222,6 +222,37 @@ fn masked_rows_are_skipped_by_the_products() {
     assert!(gw.iter().all(|&x| x == 1.5) && gb.iter().all(|&x| x == 2.5), "accumulated gradients changed");
 }
 
+/// Rows whose gradient is zero (no KL term: a sequence with a zero advantage) skip the gradient
+/// products (row-local objectives: the chunk's `dz` slots refilled from its end; sequence level:
+/// all three products), mixed with masked rows, against the reference at every budget and bf16
+/// way; every row of a batch without any gradient leaves `d hidden`, `d weight` and `d bias`
+/// zero.
+#[test]
+fn rows_without_a_gradient_skip_the_gradient_products() {
+    for level in [ImportanceSamplingLevel::Token, ImportanceSamplingLevel::Sequence] {
+        let case = Case::new(Op::Grpo, 6, 9, 211).with(|o| {
+            o.beta = 0.0;
+            o.importance_sampling_level = level;
+            o.epsilon_high = Some(0.28);
+        });
+        let mut data = case.data();
+        for b in [0, 2, 5] {
+            data.advantages[b] = 0.0;
+        }
+        let lin = linear_for(&case, 24, true);
+        for budget in budgets(case.vocab).into_iter().chain([ChunkBudget { bytes: 900_000 }]) {
+            check::<f32>(&data, &lin, budget);
+            check_bf16_every_way(&data, &lin, budget);
+        }
+        data.advantages.fill(0.0);
+        for budget in budgets(case.vocab) {
+            let got = run::<f32>(&data, &lin, budget);
+            let zero = |v: &[f32]| v.iter().all(|&x| x == 0.0);
+            assert!(zero(&got.grad_hidden) && zero(&got.grad_weight) && zero(&got.grad_bias), "{level:?} {budget:?}");
+        }
+    }
+}
+
 #[test]
 fn bitwise_identical_for_any_thread_count_and_the_same_for_any_chunking() {
     let case = Case::new(Op::Grpo, 4, 128, 3001).with(|o| o.beta = 0.04);
@@ -304,7 +335,8 @@ fn vocabulary_shards_equal_unsharded() {
         let mut gw = vec![0.0f32; v * h];
         let mut gb = vec![0.0f32; v];
         for c in &ranges {
-            let mut part = vec![0.0f32; n * h];
+            // NaN-filled: each shard's `d hidden` is written whole, masked rows included.
+            let mut part = vec![f32::NAN; n * h];
             let grads = LinearGradients {
                 hidden: &mut part,
                 weight: Some(&mut gw[c.start * h..c.end * h]),

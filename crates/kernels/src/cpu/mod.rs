@@ -179,7 +179,7 @@ impl<'a> Block<'a> {
 }
 
 /// Step 1: partial statistics of every active row of the block (`logits` holds
-/// `[rows, columns.len()]`); `sum u` only when `sum_u`. Inactive rows are not read.
+/// `[block.len, columns.len()]`); `sum u` only when `sum_u`. Inactive rows are not read.
 /// A NaN or Inf makes the lowest such row an error.
 pub(crate) fn statistics<T: Element>(
     logits: &[T],

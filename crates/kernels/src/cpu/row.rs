@@ -7,7 +7,8 @@
 //!
 //! Two ways to produce a row's gradient:
 //! - [`gradient`] recomputes `p_j = exp(u_j - lse)` from the logits (after all rows' statistics,
-//!   for sequence-level objectives and vocabulary shards);
+//!   for sequence-level objectives and vocabulary shards; in base 2 for 16-bit outputs on
+//!   AVX-512, [`Recompute`]);
 //! - [`sweep`] keeps `exp(u_j - m_tile)` from the statistics pass in a per-thread scratch row
 //!   (`m_tile` the reference the tile was summed against; on AVX-512 the kept values are `2^t`,
 //!   [`Base2`]) and rescales it once the objective has given `lse` and the row's scalars: one
@@ -576,7 +577,8 @@ fn store_tile<S: Simd, T: Element>(s: S, u: &[f32], dst: &mut [T]) {
 }
 
 /// `u <- p (b + c log p) + d` over a tile of `u` values, with `log p = u - lse` and `p = kept * k`
-/// (the statistics pass's kept values, rescaled); [`recomputed`] is the same with `p` recomputed.
+/// (the statistics pass's kept values, rescaled); [`recomputed`] is the same with `p` recomputed
+/// (in natural units; in base 2 for 16-bit outputs).
 /// (No closure here: closures are not compiled with the kernels' target features.)
 #[allow(clippy::needless_range_loop)] // `j` indexes `u` and the kept values
 #[inline(always)]
@@ -623,12 +625,16 @@ pub(crate) fn gradient<S: Simd, T: Element>(
         out.fill(T::from_f32(0.0));
         return;
     }
-    // `inv_t == 1` and `c == 0` decided once per row part, not per vector.
-    match (inv_t != 1.0, g.c != 0.0) {
-        (true, true) => gradient_pass::<S, T, true, true>(s, dst, g, inv_t, target),
-        (true, false) => gradient_pass::<S, T, true, false>(s, dst, g, inv_t, target),
-        (false, true) => gradient_pass::<S, T, false, true>(s, dst, g, inv_t, target),
-        (false, false) => gradient_pass::<S, T, false, false>(s, dst, g, inv_t, target),
+    // The units, `inv_t == 1` and `c == 0` decided once per row part, not per vector (base 2
+    // takes the temperature in its one FMA either way).
+    let r = Recompute::new::<S, T>(inv_t, g.lse);
+    match (r.base2, inv_t != 1.0, g.c != 0.0) {
+        (true, _, true) => gradient_pass::<S, T, false, true, true>(s, dst, g, r, target),
+        (true, _, false) => gradient_pass::<S, T, false, false, true>(s, dst, g, r, target),
+        (false, true, true) => gradient_pass::<S, T, true, true, false>(s, dst, g, r, target),
+        (false, true, false) => gradient_pass::<S, T, true, false, false>(s, dst, g, r, target),
+        (false, false, true) => gradient_pass::<S, T, false, true, false>(s, dst, g, r, target),
+        (false, false, false) => gradient_pass::<S, T, false, false, false>(s, dst, g, r, target),
     }
 }
 
@@ -637,10 +643,14 @@ pub(crate) fn gradient<S: Simd, T: Element>(
 /// `t = x (inv_t log2 e) - lse log2 e` in one FMA and `p = 2^t` (8 operations where natural units
 /// take 11-12). Base 2's `t` carries the rounding of both scaled terms, up to ~3e-6 relative in
 /// `p` at logits near 30: far below a bf16 or f16 output's own rounding (2^-9, 2^-11), and kept
-/// away from f32 outputs, which stay in natural units.
+/// away from f32 outputs, which stay in natural units, and from rows whose `|lse log2 e|` reaches
+/// 2^10 (logits in the thousands: the shift's rounding would approach f16's) or whose scale is
+/// not a normal number. The scalar tail (under 16 logits) stays in natural units.
 #[derive(Clone, Copy)]
 struct Recompute {
     base2: bool,
+    /// `inv_t` (for the tail, and the vectors in natural units).
+    inv_t: f32,
     /// `inv_t`, or `inv_t log2 e` in base 2.
     scale: f32,
     /// `lse`, or `lse log2 e` in base 2.
@@ -651,20 +661,26 @@ impl Recompute {
     #[inline(always)]
     fn new<S: Simd, T: Element>(inv_t: f32, lse: f32) -> Self {
         use std::f32::consts::LOG2_E;
-        let base2 = S::NATIVE_EXP2 && std::mem::size_of::<T>() == 2;
+        let (scale, shift) = (inv_t * LOG2_E, lse * LOG2_E);
+        let base2 = S::NATIVE_EXP2 && std::mem::size_of::<T>() == 2 && scale.is_normal() && shift.abs() < 1024.0;
         if base2 {
-            Self { base2, scale: inv_t * LOG2_E, shift: lse * LOG2_E }
+            Self { base2, inv_t, scale, shift }
         } else {
-            Self { base2, scale: inv_t, shift: lse }
+            Self { base2, inv_t, scale: inv_t, shift: lse }
         }
     }
 }
 
-/// `p (b + c log p) + d` of 16 logits `x` with `p` recomputed as `r` says (`u = x inv_t` with
-/// `SCALED` in natural units, the `c` term with `LOG_P`).
+/// `p (b + c log p) + d` of 16 logits `x` with `p` recomputed in base 2 (`BASE2`, as `r` was
+/// made) or natural units (`u = x inv_t` with `SCALED`), the `c` term with `LOG_P`.
 #[inline(always)]
-fn recomputed<S: Simd, const SCALED: bool, const LOG_P: bool>(s: S, x: S::V, r: Recompute, g: &RowGradient) -> S::V {
-    let (p, log_p) = if r.base2 {
+fn recomputed<S: Simd, const SCALED: bool, const LOG_P: bool, const BASE2: bool>(
+    s: S,
+    x: S::V,
+    r: Recompute,
+    g: &RowGradient,
+) -> S::V {
+    let (p, log_p) = if BASE2 {
         let t = s.mul_add(x, s.splat(r.scale), s.splat(-r.shift));
         (s.exp2(t), s.mul(t, s.splat(std::f32::consts::LN_2)))
     } else {
@@ -679,19 +695,19 @@ fn recomputed<S: Simd, const SCALED: bool, const LOG_P: bool>(s: S, x: S::V, r: 
     }
 }
 
-/// [`gradient`] with `inv_t != 1` and `c != 0` made compile-time constants.
+/// [`gradient`] with `inv_t != 1`, `c != 0` and the units ([`Recompute`]) made compile-time
+/// constants.
 #[inline(always)]
-fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool>(
+fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, const BASE2: bool>(
     s: S,
     dst: GradientTarget<'_, T>,
     g: &RowGradient,
-    inv_t: f32,
+    r: Recompute,
     target: Option<usize>,
 ) {
     let (src, out) = parts(dst);
     let len = out.len();
     let full = len / LANES * LANES;
-    let r = Recompute::new::<S, T>(inv_t, g.lse);
     // The 16 logits around the target, kept before an in-place pass overwrites them.
     let target_vector = target.filter(|&y| y < full).map(|y| {
         let start = y / LANES * LANES;
@@ -704,26 +720,26 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool>(
             for j in (0..full).step_by(LANES) {
                 s.prefetch(ahead(&logits[j..]));
                 s.prefetch(ahead(&out[j..]));
-                let v = recomputed::<S, SCALED, LOG_P>(s, s.load_t(&logits[j..]), r, g);
+                let v = recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&logits[j..]), r, g);
                 s.store_t(v, &mut out[j..]);
             }
         }
         None => {
             for j in (0..full).step_by(LANES) {
                 s.prefetch(ahead(&out[j..]));
-                let v = recomputed::<S, SCALED, LOG_P>(s, s.load_t(&out[j..]), r, g);
+                let v = recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&out[j..]), r, g);
                 s.store_t(v, &mut out[j..]);
             }
         }
     }
     if let Some((y, start, kept)) = target_vector {
-        let mut lanes = s.to_array(recomputed::<S, SCALED, LOG_P>(s, s.load_t(&kept), r, g));
+        let mut lanes = s.to_array(recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&kept), r, g));
         lanes[y - start] += g.a;
         s.store_t(s.load(&lanes), &mut out[start..]);
     }
     // The tail shorter than a vector, one logit at a time.
     for j in full..len {
-        let u = src.map_or(out[j], |l| l[j]).to_f32() * inv_t;
+        let u = src.map_or(out[j], |l| l[j]).to_f32() * r.inv_t;
         let log_p = u - g.lse;
         let p = s.scalar_exp(log_p);
         let mut value = s.scalar_mul_add(p, s.scalar_mul_add(g.c, log_p, g.b), g.d);

@@ -107,8 +107,11 @@ impl Plan {
     /// H = 896), the chunk's hidden states packed twice (`6 H` bytes a row) and the groups' sums
     /// of `d hidden` (`4 H` bytes a row each).
     /// Other weights widened to f32: a quarter of the budget for an f32 copy of a weight tile.
-    /// The rest holds the f32 logits of a chunk of rows (and its f32 hidden states).
+    /// The rest holds the f32 logits of a chunk of rows (and its f32 hidden states), and, on
+    /// every path, a chunk's hidden states gathered and its `d hidden` before it is scattered
+    /// (`(size_of T + 4) H` bytes a row: [`Streamer`]'s gathered buffers).
     fn new<T: Element>(n: usize, h: usize, columns: usize, budget: ChunkBudget, packed: bool) -> Self {
+        let gathered = (std::mem::size_of::<T>() + 4) * h;
         let (tile, tile_bytes, per_row) = if packed {
             // Two threads' packing counted whatever the thread count: the chunking, and so the
             // gradients' bits, must not depend on it.
@@ -118,9 +121,9 @@ impl Plan {
             let tile = (budget.bytes / 4 / (4 * h.max(1))).clamp(16, columns.max(16));
             (tile, tile * h * 4, 4 * (columns + h))
         } else {
-            (columns, 0, 4 * columns)
+            (columns, 0, 4 * (columns + h))
         };
-        let most = budget.bytes.saturating_sub(tile_bytes) / per_row.max(1);
+        let most = budget.bytes.saturating_sub(tile_bytes) / (per_row + gathered).max(1);
         let rows = even_chunk_rows(n, most);
         let rows = if packed { whole_blocks(rows, most, n) } else { rows };
         Self { rows, tile: tile.min(columns).max(1) }
@@ -148,11 +151,11 @@ fn whole_blocks(rows: usize, most: usize, n: usize) -> usize {
     }
 }
 
-/// The first of `rows` (ascending) when they are consecutive, as a chunk with no skipped row
+/// The first of `rows` when they are consecutive and in order, as a chunk with no skipped row
 /// inside is: its hidden states and `d hidden` are then read and written in place.
 fn consecutive(rows: &[usize]) -> Option<usize> {
-    let (&first, &last) = (rows.first()?, rows.last()?);
-    (last - first + 1 == rows.len()).then_some(first)
+    let first = *rows.first()?;
+    rows.iter().enumerate().all(|(k, &r)| r == first + k).then_some(first)
 }
 
 /// The `h`-wide rows `rows` of `values`: a slice of it when they are consecutive, else gathered
@@ -259,19 +262,67 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         (0..n).step_by(step).map(move |r| r..(r + step).min(n)).collect()
     }
 
-    /// Before the chunks: the skipped rows' `d hidden` is zero, and with no row to compute, the
-    /// weight and bias gradients (overwritten unless accumulated) are zero too.
+    /// Before the chunks: `d hidden` of every row outside [`Self::computed`] is zero.
     fn zero_skipped(&self, grads: &mut LinearGradients<'_>) {
         let h = self.inputs.hidden_size;
-        let skipped = self.prepared.active_rows().iter().enumerate().filter(|(_, &active)| !active);
-        for (row, _) in skipped {
+        let mut computed = vec![false; self.prepared.spec().rows.len()];
+        self.computed.iter().for_each(|&i| computed[i] = true);
+        for (row, _) in computed.iter().enumerate().filter(|(_, &c)| !c) {
             grads.hidden[row * h..(row + 1) * h].fill(0.0);
         }
-        if self.computed.is_empty() && !grads.accumulate {
+    }
+
+    /// After the chunks: where no row reached the gradient products (`written` false), the
+    /// weight and bias gradients (overwritten unless accumulated) are zero.
+    fn finish(grads: &mut LinearGradients<'_>, written: bool) {
+        if !written && !grads.accumulate {
             for g in [grads.weight.as_deref_mut(), grads.bias.as_deref_mut()].into_iter().flatten() {
                 g.fill(0.0);
             }
         }
+    }
+
+    /// Takes the chunk's rows whose gradient is zero (`live` false: a token whose objective has
+    /// no gradient, e.g. a zero advantage or a clipped ratio without a KL term) out of the
+    /// gradient products: each such row's `dz` slot is refilled with the chunk's last live row
+    /// (at most one row of logits moved per row dropped, where dropping it saves two products'
+    /// share of a row), the hidden states packed again for the live rows, the dropped rows'
+    /// `d hidden` written as zero. Returns the live rows (global indices) in their new order.
+    fn drop_zero_rows(&mut self, chunk: &Range<usize>, live: &[bool], grads: &mut LinearGradients<'_>) -> Vec<usize> {
+        let rows = &self.computed[chunk.clone()];
+        if live.iter().all(|&l| l) {
+            return rows.to_vec();
+        }
+        let (h, v) = (self.inputs.hidden_size, self.width());
+        let mut slots: Vec<usize> = (0..rows.len()).collect();
+        let (mut i, mut j) = (0, rows.len());
+        loop {
+            while i < j && live[i] {
+                i += 1;
+            }
+            while j > i && !live[j - 1] {
+                j -= 1;
+            }
+            if i >= j {
+                break;
+            }
+            self.z.copy_within((j - 1) * v..j * v, i * v);
+            if let Operands::F32 { hidden, .. } = &mut self.operands {
+                hidden.copy_within((j - 1) * h..j * h, i * h);
+            }
+            slots[i] = j - 1;
+            (i, j) = (i + 1, j - 1);
+        }
+        // Slots before `i` hold live rows, the rest dropped ones.
+        let kept: Vec<usize> = slots[..i].iter().map(|&l| rows[l]).collect();
+        for (&row, _) in rows.iter().zip(live).filter(|(_, &l)| !l) {
+            grads.hidden[row * h..(row + 1) * h].fill(0.0);
+        }
+        if let (Operands::Packed { hidden, products, .. }, false) = (&mut self.operands, kept.is_empty()) {
+            let hc = rows_of(self.inputs.hidden, &kept, h, &mut self.gathered_hidden);
+            hidden.pack_for_gradients(T::as_bf16_bits(hc).expect("bf16 operands"), kept.len(), h, *products);
+        }
+        kept
     }
 
     fn tiles(&self) -> Vec<Range<usize>> {
@@ -313,17 +364,20 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         }
     }
 
-    /// Turns `dz` (in `self.z`) into the gradients of `chunk`: `dh` (overwritten), `dW` and `db`
-    /// (overwritten on the first chunk unless `grads.accumulate`, accumulated after).
-    fn backward(&mut self, chunk: &Range<usize>, grads: &mut LinearGradients<'_>, first_chunk: bool) {
-        let first_chunk = first_chunk && !grads.accumulate;
-        let (h, v, n) = (self.inputs.hidden_size, self.width(), chunk.len());
+    /// Turns `dz` (in `self.z`, one row per entry of `rows`) into the gradients of `rows`: `dh`
+    /// (overwritten), `dW` and `db` (overwritten the first time, `written` false, unless
+    /// `grads.accumulate`; accumulated after). Returns whether it wrote them (`rows` not empty).
+    fn backward(&mut self, rows: &[usize], grads: &mut LinearGradients<'_>, written: bool) -> bool {
+        if rows.is_empty() {
+            return false;
+        }
+        let first_chunk = !written && !grads.accumulate;
+        let (h, v, n) = (self.inputs.hidden_size, self.width(), rows.len());
         let tiles = self.tiles();
         let weight = self.inputs.weight;
         if let Some(db) = grads.bias.as_deref_mut() {
             bias_gradient(db, &self.z[..n * v], v, first_chunk);
         }
-        let rows = &self.computed[chunk.clone()];
         let in_place = consecutive(rows);
         let dh = match in_place {
             Some(first) => &mut grads.hidden[first * h..(first + n) * h],
@@ -360,6 +414,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 grads.hidden[row * h..(row + 1) * h].copy_from_slice(g);
             }
         }
+        true
     }
 
     /// Pass 1: every row's partial statistics over the columns.
@@ -380,19 +435,25 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
     }
 
     /// Pass 2: the gradients from every row's gradient scalars, recomputing the logits.
+    /// Rows whose gradient is zero are left out of all three products.
     fn gradient(&mut self, row_grads: &[RowGradient], grads: &mut LinearGradients<'_>) {
+        self.computed.retain(|&i| !row_grads[i].is_zero());
         self.zero_skipped(grads);
         let temperature = self.prepared.spec().options.temperature;
-        for (i, chunk) in self.chunks().iter().enumerate() {
-            self.logits(chunk);
+        let mut written = false;
+        for chunk in self.chunks() {
+            self.logits(&chunk);
             let n = chunk.len() * self.width();
             let block = chunk_block(self.prepared, &self.columns, &self.computed[chunk.clone()]);
             cpu::gradient(GradientTarget::InPlace(&mut self.z[..n]), &block, row_grads, temperature);
-            self.backward(chunk, grads, i == 0);
+            let rows = self.computed[chunk].to_vec();
+            written |= self.backward(&rows, grads, written);
         }
+        Self::finish(grads, written);
     }
 
-    /// The one-pass path: per chunk, logits, the row sweep, then the gradient products.
+    /// The one-pass path: per chunk, logits, the row sweep, then the gradient products over the
+    /// rows whose gradient is not zero.
     fn sweep(
         &mut self,
         objective: &Objective<'_>,
@@ -402,8 +463,9 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         let temperature = self.prepared.spec().options.temperature;
         // A skipped row's, as the row passes give an inactive row.
         let mut results = vec![(RowStats::default(), RowOutcome::ZERO); self.prepared.spec().rows.len()];
-        for (i, chunk) in self.chunks().iter().enumerate() {
-            self.logits(chunk);
+        let mut written = false;
+        for chunk in self.chunks() {
+            self.logits(&chunk);
             let n = chunk.len() * self.width();
             let rows = &self.computed[chunk.clone()];
             let block = chunk_block(self.prepared, &self.columns, rows);
@@ -414,11 +476,14 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 temperature,
                 self.prepared.needs_sum_u(),
             )?;
+            let live: Vec<bool> = got.iter().map(|(_, outcome)| !outcome.grad.is_zero()).collect();
             for (&row, r) in rows.iter().zip(got) {
                 results[row] = r;
             }
-            self.backward(chunk, grads, i == 0);
+            let live_rows = self.drop_zero_rows(&chunk, &live, grads);
+            written |= self.backward(&live_rows, grads, written);
         }
+        Self::finish(grads, written);
         Ok(results)
     }
 }
