@@ -171,6 +171,19 @@ fn rows_of<'b, T: Copy>(values: &'b [T], rows: &[usize], h: usize, buf: &'b mut 
     buf
 }
 
+/// Writes zero over the `h`-wide rows `rows` of `values` (the `d hidden` of rows left out of the
+/// products).
+fn zero_rows(values: &mut [f32], h: usize, rows: impl Iterator<Item = usize>) {
+    for row in rows {
+        values[row * h..(row + 1) * h].fill(0.0);
+    }
+}
+
+/// bf16 values' bits, as the packed products take them (only bf16 inputs reach them).
+fn bf16_bits<T: Element>(values: &[T]) -> &[u16] {
+    T::as_bf16_bits(values).expect("bf16 operands")
+}
+
 /// The values as f32: the slice itself, or a widened copy in `buf`.
 fn as_f32<'b, T: Element>(values: &'b [T], buf: &'b mut Vec<f32>) -> &'b [f32] {
     if let Some(v) = T::as_f32_slice(values) {
@@ -191,7 +204,8 @@ struct Streamer<'p, 'a, T> {
     prepared: &'p PreparedLoss<'a>,
     inputs: LinearInputs<'a, T>,
     columns: Range<usize>,
-    plan: Plan,
+    /// What the chunks may hold ([`Self::plan`] sizes them from it and the rows to compute).
+    budget: ChunkBudget,
     /// f32 logits of one chunk, `[plan.rows, columns.len()]`.
     z: Vec<f32>,
     /// The products' operands for the chunk in hand.
@@ -238,12 +252,11 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             Operands::F32 { hidden: Vec::new(), weight: Vec::new() }
         };
         let computed: Vec<usize> = (0..n).filter(|&i| prepared.active_rows()[i]).collect();
-        let plan = Plan::new::<T>(computed.len(), h, v, budget, packed);
         Ok(Self {
             prepared,
             inputs,
             columns,
-            plan,
+            budget,
             z: Vec::new(),
             operands,
             computed,
@@ -256,20 +269,24 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         self.columns.len()
     }
 
+    /// The chunking of the rows left to compute.
+    fn plan(&self) -> Plan {
+        let packed = matches!(self.operands, Operands::Packed { .. });
+        Plan::new::<T>(self.computed.len(), self.inputs.hidden_size, self.width(), self.budget, packed)
+    }
+
     /// Ranges of [`Self::computed`].
     fn chunks(&self) -> Vec<Range<usize>> {
-        let (n, step) = (self.computed.len(), self.plan.rows);
+        let (n, step) = (self.computed.len(), self.plan().rows);
         (0..n).step_by(step).map(move |r| r..(r + step).min(n)).collect()
     }
 
     /// Before the chunks: `d hidden` of every row outside [`Self::computed`] is zero.
     fn zero_skipped(&self, grads: &mut LinearGradients<'_>) {
-        let h = self.inputs.hidden_size;
         let mut computed = vec![false; self.prepared.spec().rows.len()];
         self.computed.iter().for_each(|&i| computed[i] = true);
-        for (row, _) in computed.iter().enumerate().filter(|(_, &c)| !c) {
-            grads.hidden[row * h..(row + 1) * h].fill(0.0);
-        }
+        let skipped = computed.iter().enumerate().filter(|(_, &c)| !c).map(|(row, _)| row);
+        zero_rows(grads.hidden, self.inputs.hidden_size, skipped);
     }
 
     /// After the chunks: where no row reached the gradient products (`written` false), the
@@ -284,10 +301,10 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
 
     /// Takes the chunk's rows whose gradient is zero (`live` false: a token whose objective has
     /// no gradient, e.g. a zero advantage or a clipped ratio without a KL term) out of the
-    /// gradient products: each such row's `dz` slot is refilled with the chunk's last live row
-    /// (at most one row of logits moved per row dropped, where dropping it saves two products'
-    /// share of a row), the hidden states packed again for the live rows, the dropped rows'
-    /// `d hidden` written as zero. Returns the live rows (global indices) in their new order.
+    /// gradient products: each such row's `dz` slot (and f32 hidden state) is refilled with the
+    /// chunk's last live row (at most one row of logits moved per row dropped, where dropping it
+    /// saves two products' share of a row), the dropped rows' `d hidden` written as zero. Returns
+    /// the live rows (global indices) in their new order, as [`Self::backward`] takes them.
     fn drop_zero_rows(&mut self, chunk: &Range<usize>, live: &[bool], grads: &mut LinearGradients<'_>) -> Vec<usize> {
         let rows = &self.computed[chunk.clone()];
         if live.iter().all(|&l| l) {
@@ -315,27 +332,23 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         }
         // Slots before `i` hold live rows, the rest dropped ones.
         let kept: Vec<usize> = slots[..i].iter().map(|&l| rows[l]).collect();
-        for (&row, _) in rows.iter().zip(live).filter(|(_, &l)| !l) {
-            grads.hidden[row * h..(row + 1) * h].fill(0.0);
-        }
-        if let (Operands::Packed { hidden, products, .. }, false) = (&mut self.operands, kept.is_empty()) {
-            let hc = rows_of(self.inputs.hidden, &kept, h, &mut self.gathered_hidden);
-            hidden.pack_for_gradients(T::as_bf16_bits(hc).expect("bf16 operands"), kept.len(), h, *products);
-        }
+        zero_rows(grads.hidden, h, rows.iter().zip(live).filter(|(_, &l)| !l).map(|(&row, _)| row));
         kept
     }
 
     fn tiles(&self) -> Vec<Range<usize>> {
-        let (v, step) = (self.width(), self.plan.tile);
+        let (v, step) = (self.width(), self.plan().tile);
         (0..v).step_by(step).map(move |c| c..(c + step).min(v)).collect()
     }
 
-    /// Computes the f32 logits of `chunk` into `self.z`, keeping the chunk's hidden states in
-    /// `self.operands` for [`Self::backward`].
+    /// Computes the f32 logits of `chunk` into `self.z`: the chunk's hidden states gathered (and
+    /// widened, kept in `self.operands` for [`Self::backward`], on the f32 path) or packed for
+    /// the logits product (the gradient products' packing waits for the rows that reach them).
     fn logits(&mut self, chunk: &Range<usize>) {
         let (h, v) = (self.inputs.hidden_size, self.width());
         let n = chunk.len();
-        self.z.resize(self.plan.rows * v, 0.0);
+        let plan = self.plan();
+        self.z.resize(plan.rows * v, 0.0);
         let tiles = self.tiles();
         let z = &mut self.z[..n * v];
         if let Some(bias) = self.inputs.bias {
@@ -343,23 +356,25 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             z.par_chunks_mut(v).for_each(|row| row.copy_from_slice(&bias));
         }
         let (weight, accumulate) = (self.inputs.weight, self.inputs.bias.is_some());
-        let hidden_rows = rows_of(self.inputs.hidden, &self.computed[chunk.clone()], h, &mut self.gathered_hidden);
+        let rows = &self.computed[chunk.clone()];
         match &mut self.operands {
             Operands::F32 { hidden, weight: buf } => {
-                let hc = as_f32(hidden_rows, buf).to_vec();
+                hidden.clear();
+                for &r in rows {
+                    hidden.extend(self.inputs.hidden[r * h..(r + 1) * h].iter().map(|x| x.to_f32()));
+                }
+                let hc = Mat::new(hidden, n, h);
                 for t in tiles {
-                    let wt = as_f32(&weight[t.start * h..t.end * h], buf);
+                    let wt = Mat::new(as_f32(&weight[t.start * h..t.end * h], buf), t.len(), h);
                     let mut out = MatMut { data: &mut z[t.start..], rows: n, cols: t.len(), stride: v };
-                    let (hc, wt) = (Mat { data: &hc, rows: n, cols: h, stride: h }, Mat::new(wt, t.len(), h));
                     matmul::matmul_nt(&mut out, accumulate, hc, wt);
                 }
-                *hidden = hc;
             }
             Operands::Packed { hidden, products, .. } => {
-                let bits = |x| T::as_bf16_bits(x).expect("bf16 operands");
-                hidden.pack(bits(hidden_rows), n, h, *products);
+                let hc = rows_of(self.inputs.hidden, rows, h, &mut self.gathered_hidden);
+                hidden.pack_for_logits(bf16_bits(hc), n, h, *products);
                 let mut out = MatMut { data: z, rows: n, cols: v, stride: v };
-                matmul_bf16::logits(&mut out, accumulate, hidden, bits(weight), self.plan.tile);
+                matmul_bf16::logits(&mut out, accumulate, hidden, bf16_bits(weight), plan.tile);
             }
         }
     }
@@ -373,7 +388,11 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         }
         let first_chunk = !written && !grads.accumulate;
         let (h, v, n) = (self.inputs.hidden_size, self.width(), rows.len());
-        let tiles = self.tiles();
+        let (tiles, tile) = (self.tiles(), self.plan().tile);
+        if let Operands::Packed { hidden, products, .. } = &mut self.operands {
+            let hc = rows_of(self.inputs.hidden, rows, h, &mut self.gathered_hidden);
+            hidden.pack_for_gradients(bf16_bits(hc), n, h, *products);
+        }
         let weight = self.inputs.weight;
         if let Some(db) = grads.bias.as_deref_mut() {
             bias_gradient(db, &self.z[..n * v], v, first_chunk);
@@ -403,10 +422,10 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             }
             Operands::Packed { hidden, partials, .. } => {
                 let dz = Mat::new(&self.z[..n * v], n, v);
-                let weight = T::as_bf16_bits(weight).expect("bf16 operands");
+                let weight = bf16_bits(weight);
                 let dw = grads.weight.as_deref_mut();
                 let dh = &mut MatMut::new(dh, n, h);
-                matmul_bf16::gradients(dh, dw, !first_chunk, dz, weight, hidden, self.plan.tile, partials);
+                matmul_bf16::gradients(dh, dw, !first_chunk, dz, weight, hidden, tile, partials);
             }
         }
         if in_place.is_none() {

@@ -553,19 +553,23 @@ impl PackedHidden {
         self.pack_parts(hc, rows, hidden_size, products, false, true);
     }
 
-    /// The operands asked for; the others emptied, so that a stale one is never read.
+    /// The operands asked for; the others emptied (their memory kept for the next packing), so
+    /// that a stale one is never read.
     fn pack_parts(&mut self, hc: &[u16], rows: usize, h: usize, products: Bf16Products, logits: bool, gradients: bool) {
         if logits {
             pack::b_from_transposed(hc, h, rows, h, &mut self.transposed);
         } else {
-            self.transposed = PackedB::default();
+            self.transposed.empty();
         }
         // The buffer packed keeps its memory from chunk to chunk (no allocation, no zeroing).
         let (a, b) = (&mut self.transposed_for_gradient, &mut self.rows_for_gradient);
         match (gradients, weight_gradient_in_place(products), products.rounded()) {
-            (false, ..) => (*a, *b) = Default::default(),
+            (false, ..) => {
+                a.empty();
+                b.empty();
+            }
             (true, false, rounded) => {
-                *b = PackedB::default();
+                b.empty();
                 if rounded {
                     pack::a_from_transposed(hc, rows, h, a)
                 } else {
@@ -573,7 +577,7 @@ impl PackedHidden {
                 }
             }
             (true, true, rounded) => {
-                *a = PackedA::default();
+                a.empty();
                 if rounded {
                     pack::b_from_rows(hc, h, rows, h, b)
                 } else {

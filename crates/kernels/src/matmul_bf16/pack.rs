@@ -135,6 +135,11 @@ impl PackedA {
         self.stride = row_stride(self.k);
         self.data.resize(self.rows * self.stride / 2, 0);
     }
+
+    /// No rows: nothing packed to read, the memory kept for the next packing.
+    pub fn empty(&mut self) {
+        (self.rows, self.k, self.stride) = (0, 0, 0);
+    }
 }
 
 impl PackedB {
@@ -142,6 +147,11 @@ impl PackedB {
     fn reset(&mut self, k: usize, cols: usize) {
         (self.k, self.cols) = (padded(k), padded(cols));
         self.data.resize(self.k * self.cols / 2, 0);
+    }
+
+    /// As [`PackedA::empty`].
+    pub fn empty(&mut self) {
+        (self.k, self.cols) = (0, 0);
     }
 }
 
