@@ -107,6 +107,10 @@ pub fn main(args: ConfigArgs) -> Result<()> {
         ),
         _ => {}
     }
+    if args.device == Device::Cuda {
+        // Not on the CPU: the CPU bench's figures include the peak resident set.
+        crate::memory::keep_freed_memory();
+    }
     let run = || args.device.run(Bench { cfg, inputs, options });
     let report = match loaded.command.threads {
         Some(n) => rayon::ThreadPoolBuilder::new().num_threads(n).build()?.install(run)?,

@@ -82,25 +82,9 @@ pub fn resolve(args: &TrainArgs) -> Result<TrainConfig> {
     Ok(TrainConfig::from_value(Value::Object(map), &origin)?)
 }
 
-/// Keeps freed memory in the heap: training allocates and frees the same activation-sized blocks
-/// every step, and glibc would otherwise return each one to the kernel (`munmap`) and fault it in
-/// again, zeroed, the next step. Measured: the SFT step of the default config takes half the time
-/// (docs/BENCHMARKS.md). One arena: glibc's per-thread arenas hold at most 64 MiB each and serve
-/// anything larger by `mmap` whatever the threshold, so the same faults came back for work done on
-/// other threads than the main one (rayon's workers, `flashgrpo ab`'s arms).
-fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets allocator parameters; it is called before the training allocates.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-    }
-}
-
 /// What every training command sets up first: the allocator's behaviour and the heap probe.
 pub fn prepare_process() {
-    keep_freed_memory();
+    crate::memory::keep_freed_memory();
     flashgrpo_train::metrics::install_heap_probe(flashgrpo_train::metrics::HeapProbe {
         live: crate::memory::live_bytes,
         peak: crate::memory::peak_bytes,
