@@ -21,7 +21,7 @@ site=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__
 libs=$( { [ -n "$site" ] && find "$site/nvidia" \( -name 'libnvrtc.so*' -o -name 'libcublas.so*' \) ; } 2>/dev/null \
     | xargs -r -n1 dirname | sort -u | tr '\n' ':')
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${libs}${LD_LIBRARY_PATH:-}"
-FG=gpu-carry/flashgrpo
+FG=${FG:-gpu-carry/flashgrpo}
 { nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; $FG cuda-check; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
