@@ -36,7 +36,7 @@ type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Opt
 /// row's maximum (the base-2 pass does not track it, `row::statistics_base2`): use them through
 /// [`PartialRowStats::finish`] and [`PartialRowStats::is_finite`], not their `max`.
 type Finish<'f> = &'f mut dyn FnMut(PartialRowStats) -> Option<RowGradient>;
-type SweepFn<T> = for<'a, 'f> unsafe fn(GradientTarget<'a, T>, f32, Option<usize>, bool, Finish<'f>) -> bool;
+type SweepFn<T> = for<'a, 'f> unsafe fn(GradientTarget<'a, T>, f32, Option<usize>, bool, bool, Finish<'f>) -> bool;
 
 /// The row kernels compiled for one instruction set.
 #[derive(Clone, Copy)]
@@ -69,8 +69,8 @@ macro_rules! isa_kernels {
             /// # Safety
             /// As for `statistics`.
             $(#[$attr])*
-            pub unsafe fn sweep<T: Element>(dst: GradientTarget<'_, T>, inv_t: f32, target: Option<usize>, sum_u: bool, finish: Finish<'_>) -> bool {
-                row::sweep($simd, dst, inv_t, target, sum_u, finish)
+            pub unsafe fn sweep<T: Element>(dst: GradientTarget<'_, T>, inv_t: f32, target: Option<usize>, sum_u: bool, stream: bool, finish: Finish<'_>) -> bool {
+                row::sweep($simd, dst, inv_t, target, sum_u, stream, finish)
             }
 
             pub fn kernels<T: Element>() -> Kernels<T> {
@@ -116,18 +116,27 @@ impl<T: Element> Kernels<T> {
         unsafe { (self.gradient)(dst, g, inv_t, target) }
     }
 
+    #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, passed through
     fn sweep(
         &self,
         dst: GradientTarget<'_, T>,
         inv_t: f32,
         target: Option<usize>,
         sum_u: bool,
+        stream: bool,
         finish: Finish<'_>,
     ) -> bool {
         // SAFETY: as in `statistics`.
-        unsafe { (self.sweep)(dst, inv_t, target, sum_u, finish) }
+        unsafe { (self.sweep)(dst, inv_t, target, sum_u, stream, finish) }
     }
 }
+
+/// A gradient written into a new buffer of at least this many bytes goes there by non-temporal
+/// stores (where the row kernels have them, [`row::sweep`]): larger than the last-level cache of
+/// the machines we measure on, so its lines would not be in cache when read anyway, and a plain
+/// store would first read each line it writes. On AMD Zen 4 the bf16 `fused` step at N=1024
+/// took 17-27% less time (docs/BENCHMARKS.md); a smaller gradient stays in cache for its reader.
+const STREAM_MIN_BYTES: usize = 64 << 20;
 
 /// Rows per rayon task: enough elements that scheduling costs nothing next to the work.
 fn rows_per_task(width: usize) -> usize {
@@ -260,6 +269,7 @@ pub(crate) fn sweep<T: Element>(
     let width = block.rows.vocab;
     let inv_t = (1.0 / temperature) as f32;
     let k = Kernels::<T>::select();
+    let stream = matches!(&target, GradientTarget::Into { out, .. } if std::mem::size_of_val(*out) >= STREAM_MIN_BYTES);
     let one_row = |i: usize, write: GradientTarget<'_, T>| -> Option<(RowStats, RowOutcome)> {
         let y = block.target(i);
         if !block.active[i] {
@@ -276,7 +286,7 @@ pub(crate) fn sweep<T: Element>(
             result = Some((stats, outcome));
             Some(outcome.grad)
         };
-        k.sweep(write, inv_t, y, sum_u, &mut finish);
+        k.sweep(write, inv_t, y, sum_u, stream, &mut finish);
         result
     };
     let min_len = rows_per_task(width);

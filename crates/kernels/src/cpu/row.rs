@@ -15,8 +15,10 @@
 //!   exponential per element instead of two, and the logits are read from memory once.
 //!
 //! Everything is `#[inline(always)]` and generic: `mod.rs` compiles it once per instruction set.
-//! (Non-temporal stores for new gradient buffers were tried and measured no faster here; see
-//! docs/BENCHMARKS.md.)
+//! A row-local gradient written into a new buffer larger than the caches (the `fused` variant)
+//! goes there by non-temporal stores in 16-bit dtypes on AVX-512 ([`write_tile`]): a plain store
+//! first reads each line it writes. On AMD Zen 4 that took 19-25% off the bf16 `fused` step; on an
+//! Intel server CPU (with f32 too) it had measured no faster, f32 slower (docs/BENCHMARKS.md).
 //!
 //! Every sweep that reads logits from memory asks for them [`PREFETCH_AHEAD`] bytes ahead, and
 //! every write of a gradient asks for its destination lines as well (a read prefetch: a line no
@@ -562,17 +564,75 @@ fn statistics_for<S: Simd, T: Element, const STORE: bool>(
     }
 }
 
-/// Writes one tile of gradient values (`u`, f32) to `dst` in its dtype, asking ahead for the lines
-/// it will write (a new gradient buffer is not in cache).
-#[inline(always)]
-fn store_tile<S: Simd, T: Element>(s: S, u: &[f32], dst: &mut [T]) {
-    let full = dst.len() / LANES * LANES;
-    for j in (0..full).step_by(LANES) {
-        s.prefetch(ahead(&dst[j..]));
-        s.store_t(s.load(&u[j..]), &mut dst[j..]);
+/// One tile's gradient values, 16 at a time (`vector(j)`: elements `j..j + 16`) or one at a time,
+/// for [`write_tile`]. (A trait, not a closure: closures are not compiled with the kernels'
+/// target features.)
+trait TileValues<S: Simd> {
+    fn vector(&self, s: S, j: usize) -> S::V;
+    fn scalar(&self, s: S, j: usize) -> f32;
+}
+
+/// Values already computed in f32.
+struct Computed<'a>(&'a [f32]);
+
+impl<S: Simd> TileValues<S> for Computed<'_> {
+    #[inline(always)]
+    fn vector(&self, s: S, j: usize) -> S::V {
+        s.load(&self.0[j..])
     }
-    for j in full..dst.len() {
-        dst[j] = T::from_f32(u[j]);
+    #[inline(always)]
+    fn scalar(&self, _: S, j: usize) -> f32 {
+        self.0[j]
+    }
+}
+
+/// `kept * kb + d`: the statistics pass's kept values rescaled (the gradient without `log p`).
+struct Rescaled<'a> {
+    kept: &'a [f32],
+    kb: f32,
+    d: f32,
+}
+
+impl<S: Simd> TileValues<S> for Rescaled<'_> {
+    #[inline(always)]
+    fn vector(&self, s: S, j: usize) -> S::V {
+        s.mul_add(s.load(&self.kept[j..]), s.splat(self.kb), s.splat(self.d))
+    }
+    #[inline(always)]
+    fn scalar(&self, s: S, j: usize) -> f32 {
+        s.scalar_mul_add(self.kept[j], self.kb, self.d)
+    }
+}
+
+/// Writes one tile of gradient values to `dst` in its dtype: whole vectors, then the tail shorter
+/// than a vector one element at a time ([`Simd::round_t`]: the same rounding). Plain stores ask
+/// ahead for the lines they will write (a new gradient buffer is not in cache). With `stream`
+/// (where [`Simd::streams`]) the elements before the first 64-byte line of `dst` go as in the plain
+/// loop, and the whole vectors from that line on by non-temporal stores: the same bits wherever
+/// `dst` starts.
+#[inline(always)]
+fn write_tile<S: Simd, T: Element, V: TileValues<S>>(s: S, values: &V, dst: &mut [T], stream: bool) {
+    let len = dst.len();
+    let first_line = dst.as_ptr().align_offset(64);
+    let (plain_end, mut j) = if stream && s.streams::<T>() && first_line < len { (first_line, 0) } else { (len, 0) };
+    while j + LANES <= plain_end {
+        s.prefetch(ahead(&dst[j..]));
+        s.store_t(values.vector(s, j), &mut dst[j..]);
+        j += LANES;
+    }
+    if plain_end < len {
+        while j < plain_end {
+            dst[j] = s.round_t(values.scalar(s, j));
+            j += 1;
+        }
+        while j + LANES <= len {
+            s.stream_t(values.vector(s, j), &mut dst[j..]);
+            j += LANES;
+        }
+    }
+    while j < len {
+        dst[j] = s.round_t(values.scalar(s, j));
+        j += 1;
     }
 }
 
@@ -746,7 +806,7 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
         if target == Some(j) {
             value += g.a;
         }
-        out[j] = T::from_f32(value);
+        out[j] = s.round_t(value);
     }
 }
 
@@ -760,6 +820,8 @@ thread_local! {
 /// Steps 1 to 3 on one whole row: the statistics (keeping `exp(u - m_tile)` or `2^t`), then `finish`
 /// (the objective) turns them into the row's gradient scalars, then the gradient from the kept
 /// values. Returns false, writing nothing, when `finish` refuses the statistics (NaN or Inf).
+/// With `stream`, a gradient written into another buffer goes there by non-temporal stores where
+/// the instruction set has them for `T` ([`write_tile`]).
 #[inline(always)]
 pub(crate) fn sweep<S: Simd, T: Element>(
     s: S,
@@ -767,9 +829,11 @@ pub(crate) fn sweep<S: Simd, T: Element>(
     inv_t: f32,
     target: Option<usize>,
     sum_u: bool,
+    stream: bool,
     finish: &mut dyn FnMut(PartialRowStats) -> Option<RowGradient>,
 ) -> bool {
     let (src, out) = parts(dst);
+    let stream = stream && src.is_some() && s.streams::<T>();
     let len = out.len();
     // Taken out of the thread-local and put back after, so that the work below is compiled in
     // this function (with its target features), not in a closure of `LocalKey::with`.
@@ -795,9 +859,12 @@ pub(crate) fn sweep<S: Simd, T: Element>(
                     // No log p needed: out = kept * (k b) + d, rounded straight into the output.
                     let (kb, d) = (k * g.b, g.d);
                     let dst = &mut out[start..end];
-                    rescale_tile(s, kept, kb, d, dst);
+                    write_tile(s, &Rescaled { kept, kb, d }, dst, stream);
                     if let Some(y) = target.filter(|y| (start..end).contains(y)) {
-                        dst[y - start] = T::from_f32(s.scalar_mul_add(kept[y - start], kb, d) + g.a);
+                        if stream {
+                            s.stream_fence(); // the streamed line before the store over it
+                        }
+                        dst[y - start] = s.round_t(s.scalar_mul_add(kept[y - start], kb, d) + g.a);
                     }
                     continue;
                 } else {
@@ -808,26 +875,15 @@ pub(crate) fn sweep<S: Simd, T: Element>(
                     u[y - start] += g.a;
                 }
             }
-            store_tile(s, u, &mut out[start..end]);
+            write_tile(s, &Computed(u), &mut out[start..end], stream);
+        }
+        if stream {
+            s.stream_fence();
         }
         true
     };
     SCRATCH.with_borrow_mut(|slot| *slot = (scratch, tile_ref));
     done
-}
-
-/// `out = kept * kb + d`, rounded to `T`.
-#[inline(always)]
-fn rescale_tile<S: Simd, T: Element>(s: S, kept: &[f32], kb: f32, d: f32, out: &mut [T]) {
-    let full = out.len() / LANES * LANES;
-    let (kbv, dv) = (s.splat(kb), s.splat(d));
-    for j in (0..full).step_by(LANES) {
-        s.prefetch(ahead(&out[j..]));
-        s.store_t(s.mul_add(s.load(&kept[j..]), kbv, dv), &mut out[j..]);
-    }
-    for j in full..out.len() {
-        out[j] = T::from_f32(s.scalar_mul_add(kept[j], kb, d));
-    }
 }
 
 #[cfg(test)]
@@ -917,7 +973,7 @@ mod tests {
                 check(&what, k.statistics(&row, inv_t, Some(target), true), &want);
                 let mut swept = None;
                 let mut out = row.clone();
-                k.sweep(GradientTarget::InPlace(&mut out), inv_t, Some(target), true, &mut |s| {
+                k.sweep(GradientTarget::InPlace(&mut out), inv_t, Some(target), true, false, &mut |s| {
                     swept = Some(s);
                     Some(RowGradient::ZERO)
                 });
@@ -982,6 +1038,56 @@ mod tests {
             recomputed_gradient::<f32>(isa);
             recomputed_gradient::<half::bf16>(isa);
             recomputed_gradient::<half::f16>(isa);
+        }
+    }
+
+    /// [`super::sweep`] into another buffer with streaming stores writes the same bits as with
+    /// plain ones, wherever the output starts (every offset of a 64-byte line), on rows shorter
+    /// than a line, of a few tiles with a ragged tail, with the target in a tile's head, body and
+    /// tail, with and without the `c log p` term, for a zero gradient and for subnormal outputs.
+    fn streamed_sweep<T: Element>(isa: Isa) {
+        let k = with_isa(isa, Kernels::<T>::select);
+        for len in [7, 40, 2 * super::TILE + 77] {
+            let row: Vec<T> = normal_matrix(1, len, 2.0, len as u64).iter().map(|&x| T::from_f32(x)).collect();
+            for (c, target) in [(0.0f32, Some(3)), (0.0, Some(len - 1)), (-0.3, Some(len / 2)), (0.0, None)] {
+                // The last: outputs in f32's subnormal range, which AVX512-BF16's vector
+                // conversion flushes to zero (and so must the scalar heads and tails).
+                let tiny = RowGradient { lse: 0.0, a: 0.0, b: 1e-38, c, d: 0.0 };
+                for g in [RowGradient { lse: 0.0, a: -0.8, b: 0.6, c, d: 0.01 }, RowGradient::ZERO, tiny] {
+                    let swept = |stream: bool, offset: usize| {
+                        let mut buffer = vec![T::from_f32(f32::NAN); len + 64];
+                        let out = &mut buffer[offset..offset + len];
+                        let mut finish = |stats: PartialRowStats| {
+                            let lse = stats.finish(len).lse as f32;
+                            Some(if g.is_zero() { g } else { RowGradient { lse, ..g } })
+                        };
+                        let into = GradientTarget::Into { logits: &row, out };
+                        assert!(k.sweep(into, 1.0, target, false, stream, &mut finish));
+                        buffer[offset..offset + len].to_vec()
+                    };
+                    let plain = swept(false, 0);
+                    assert!(plain.iter().all(|x| x.to_f32().is_finite()), "every element written");
+                    for offset in 0..64 / std::mem::size_of::<T>() {
+                        let what = format!(
+                            "{isa:?} {} len {len} c {c} target {target:?} offset {offset}",
+                            std::any::type_name::<T>()
+                        );
+                        let streamed = swept(true, offset);
+                        let same =
+                            plain.iter().zip(&streamed).all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits());
+                        assert!(same, "{what}: streamed and plain stores differ");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn streamed_sweep_writes_the_same_bits_on_every_instruction_set() {
+        for isa in Isa::available() {
+            streamed_sweep::<f32>(isa);
+            streamed_sweep::<half::bf16>(isa);
+            streamed_sweep::<half::f16>(isa);
         }
     }
 

@@ -51,6 +51,28 @@ pub(crate) trait Simd: Copy {
     /// Stores exactly 16 values rounded to `T` (to nearest even; with AVX512-BF16's conversion, bf16
     /// values below 2^-126 in magnitude become zero, as in [`Avx512`]).
     fn store_t<T: Element>(self, v: Self::V, dst: &mut [T]);
+    /// Whether [`Simd::stream_t`] bypasses the caches for `T` (AVX-512, 16-bit outputs).
+    #[inline(always)]
+    fn streams<T: Element>(self) -> bool {
+        false
+    }
+    /// [`Simd::store_t`] as a non-temporal store where [`Simd::streams`] (the same bits): for a
+    /// new buffer too large to stay in cache, whose lines a plain store would first read
+    /// (read-for-ownership). `dst` must start on a 32-byte boundary; the caller ends the row's
+    /// streaming stores with [`Simd::stream_fence`] before anything else writes or reads them.
+    #[inline(always)]
+    fn stream_t<T: Element>(self, v: Self::V, dst: &mut [T]) {
+        self.store_t(v, dst)
+    }
+    /// One value rounded to `T` as [`Simd::store_t`] rounds it in a vector, for the scalar heads
+    /// and tails of a row (by default `Element::from_f32`, which the vectors match).
+    #[inline(always)]
+    fn round_t<T: Element>(self, x: f32) -> T {
+        T::from_f32(x)
+    }
+    /// Orders the streaming stores before every later store (`sfence`).
+    #[inline(always)]
+    fn stream_fence(self) {}
     /// `a * b + c` on one scalar, as the scalar tails compute it (fused: the intrinsic types
     /// all have FMA; the portable one says).
     #[inline(always)]
@@ -523,9 +545,49 @@ mod avx512 {
             unsafe {
                 match T::DTYPE {
                     DType::F32 => _mm512_storeu_ps(p.cast(), v),
-                    DType::BF16 if BF16 => {
-                        _mm256_storeu_si256(p.cast(), std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)))
-                    }
+                    DType::BF16 | DType::F16 => _mm256_storeu_si256(p.cast(), self.packed16::<T>(v)),
+                }
+            }
+        }
+        /// Not f32: streaming its stores measured no faster on AMD Zen 4 and slower on an Intel
+        /// server CPU (docs/BENCHMARKS.md).
+        #[inline(always)]
+        fn streams<T: Element>(self) -> bool {
+            T::DTYPE != DType::F32
+        }
+        #[inline(always)]
+        fn stream_t<T: Element>(self, v: __m512, dst: &mut [T]) {
+            let p = dst[..LANES].as_mut_ptr();
+            if !self.streams::<T>() || !(p as usize).is_multiple_of(32) {
+                return self.store_t(v, dst);
+            }
+            // SAFETY: 16 two-byte elements are writable at `p`, which is 32-byte aligned.
+            unsafe { _mm256_stream_si256(p.cast(), self.packed16::<T>(v)) }
+        }
+        /// AVX512-BF16's conversion treats an f32 subnormal as zero (and bf16 has no subnormal
+        /// that a normal f32 rounds to): the scalar rounding does the same, so that an element's
+        /// bits do not depend on whether a vector or the scalar tail wrote it.
+        #[inline(always)]
+        fn round_t<T: Element>(self, x: f32) -> T {
+            if BF16 && T::DTYPE == DType::BF16 && x.is_subnormal() {
+                T::from_f32(0.0f32.copysign(x))
+            } else {
+                T::from_f32(x)
+            }
+        }
+        #[inline(always)]
+        fn stream_fence(self) {
+            unsafe { _mm_sfence() }
+        }
+    }
+
+    impl<const BF16: bool> Avx512<BF16> {
+        /// 16 values rounded to a 16-bit `T` (to nearest even), packed in 32 bytes.
+        #[inline(always)]
+        fn packed16<T: Element>(self, v: __m512) -> __m256i {
+            unsafe {
+                match T::DTYPE {
+                    DType::BF16 if BF16 => std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)),
                     DType::BF16 => {
                         // Round to nearest even on the bits, quiet NaNs kept (as `Element`).
                         let bits = _mm512_castps_si512(v);
@@ -536,12 +598,10 @@ mod avx512 {
                         let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
                         let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
                         let out = _mm512_mask_blend_epi32(nan, rounded, quiet);
-                        _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(out))
+                        _mm512_cvtepi32_epi16(out)
                     }
-                    DType::F16 => _mm256_storeu_si256(
-                        p.cast(),
-                        _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v),
-                    ),
+                    DType::F16 => _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v),
+                    DType::F32 => unreachable!("packed16 is for 16-bit dtypes"),
                 }
             }
         }
