@@ -1,6 +1,7 @@
 //! The CPU streaming engine: steps 1 and 3 over all rows, rows spread over rayon's threads.
 //! Each row is computed by one thread in a fixed order, so the results do not depend on the
-//! number of threads; rows are whole cache lines apart, so threads never share one.
+//! number of threads (threads may share the cache line where one row ends and the next begins,
+//! when a row's bytes are not a multiple of 64: correct, at most a line's traffic per row).
 //!
 //! Where the objective is row-local (everything but sequence-level GRPO), [`sweep`] runs all
 //! three steps on a row before moving on: the row is read from memory once, and the gradient pass
@@ -131,11 +132,12 @@ impl<T: Element> Kernels<T> {
     }
 }
 
-/// A gradient written into a new buffer of at least this many bytes goes there by non-temporal
-/// stores (where the row kernels have them, [`row::sweep`]): larger than the last-level cache of
-/// the machines we measure on, so its lines would not be in cache when read anyway, and a plain
-/// store would first read each line it writes. On AMD Zen 4 the bf16 `fused` step at N=1024
-/// took 17-27% less time (docs/BENCHMARKS.md); a smaller gradient stays in cache for its reader.
+/// A row-local [`sweep`]'s gradient written into a new buffer of at least this many bytes goes
+/// there by non-temporal stores where the row kernels have them (16-bit dtypes on AVX-512,
+/// [`row::sweep`]; never [`gradient`], never in place): larger than the last-level cache of the
+/// machines we measure on, so its lines would not be in cache when read anyway, and a plain store
+/// would first read each line it writes. On AMD Zen 4 the bf16 `fused` step took 19-25% less time
+/// (docs/BENCHMARKS.md); a smaller gradient stays in cache for its reader.
 const STREAM_MIN_BYTES: usize = 64 << 20;
 
 /// Rows per rayon task: enough elements that scheduling costs nothing next to the work.

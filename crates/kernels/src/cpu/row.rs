@@ -15,13 +15,14 @@
 //!   exponential per element instead of two, and the logits are read from memory once.
 //!
 //! Everything is `#[inline(always)]` and generic: `mod.rs` compiles it once per instruction set.
-//! A row-local gradient written into a new buffer larger than the caches (the `fused` variant)
-//! goes there by non-temporal stores in 16-bit dtypes on AVX-512 ([`write_tile`]): a plain store
-//! first reads each line it writes. On AMD Zen 4 that took 19-25% off the bf16 `fused` step; on an
-//! Intel server CPU (with f32 too) it had measured no faster, f32 slower (docs/BENCHMARKS.md).
+//! A row-local sweep's 16-bit gradient written into a new buffer of 64 MiB or more (the `fused`
+//! variant; `cpu::STREAM_MIN_BYTES`) goes there by non-temporal stores on AVX-512 ([`write_tile`]):
+//! a plain store first reads each line it writes. On AMD Zen 4 that took 19-25% off the bf16
+//! `fused` step; on an Intel server CPU it had measured neither faster nor slower in bf16, slower
+//! in f32, which keeps plain stores (docs/BENCHMARKS.md).
 //!
 //! Every sweep that reads logits from memory asks for them [`PREFETCH_AHEAD`] bytes ahead, and
-//! every write of a gradient asks for its destination lines as well (a read prefetch: a line no
+//! every plain write of a gradient asks for its destination lines as well (a read prefetch: a line no
 //! other core holds arrives exclusive anyway, and `prefetchw` measured slower on a new buffer,
 //! f32 `fused` 0.054 -> 0.059-0.062 s): on the Intel server CPU of
 //! docs/BENCHMARKS.md the hardware prefetchers alone left the row kernels waiting on memory
@@ -607,32 +608,42 @@ impl<S: Simd> TileValues<S> for Rescaled<'_> {
 /// Writes one tile of gradient values to `dst` in its dtype: whole vectors, then the tail shorter
 /// than a vector one element at a time ([`Simd::round_t`]: the same rounding). Plain stores ask
 /// ahead for the lines they will write (a new gradient buffer is not in cache). With `stream`
-/// (where [`Simd::streams`]) the elements before the first 64-byte line of `dst` go as in the plain
-/// loop, and the whole vectors from that line on by non-temporal stores: the same bits wherever
-/// `dst` starts.
+/// (where [`Simd::streams`]) the whole 64-byte lines of `dst` are written by non-temporal stores
+/// and the elements before the first and after the last go as in the plain loop: the same bits
+/// wherever `dst` starts. Only whole lines: a line half streamed and half stored would be flushed
+/// from the write-combining buffer partially and then read for the plain half.
 #[inline(always)]
 fn write_tile<S: Simd, T: Element, V: TileValues<S>>(s: S, values: &V, dst: &mut [T], stream: bool) {
     let len = dst.len();
-    let first_line = dst.as_ptr().align_offset(64);
-    let (plain_end, mut j) = if stream && s.streams::<T>() && first_line < len { (first_line, 0) } else { (len, 0) };
-    while j + LANES <= plain_end {
+    let mut j = 0;
+    if stream && s.streams::<T>() {
+        let line = 64 / std::mem::size_of::<T>();
+        let first_line = dst.as_ptr().align_offset(64);
+        if first_line < len && len - first_line >= line {
+            let lines_end = first_line + (len - first_line) / line * line;
+            plain_stores(s, values, &mut dst[..first_line], 0);
+            j = first_line;
+            while j < lines_end {
+                debug_assert!((dst[j..].as_ptr() as usize).is_multiple_of(32));
+                s.stream_t(values.vector(s, j), &mut dst[j..]);
+                j += LANES;
+            }
+        }
+    }
+    plain_stores(s, values, &mut dst[j..], j);
+}
+
+/// Elements `first..first + dst.len()` of `values` into `dst` by plain stores: whole vectors,
+/// asking ahead for their lines, then one element at a time.
+#[inline(always)]
+fn plain_stores<S: Simd, T: Element, V: TileValues<S>>(s: S, values: &V, dst: &mut [T], first: usize) {
+    let full = dst.len() / LANES * LANES;
+    for j in (0..full).step_by(LANES) {
         s.prefetch(ahead(&dst[j..]));
-        s.store_t(values.vector(s, j), &mut dst[j..]);
-        j += LANES;
+        s.store_t(values.vector(s, first + j), &mut dst[j..]);
     }
-    if plain_end < len {
-        while j < plain_end {
-            dst[j] = s.round_t(values.scalar(s, j));
-            j += 1;
-        }
-        while j + LANES <= len {
-            s.stream_t(values.vector(s, j), &mut dst[j..]);
-            j += LANES;
-        }
-    }
-    while j < len {
-        dst[j] = s.round_t(values.scalar(s, j));
-        j += 1;
+    for (j, out) in dst.iter_mut().enumerate().skip(full) {
+        *out = s.round_t(values.scalar(s, first + j));
     }
 }
 
@@ -1052,8 +1063,9 @@ mod tests {
             for (c, target) in [(0.0f32, Some(3)), (0.0, Some(len - 1)), (-0.3, Some(len / 2)), (0.0, None)] {
                 // The last: outputs in f32's subnormal range, which AVX512-BF16's vector
                 // conversion flushes to zero (and so must the scalar heads and tails).
-                let tiny = RowGradient { lse: 0.0, a: 0.0, b: 1e-38, c, d: 0.0 };
-                for g in [RowGradient { lse: 0.0, a: -0.8, b: 0.6, c, d: 0.01 }, RowGradient::ZERO, tiny] {
+                let tiny = |b: f32| RowGradient { lse: 0.0, a: 0.0, b, c, d: 0.0 };
+                let normal = RowGradient { lse: 0.0, a: -0.8, b: 0.6, c, d: 0.01 };
+                for g in [normal, RowGradient::ZERO, tiny(1e-38), tiny(-1e-38)] {
                     let swept = |stream: bool, offset: usize| {
                         let mut buffer = vec![T::from_f32(f32::NAN); len + 64];
                         let out = &mut buffer[offset..offset + len];
@@ -1063,6 +1075,8 @@ mod tests {
                         };
                         let into = GradientTarget::Into { logits: &row, out };
                         assert!(k.sweep(into, 1.0, target, false, stream, &mut finish));
+                        let outside = buffer[..offset].iter().chain(&buffer[offset + len..]);
+                        assert!(outside.clone().all(|x| x.to_f32().is_nan()), "a store outside the row");
                         buffer[offset..offset + len].to_vec()
                     };
                     let plain = swept(false, 0);

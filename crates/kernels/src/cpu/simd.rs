@@ -58,8 +58,9 @@ pub(crate) trait Simd: Copy {
     }
     /// [`Simd::store_t`] as a non-temporal store where [`Simd::streams`] (the same bits): for a
     /// new buffer too large to stay in cache, whose lines a plain store would first read
-    /// (read-for-ownership). `dst` must start on a 32-byte boundary; the caller ends the row's
-    /// streaming stores with [`Simd::stream_fence`] before anything else writes or reads them.
+    /// (read-for-ownership). Where `dst` does not start on a 32-byte boundary it falls back to a
+    /// plain store; the caller ends the row's streaming stores with [`Simd::stream_fence`] before
+    /// anything else writes or reads them.
     #[inline(always)]
     fn stream_t<T: Element>(self, v: Self::V, dst: &mut [T]) {
         self.store_t(v, dst)
@@ -549,8 +550,9 @@ mod avx512 {
                 }
             }
         }
-        /// Not f32: streaming its stores measured no faster on AMD Zen 4 and slower on an Intel
-        /// server CPU (docs/BENCHMARKS.md).
+        /// 16-bit dtypes on every AVX-512 CPU: on AMD Zen 4 streaming took 19-25% off the bf16
+        /// `fused` step, on an Intel server CPU it measured the same as plain stores. Not f32: no
+        /// faster on Zen 4, slower on the Intel CPU (docs/BENCHMARKS.md).
         #[inline(always)]
         fn streams<T: Element>(self) -> bool {
             T::DTYPE != DType::F32
