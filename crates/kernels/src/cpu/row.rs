@@ -608,7 +608,8 @@ impl<S: Simd> TileValues<S> for Rescaled<'_> {
 /// Writes one tile of gradient values to `dst` in its dtype: whole vectors, then the tail shorter
 /// than a vector one element at a time ([`Simd::round_t`]: the same rounding). Plain stores ask
 /// ahead for the lines they will write (a new gradient buffer is not in cache). With `stream`
-/// (where [`Simd::streams`]) the whole 64-byte lines of `dst` are written by non-temporal stores
+/// (which the caller sets only where [`Simd::streams`], as [`sweep`] does, since it also owes the
+/// row its `sfence`) the whole 64-byte lines of `dst` are written by non-temporal stores
 /// and the elements before the first and after the last go as in the plain loop: the same bits
 /// wherever `dst` starts. Only whole lines: a line half streamed and half stored would be flushed
 /// from the write-combining buffer partially and then read for the plain half.
@@ -616,7 +617,7 @@ impl<S: Simd> TileValues<S> for Rescaled<'_> {
 fn write_tile<S: Simd, T: Element, V: TileValues<S>>(s: S, values: &V, dst: &mut [T], stream: bool) {
     let len = dst.len();
     let mut j = 0;
-    if stream && s.streams::<T>() {
+    if stream {
         let line = 64 / std::mem::size_of::<T>();
         let first_line = dst.as_ptr().align_offset(64);
         if first_line < len && len - first_line >= line {
