@@ -38,6 +38,7 @@ type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Opt
 /// [`PartialRowStats::finish`] and [`PartialRowStats::is_finite`], not their `max`.
 type Finish<'f> = &'f mut dyn FnMut(PartialRowStats) -> Option<RowGradient>;
 type SweepFn<T> = for<'a, 'f> unsafe fn(GradientTarget<'a, T>, f32, Option<usize>, bool, bool, Finish<'f>) -> bool;
+type ZeroFn<T> = unsafe fn(&mut [T], bool);
 
 /// The row kernels compiled for one instruction set.
 #[derive(Clone, Copy)]
@@ -45,6 +46,7 @@ struct Kernels<T> {
     statistics: StatsFn<T>,
     gradient: GradFn<T>,
     sweep: SweepFn<T>,
+    zero_row: ZeroFn<T>,
 }
 
 /// Compiles the row kernels for one instruction set: `$simd` is the [`simd::Simd`] token.
@@ -74,8 +76,15 @@ macro_rules! isa_kernels {
                 row::sweep($simd, dst, inv_t, target, sum_u, stream, finish)
             }
 
+            /// # Safety
+            /// As for `statistics`.
+            $(#[$attr])*
+            pub unsafe fn zero_row<T: Element>(out: &mut [T], stream: bool) {
+                row::zero_row($simd, out, stream)
+            }
+
             pub fn kernels<T: Element>() -> Kernels<T> {
-                Kernels { statistics: statistics::<T>, gradient: gradient::<T>, sweep: sweep::<T> }
+                Kernels { statistics: statistics::<T>, gradient: gradient::<T>, sweep: sweep::<T>, zero_row: zero_row::<T> }
             }
         }
     };
@@ -130,11 +139,17 @@ impl<T: Element> Kernels<T> {
         // SAFETY: as in `statistics`.
         unsafe { (self.sweep)(dst, inv_t, target, sum_u, stream, finish) }
     }
+
+    fn zero_row(&self, out: &mut [T], stream: bool) {
+        // SAFETY: as in `statistics`.
+        unsafe { (self.zero_row)(out, stream) }
+    }
 }
 
 /// A row-local [`sweep`]'s gradient written into a new buffer of at least this many bytes goes
 /// there by non-temporal stores where the row kernels have them (16-bit dtypes on AVX-512,
-/// [`row::sweep`]; never [`gradient`], never in place): larger than the last-level cache of the
+/// [`row::sweep`]; never [`gradient`]; in place only a masked row's zeros, [`row::zero_row`],
+/// whose logits are not read): larger than the last-level cache of the
 /// machines we measure on, so its lines would not be in cache when read anyway, and a plain store
 /// would first read each line it writes. On AMD Zen 4 the bf16 `fused` step took 19-25% less time
 /// (docs/BENCHMARKS.md); a smaller gradient stays in cache for its reader.
@@ -271,11 +286,18 @@ pub(crate) fn sweep<T: Element>(
     let width = block.rows.vocab;
     let inv_t = (1.0 / temperature) as f32;
     let k = Kernels::<T>::select();
-    let stream = matches!(&target, GradientTarget::Into { out, .. } if std::mem::size_of_val(*out) >= STREAM_MIN_BYTES);
+    let (written, into) = match &target {
+        GradientTarget::Into { out, .. } => (std::mem::size_of_val(*out), true),
+        GradientTarget::InPlace(logits) => (std::mem::size_of_val(*logits), false),
+    };
+    // Masked rows' zeros stream in place too (their logits are not read); computed rows only
+    // into a new buffer (in place, the statistics pass has just read the row's lines).
+    let (large, stream) = (written >= STREAM_MIN_BYTES, written >= STREAM_MIN_BYTES && into);
     let one_row = |i: usize, write: GradientTarget<'_, T>| -> Option<(RowStats, RowOutcome)> {
         let y = block.target(i);
         if !block.active[i] {
-            k.gradient(write, &RowGradient::ZERO, inv_t, y);
+            let (GradientTarget::Into { out, .. } | GradientTarget::InPlace(out)) = write;
+            k.zero_row(out, large);
             return Some((RowStats::default(), RowOutcome::ZERO));
         }
         let mut result = None;

@@ -605,6 +605,33 @@ impl<S: Simd> TileValues<S> for Rescaled<'_> {
     }
 }
 
+/// Zeros: the gradient of a row that has none.
+struct Zeros;
+
+impl<S: Simd> TileValues<S> for Zeros {
+    #[inline(always)]
+    fn vector(&self, s: S, _: usize) -> S::V {
+        s.splat(0.0)
+    }
+    #[inline(always)]
+    fn scalar(&self, _: S, _: usize) -> f32 {
+        0.0
+    }
+}
+
+/// The gradient of a masked row: zeros, its logits never read. With `stream` (a buffer larger
+/// than the caches) by non-temporal stores where the instruction set has them for `T`, as
+/// [`write_tile`] streams: a plain store would first read each line it overwrites, the row's
+/// logits themselves where the gradient is written in place.
+#[inline(always)]
+pub(crate) fn zero_row<S: Simd, T: Element>(s: S, out: &mut [T], stream: bool) {
+    let stream = stream && s.streams::<T>();
+    write_tile(s, &Zeros, out, stream);
+    if stream {
+        s.stream_fence();
+    }
+}
+
 /// Writes one tile of gradient values to `dst` in its dtype: whole vectors, then the tail shorter
 /// than a vector one element at a time ([`Simd::round_t`]: the same rounding). Plain stores ask
 /// ahead for the lines they will write (a new gradient buffer is not in cache). With `stream`
@@ -1094,6 +1121,34 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A masked row's gradient ([`super::zero_row`]): positive zeros over the whole row and
+    /// nothing outside it, streamed or not, wherever the row starts and however long it is.
+    fn zero_rows<T: Element>(isa: Isa) {
+        let k = with_isa(isa, Kernels::<T>::select);
+        for len in [0, 1, 7, 16, 31, 40, 100, super::TILE + 77] {
+            for offset in 0..64 / std::mem::size_of::<T>() {
+                for stream in [false, true] {
+                    let mut buffer = vec![T::from_f32(f32::NAN); len + 64];
+                    k.zero_row(&mut buffer[offset..offset + len], stream);
+                    let what = format!("{isa:?} {} len {len} offset {offset}", std::any::type_name::<T>());
+                    let (row, outside) =
+                        (&buffer[offset..offset + len], buffer[..offset].iter().chain(&buffer[offset + len..]));
+                    assert!(row.iter().all(|x| x.to_f32().to_bits() == 0), "{what}: not +0 in the row");
+                    assert!(outside.clone().all(|x| x.to_f32().is_nan()), "{what}: a store outside the row");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn masked_rows_are_zeros_on_every_instruction_set() {
+        for isa in Isa::available() {
+            zero_rows::<f32>(isa);
+            zero_rows::<half::bf16>(isa);
+            zero_rows::<half::f16>(isa);
         }
     }
 
