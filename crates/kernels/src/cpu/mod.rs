@@ -32,7 +32,7 @@ pub enum GradientTarget<'a, T> {
 }
 
 type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>, bool) -> PartialRowStats;
-type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>);
+type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>, bool);
 /// What [`sweep`] does with a row's statistics. They may be relative to a reference below the
 /// row's maximum (the base-2 pass does not track it, `row::statistics_base2`): use them through
 /// [`PartialRowStats::finish`] and [`PartialRowStats::is_finite`], not their `max`.
@@ -65,8 +65,8 @@ macro_rules! isa_kernels {
             /// # Safety
             /// As for `statistics`.
             $(#[$attr])*
-            pub unsafe fn gradient<T: Element>(dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>) {
-                row::gradient($simd, dst, g, inv_t, target)
+            pub unsafe fn gradient<T: Element>(dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>, large: bool) {
+                row::gradient($simd, dst, g, inv_t, target, large)
             }
 
             /// # Safety
@@ -121,9 +121,9 @@ impl<T: Element> Kernels<T> {
         unsafe { (self.statistics)(row, inv_t, target, sum_u) }
     }
 
-    fn gradient(&self, dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>) {
+    fn gradient(&self, dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>, large: bool) {
         // SAFETY: as in `statistics`.
-        unsafe { (self.gradient)(dst, g, inv_t, target) }
+        unsafe { (self.gradient)(dst, g, inv_t, target, large) }
     }
 
     #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, passed through
@@ -146,14 +146,22 @@ impl<T: Element> Kernels<T> {
     }
 }
 
-/// A row-local [`sweep`]'s gradient written into a new buffer of at least this many bytes goes
+/// A gradient written into a new buffer of at least this many bytes goes
 /// there by non-temporal stores where the row kernels have them (16-bit dtypes on AVX-512,
-/// [`row::sweep`]; never [`gradient`]; in place only a masked row's zeros, [`row::zero_row`],
-/// whose logits are not read): larger than the last-level cache of the
+/// [`row::sweep`], and [`gradient`]'s recomputing pass; in place only the zeros of a row without
+/// a gradient, [`row::zero_row`], whose logits are not read): larger than the last-level cache of the
 /// machines we measure on, so its lines would not be in cache when read anyway, and a plain store
 /// would first read each line it writes. On AMD Zen 4 the bf16 `fused` step took 19-25% less time
 /// (docs/BENCHMARKS.md); a smaller gradient stays in cache for its reader.
 const STREAM_MIN_BYTES: usize = 64 << 20;
+
+/// The size of the buffer a gradient target writes.
+fn written_bytes<T>(target: &GradientTarget<'_, T>) -> usize {
+    match target {
+        GradientTarget::Into { out, .. } => std::mem::size_of_val(*out),
+        GradientTarget::InPlace(logits) => std::mem::size_of_val(*logits),
+    }
+}
 
 /// Rows per rayon task: enough elements that scheduling costs nothing next to the work.
 fn rows_per_task(width: usize) -> usize {
@@ -252,9 +260,10 @@ pub(crate) fn gradient<T: Element>(
     let inv_t = (1.0 / temperature) as f32;
     let min_len = rows_per_task(width);
     let k = Kernels::<T>::select();
+    let large = written_bytes(&target) >= STREAM_MIN_BYTES;
     let one_row = |l: usize, write: GradientTarget<'_, T>| {
         let i = block.row(l);
-        k.gradient(write, &grads[i], inv_t, block.target(i))
+        k.gradient(write, &grads[i], inv_t, block.target(i), large)
     };
     match target {
         GradientTarget::Into { logits, out } => out
@@ -286,13 +295,10 @@ pub(crate) fn sweep<T: Element>(
     let width = block.rows.vocab;
     let inv_t = (1.0 / temperature) as f32;
     let k = Kernels::<T>::select();
-    let (written, into) = match &target {
-        GradientTarget::Into { out, .. } => (std::mem::size_of_val(*out), true),
-        GradientTarget::InPlace(logits) => (std::mem::size_of_val(*logits), false),
-    };
     // Masked rows' zeros stream in place too (their logits are not read); computed rows only
     // into a new buffer (in place, the statistics pass has just read the row's lines).
-    let (large, stream) = (written >= STREAM_MIN_BYTES, written >= STREAM_MIN_BYTES && into);
+    let large = written_bytes(&target) >= STREAM_MIN_BYTES;
+    let stream = large && matches!(target, GradientTarget::Into { .. });
     let one_row = |i: usize, write: GradientTarget<'_, T>| -> Option<(RowStats, RowOutcome)> {
         let y = block.target(i);
         if !block.active[i] {

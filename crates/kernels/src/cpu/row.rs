@@ -15,11 +15,13 @@
 //!   exponential per element instead of two, and the logits are read from memory once.
 //!
 //! Everything is `#[inline(always)]` and generic: `mod.rs` compiles it once per instruction set.
-//! A row-local sweep's 16-bit gradient written into a new buffer of 64 MiB or more (the `fused`
-//! variant; `cpu::STREAM_MIN_BYTES`) goes there by non-temporal stores on AVX-512 ([`write_tile`]):
-//! a plain store first reads each line it writes. On AMD Zen 4 that took 19-25% off the bf16
-//! `fused` step; on an Intel server CPU it had measured neither faster nor slower in bf16, slower
-//! in f32, which keeps plain stores (docs/BENCHMARKS.md).
+//! A 16-bit gradient written into a new buffer of 64 MiB or more (the `fused` variant, by
+//! [`sweep`] or by [`gradient`]'s recomputing pass; `cpu::STREAM_MIN_BYTES`) goes there by
+//! non-temporal stores on AVX-512 ([`write_tile`]): a plain store first reads each line it writes.
+//! On AMD Zen 4 that took 19-25% off the bf16 `fused` step (7% off sequence-level GSPO's, which
+//! computes more per byte); on an Intel server CPU it had measured neither faster nor slower in
+//! bf16, slower in f32, which keeps plain stores (docs/BENCHMARKS.md). The zeros of a row without
+//! a gradient ([`zero_row`]) stream in such a buffer in place too: its logits are never read.
 //!
 //! Every sweep that reads logits from memory asks for them [`PREFETCH_AHEAD`] bytes ahead, and
 //! every plain write of a gradient asks for its destination lines as well (a read prefetch: a line no
@@ -711,6 +713,9 @@ fn parts<'a, T>(dst: GradientTarget<'a, T>) -> (Option<&'a [T]>, &'a mut [T]) {
 /// their gradient computed in registers and written (in place, over the same lines). Through a
 /// tile buffer (widened, combined, then rounded: three passes over it) the in-place GSPO step ran
 /// ~1.4x slower on cpu-2c. The same operations in the same order: the same bits.
+/// With `large` (a buffer larger than the caches) a row without a gradient is written as
+/// [`zero_row`] writes it, and a gradient written into another buffer goes there by streaming
+/// stores where the instruction set has them for `T` (as [`sweep`]'s).
 #[inline(always)]
 pub(crate) fn gradient<S: Simd, T: Element>(
     s: S,
@@ -718,23 +723,36 @@ pub(crate) fn gradient<S: Simd, T: Element>(
     g: &RowGradient,
     inv_t: f32,
     target: Option<usize>,
+    large: bool,
 ) {
     if g.is_zero() {
         let (_, out) = parts(dst);
-        out.fill(T::from_f32(0.0));
+        zero_row(s, out, large);
         return;
     }
+    let stream = large && matches!(dst, GradientTarget::Into { .. }) && s.streams::<T>();
     // The units, `inv_t == 1` and `c == 0` decided once per row part, not per vector (base 2
     // takes the temperature in its one FMA either way).
     let r = Recompute::new::<S, T>(inv_t, g.lse);
+    let row = RowPass { g, r, target, stream };
     match (r.base2, inv_t != 1.0, g.c != 0.0) {
-        (true, _, true) => gradient_pass::<S, T, false, true, true>(s, dst, g, r, target),
-        (true, _, false) => gradient_pass::<S, T, false, false, true>(s, dst, g, r, target),
-        (false, true, true) => gradient_pass::<S, T, true, true, false>(s, dst, g, r, target),
-        (false, true, false) => gradient_pass::<S, T, true, false, false>(s, dst, g, r, target),
-        (false, false, true) => gradient_pass::<S, T, false, true, false>(s, dst, g, r, target),
-        (false, false, false) => gradient_pass::<S, T, false, false, false>(s, dst, g, r, target),
+        (true, _, true) => gradient_pass::<S, T, false, true, true>(s, dst, row),
+        (true, _, false) => gradient_pass::<S, T, false, false, true>(s, dst, row),
+        (false, true, true) => gradient_pass::<S, T, true, true, false>(s, dst, row),
+        (false, true, false) => gradient_pass::<S, T, true, false, false>(s, dst, row),
+        (false, false, true) => gradient_pass::<S, T, false, true, false>(s, dst, row),
+        (false, false, false) => gradient_pass::<S, T, false, false, false>(s, dst, row),
     }
+}
+
+/// What [`gradient_pass`] needs of its row besides the logits.
+#[derive(Clone, Copy)]
+struct RowPass<'g> {
+    g: &'g RowGradient,
+    r: Recompute,
+    target: Option<usize>,
+    /// Whether the gradient goes out by streaming stores.
+    stream: bool,
 }
 
 /// How [`recomputed`] takes a logit to `p`: in natural units, `u = x inv_t` and `p = exp(u - lse)`;
@@ -794,16 +812,61 @@ fn recomputed<S: Simd, const SCALED: bool, const LOG_P: bool, const BASE2: bool>
     }
 }
 
+/// The scalar tail's value (under 16 logits at a row's end), in natural units.
+#[inline(always)]
+fn tail_value<S: Simd, T: Element>(s: S, x: T, r: Recompute, g: &RowGradient) -> f32 {
+    let log_p = x.to_f32() * r.inv_t - g.lse;
+    let p = s.scalar_exp(log_p);
+    s.scalar_mul_add(p, s.scalar_mul_add(g.c, log_p, g.b), g.d)
+}
+
+/// [`gradient_pass`]'s values for [`write_tile`], which starts its vectors where the output's
+/// lines start: below `full` (the row's whole vectors) each element as the vector loop computes
+/// it (lane by lane: the same bits in any group of 16), from `full` on as the scalar tail does,
+/// so that a streamed row has the plain loop's bits.
+struct Recomputed<'a, T, const SCALED: bool, const LOG_P: bool, const BASE2: bool> {
+    logits: &'a [T],
+    r: Recompute,
+    g: &'a RowGradient,
+    full: usize,
+}
+
+impl<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, const BASE2: bool> TileValues<S>
+    for Recomputed<'_, T, SCALED, LOG_P, BASE2>
+{
+    #[inline(always)]
+    fn vector(&self, s: S, j: usize) -> S::V {
+        if j + LANES <= self.full {
+            return recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&self.logits[j..]), self.r, self.g);
+        }
+        // Across `full` (once a row at most): element by element.
+        let mut lanes = [0.0; LANES];
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            *lane = self.scalar(s, j + i);
+        }
+        s.load(&lanes)
+    }
+    #[inline(always)]
+    fn scalar(&self, s: S, j: usize) -> f32 {
+        if j < self.full {
+            let start = j / LANES * LANES;
+            let v = recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&self.logits[start..]), self.r, self.g);
+            s.to_array(v)[j - start]
+        } else {
+            tail_value(s, self.logits[j], self.r, self.g)
+        }
+    }
+}
+
 /// [`gradient`] with `inv_t != 1`, `c != 0` and the units ([`Recompute`]) made compile-time
 /// constants.
 #[inline(always)]
 fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, const BASE2: bool>(
     s: S,
     dst: GradientTarget<'_, T>,
-    g: &RowGradient,
-    r: Recompute,
-    target: Option<usize>,
+    row: RowPass<'_>,
 ) {
+    let RowPass { g, r, target, stream } = row;
     let (src, out) = parts(dst);
     let len = out.len();
     let full = len / LANES * LANES;
@@ -815,6 +878,10 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
         (y, start, kept)
     });
     match src {
+        Some(logits) if stream => {
+            write_tile(s, &Recomputed::<T, SCALED, LOG_P, BASE2> { logits, r, g, full }, out, true);
+            s.stream_fence(); // the streamed lines before the target's store over them
+        }
         Some(logits) => {
             for j in (0..full).step_by(LANES) {
                 s.prefetch(ahead(&logits[j..]));
@@ -836,12 +903,13 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
         lanes[y - start] += g.a;
         s.store_t(s.load(&lanes), &mut out[start..]);
     }
-    // The tail shorter than a vector, one logit at a time.
+    // The tail shorter than a vector, one logit at a time (streamed: written, but for the
+    // target's `a`).
     for j in full..len {
-        let u = src.map_or(out[j], |l| l[j]).to_f32() * r.inv_t;
-        let log_p = u - g.lse;
-        let p = s.scalar_exp(log_p);
-        let mut value = s.scalar_mul_add(p, s.scalar_mul_add(g.c, log_p, g.b), g.d);
+        if stream && target != Some(j) {
+            continue;
+        }
+        let mut value = tail_value(s, src.map_or(out[j], |l| l[j]), r, g);
         if target == Some(j) {
             value += g.a;
         }
@@ -1039,21 +1107,36 @@ mod tests {
             DType::BF16 => 4.5e-3,
             DType::F16 => 1e-3,
         };
-        for len in [1000, 37, 5] {
+        for len in [1000, 100, 37, 5] {
             let row: Vec<T> = normal_matrix(1, len, 2.0, len as u64).iter().map(|&x| T::from_f32(x)).collect();
-            for (inv_t, c, target) in
-                [(1.0f32, 0.0f32, Some(len / 2)), (1.0 / 0.7, -0.3, Some(len - 1)), (1.0, 0.2, None)]
-            {
+            for (inv_t, c, target) in [
+                (1.0f32, 0.0f32, Some(len / 2)),
+                (1.0 / 0.7, -0.3, Some(len - 1)),
+                (1.0, 0.2, None),
+                (1.0, 0.0, Some(3.min(len - 1))),
+            ] {
                 let u: Vec<f64> = row.iter().map(|x| (x.to_f32() * inv_t) as f64).collect();
                 let lse = u.iter().map(|&x| x.exp()).sum::<f64>().ln();
                 let g = RowGradient { lse: lse as f32, a: -0.8, b: 0.6, c, d: 0.01 };
                 let k = with_isa(isa, Kernels::<T>::select);
                 let mut into = vec![T::from_f32(0.0); len];
-                k.gradient(GradientTarget::Into { logits: &row, out: &mut into }, &g, inv_t, target);
+                k.gradient(GradientTarget::Into { logits: &row, out: &mut into }, &g, inv_t, target, false);
                 let mut in_place = row.clone();
-                k.gradient(GradientTarget::InPlace(&mut in_place), &g, inv_t, target);
+                k.gradient(GradientTarget::InPlace(&mut in_place), &g, inv_t, target, false);
                 let what = format!("{isa:?} {} len {len} inv_t {inv_t} c {c}", std::any::type_name::<T>());
                 assert_eq!(into, in_place, "{what}: in place and into another buffer");
+                // Into a large buffer (streamed where `T` streams), wherever the row starts: the
+                // same bits, nothing written outside the row.
+                for offset in 0..64 / std::mem::size_of::<T>() {
+                    let mut buffer = vec![T::from_f32(f32::NAN); len + 64];
+                    let out = &mut buffer[offset..offset + len];
+                    k.gradient(GradientTarget::Into { logits: &row, out }, &g, inv_t, target, true);
+                    let streamed = &buffer[offset..offset + len];
+                    let same = into.iter().zip(streamed).all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits());
+                    assert!(same, "{what} offset {offset}: streamed and plain stores differ");
+                    let mut outside = buffer[..offset].iter().chain(&buffer[offset + len..]);
+                    assert!(outside.all(|x| x.to_f32().is_nan()), "{what} offset {offset}: a store outside the row");
+                }
                 for (j, (&x, got)) in u.iter().zip(&into).enumerate() {
                     let log_p = x - g.lse as f64;
                     let p = log_p.exp();
