@@ -72,8 +72,8 @@ macro_rules! isa_kernels {
             /// # Safety
             /// As for `statistics`.
             $(#[$attr])*
-            pub unsafe fn sweep<T: Element>(dst: GradientTarget<'_, T>, inv_t: f32, target: Option<usize>, sum_u: bool, stream: bool, finish: Finish<'_>) -> bool {
-                row::sweep($simd, dst, inv_t, target, sum_u, stream, finish)
+            pub unsafe fn sweep<T: Element>(dst: GradientTarget<'_, T>, inv_t: f32, target: Option<usize>, sum_u: bool, large: bool, finish: Finish<'_>) -> bool {
+                row::sweep($simd, dst, inv_t, target, sum_u, large, finish)
             }
 
             /// # Safety
@@ -133,11 +133,11 @@ impl<T: Element> Kernels<T> {
         inv_t: f32,
         target: Option<usize>,
         sum_u: bool,
-        stream: bool,
+        large: bool,
         finish: Finish<'_>,
     ) -> bool {
         // SAFETY: as in `statistics`.
-        unsafe { (self.sweep)(dst, inv_t, target, sum_u, stream, finish) }
+        unsafe { (self.sweep)(dst, inv_t, target, sum_u, large, finish) }
     }
 
     fn zero_row(&self, out: &mut [T], stream: bool) {
@@ -295,10 +295,9 @@ pub(crate) fn sweep<T: Element>(
     let width = block.rows.vocab;
     let inv_t = (1.0 / temperature) as f32;
     let k = Kernels::<T>::select();
-    // Masked rows' zeros stream in place too (their logits are not read); computed rows only
-    // into a new buffer (in place, the statistics pass has just read the row's lines).
+    // Masked rows' zeros stream in place too (their logits are not read); the sweep streams
+    // computed rows only into a new buffer (in place, it has just read the row's lines).
     let large = written_bytes(&target) >= STREAM_MIN_BYTES;
-    let stream = large && matches!(target, GradientTarget::Into { .. });
     let one_row = |i: usize, write: GradientTarget<'_, T>| -> Option<(RowStats, RowOutcome)> {
         let y = block.target(i);
         if !block.active[i] {
@@ -316,7 +315,7 @@ pub(crate) fn sweep<T: Element>(
             result = Some((stats, outcome));
             Some(outcome.grad)
         };
-        k.sweep(write, inv_t, y, sum_u, stream, &mut finish);
+        k.sweep(write, inv_t, y, sum_u, large, &mut finish);
         result
     };
     let min_len = rows_per_task(width);

@@ -621,10 +621,10 @@ impl<S: Simd> TileValues<S> for Zeros {
     }
 }
 
-/// The gradient of a masked row: zeros, its logits never read. With `stream` (a buffer larger
-/// than the caches) by non-temporal stores where the instruction set has them for `T`, as
-/// [`write_tile`] streams: a plain store would first read each line it overwrites, the row's
-/// logits themselves where the gradient is written in place.
+/// The gradient of a row without one (masked, or a zero gradient): zeros, the logits not read
+/// here. With `stream` (a buffer larger than the caches) by non-temporal stores where the
+/// instruction set has them for `T`, as [`write_tile`] streams: a plain store would first read
+/// each line it overwrites, the row's logits themselves where the gradient is written in place.
 #[inline(always)]
 pub(crate) fn zero_row<S: Simd, T: Element>(s: S, out: &mut [T], stream: bool) {
     let stream = stream && s.streams::<T>();
@@ -837,6 +837,9 @@ impl<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, const BASE2: bo
     #[inline(always)]
     fn vector(&self, s: S, j: usize) -> S::V {
         if j + LANES <= self.full {
+            // The logits come from memory (as in the plain loop: the prefetchers alone left it
+            // waiting on an Intel CPU).
+            s.prefetch(ahead(&self.logits[j..]));
             return recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&self.logits[j..]), self.r, self.g);
         }
         // Across `full` (once a row at most): element by element.
@@ -877,10 +880,11 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
         kept.copy_from_slice(&src.unwrap_or(out)[start..start + LANES]);
         (y, start, kept)
     });
-    match src {
+    let streamed = match src {
         Some(logits) if stream => {
             write_tile(s, &Recomputed::<T, SCALED, LOG_P, BASE2> { logits, r, g, full }, out, true);
             s.stream_fence(); // the streamed lines before the target's store over them
+            true
         }
         Some(logits) => {
             for j in (0..full).step_by(LANES) {
@@ -889,6 +893,7 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
                 let v = recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&logits[j..]), r, g);
                 s.store_t(v, &mut out[j..]);
             }
+            false
         }
         None => {
             for j in (0..full).step_by(LANES) {
@@ -896,8 +901,9 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
                 let v = recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&out[j..]), r, g);
                 s.store_t(v, &mut out[j..]);
             }
+            false
         }
-    }
+    };
     if let Some((y, start, kept)) = target_vector {
         let mut lanes = s.to_array(recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&kept), r, g));
         lanes[y - start] += g.a;
@@ -906,7 +912,7 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
     // The tail shorter than a vector, one logit at a time (streamed: written, but for the
     // target's `a`).
     for j in full..len {
-        if stream && target != Some(j) {
+        if streamed && target != Some(j) {
             continue;
         }
         let mut value = tail_value(s, src.map_or(out[j], |l| l[j]), r, g);
@@ -927,8 +933,8 @@ thread_local! {
 /// Steps 1 to 3 on one whole row: the statistics (keeping `exp(u - m_tile)` or `2^t`), then `finish`
 /// (the objective) turns them into the row's gradient scalars, then the gradient from the kept
 /// values. Returns false, writing nothing, when `finish` refuses the statistics (NaN or Inf).
-/// With `stream`, a gradient written into another buffer goes there by non-temporal stores where
-/// the instruction set has them for `T` ([`write_tile`]).
+/// With `large` (a buffer larger than the caches), a gradient written into another buffer goes
+/// there by non-temporal stores where the instruction set has them for `T` ([`write_tile`]).
 #[inline(always)]
 pub(crate) fn sweep<S: Simd, T: Element>(
     s: S,
@@ -936,11 +942,11 @@ pub(crate) fn sweep<S: Simd, T: Element>(
     inv_t: f32,
     target: Option<usize>,
     sum_u: bool,
-    stream: bool,
+    large: bool,
     finish: &mut dyn FnMut(PartialRowStats) -> Option<RowGradient>,
 ) -> bool {
     let (src, out) = parts(dst);
-    let stream = stream && src.is_some() && s.streams::<T>();
+    let stream = large && src.is_some() && s.streams::<T>();
     let len = out.len();
     // Taken out of the thread-local and put back after, so that the work below is compiled in
     // this function (with its target features), not in a closure of `LocalKey::with`.
@@ -951,36 +957,35 @@ pub(crate) fn sweep<S: Simd, T: Element>(
         let row = src.unwrap_or(out);
         let stats = statistics_for::<S, T, true>(s, row, inv_t, target, sum_u, &mut scratch, &mut tile_ref);
         let Some(g) = finish(stats) else { break 'row false };
+        if g.is_zero() {
+            zero_row(s, out, stream);
+            break 'row true;
+        }
         let mut buf = [0.0f32; TILE];
         for (t, start) in (0..len).step_by(TILE).enumerate() {
             let end = (start + TILE).min(len);
             let u = &mut buf[..end - start];
-            if g.is_zero() {
-                u.fill(0.0);
-            } else {
-                // p_j = exp(u_j - m_t) * exp(m_t - lse), the first factor kept by the statistics
-                // (relative to the tile's reference m_t, in f64: see `Base2`).
-                let k = (tile_ref[t] - g.lse as f64).exp() as f32;
-                let kept = &scratch[start..end];
-                if g.c == 0.0 {
-                    // No log p needed: out = kept * (k b) + d, rounded straight into the output.
-                    let (kb, d) = (k * g.b, g.d);
-                    let dst = &mut out[start..end];
-                    write_tile(s, &Rescaled { kept, kb, d }, dst, stream);
-                    if let Some(y) = target.filter(|y| (start..end).contains(y)) {
-                        if stream {
-                            s.stream_fence(); // the streamed line before the store over it
-                        }
-                        dst[y - start] = s.round_t(s.scalar_mul_add(kept[y - start], kb, d) + g.a);
-                    }
-                    continue;
-                } else {
-                    load(s, src.map_or(&out[start..end], |l| &l[start..end]), u, inv_t);
-                    combine_tile(s, &g, u, kept, k);
-                }
+            // p_j = exp(u_j - m_t) * exp(m_t - lse), the first factor kept by the statistics
+            // (relative to the tile's reference m_t, in f64: see `Base2`).
+            let k = (tile_ref[t] - g.lse as f64).exp() as f32;
+            let kept = &scratch[start..end];
+            if g.c == 0.0 {
+                // No log p needed: out = kept * (k b) + d, rounded straight into the output.
+                let (kb, d) = (k * g.b, g.d);
+                let dst = &mut out[start..end];
+                write_tile(s, &Rescaled { kept, kb, d }, dst, stream);
                 if let Some(y) = target.filter(|y| (start..end).contains(y)) {
-                    u[y - start] += g.a;
+                    if stream {
+                        s.stream_fence(); // the streamed line before the store over it
+                    }
+                    dst[y - start] = s.round_t(s.scalar_mul_add(kept[y - start], kb, d) + g.a);
                 }
+                continue;
+            }
+            load(s, src.map_or(&out[start..end], |l| &l[start..end]), u, inv_t);
+            combine_tile(s, &g, u, kept, k);
+            if let Some(y) = target.filter(|y| (start..end).contains(y)) {
+                u[y - start] += g.a;
             }
             write_tile(s, &Computed(u), &mut out[start..end], stream);
         }
@@ -1096,9 +1101,11 @@ mod tests {
     }
 
     /// [`super::gradient`] (`p` recomputed) against f64 on every instruction set: rows whose
-    /// length is and is not a multiple of 16, the target in the vectors, in the tail or absent,
-    /// with and without temperature and the `c log p` term, in place and into another buffer
-    /// (the same bits).
+    /// length is and is not a multiple of 16, the target in the head, the vectors, the tail or
+    /// absent, with and without temperature and the `c log p` term, in place and into another
+    /// buffer (the same bits); with `large`, into a buffer at every offset of a line (streamed
+    /// where `T` streams: the same bits, nothing outside the row) and in place; outputs in f32's
+    /// subnormal range (which AVX512-BF16's conversion flushes) and a zero gradient.
     fn recomputed_gradient<T: Element>(isa: Isa) {
         // f32 to its accuracy; 16-bit outputs to their rounding (half an ulp: 2^-9, 2^-11) and a
         // margin for `p`'s own error (base 2 on AVX-512).
@@ -1107,6 +1114,7 @@ mod tests {
             DType::BF16 => 4.5e-3,
             DType::F16 => 1e-3,
         };
+        let k = with_isa(isa, Kernels::<T>::select);
         for len in [1000, 100, 37, 5] {
             let row: Vec<T> = normal_matrix(1, len, 2.0, len as u64).iter().map(|&x| T::from_f32(x)).collect();
             for (inv_t, c, target) in [
@@ -1116,42 +1124,60 @@ mod tests {
                 (1.0, 0.0, Some(3.min(len - 1))),
             ] {
                 let u: Vec<f64> = row.iter().map(|x| (x.to_f32() * inv_t) as f64).collect();
-                let lse = u.iter().map(|&x| x.exp()).sum::<f64>().ln();
-                let g = RowGradient { lse: lse as f32, a: -0.8, b: 0.6, c, d: 0.01 };
-                let k = with_isa(isa, Kernels::<T>::select);
-                let mut into = vec![T::from_f32(0.0); len];
-                k.gradient(GradientTarget::Into { logits: &row, out: &mut into }, &g, inv_t, target, false);
-                let mut in_place = row.clone();
-                k.gradient(GradientTarget::InPlace(&mut in_place), &g, inv_t, target, false);
-                let what = format!("{isa:?} {} len {len} inv_t {inv_t} c {c}", std::any::type_name::<T>());
-                assert_eq!(into, in_place, "{what}: in place and into another buffer");
-                // Into a large buffer (streamed where `T` streams), wherever the row starts: the
-                // same bits, nothing written outside the row.
-                for offset in 0..64 / std::mem::size_of::<T>() {
-                    let mut buffer = vec![T::from_f32(f32::NAN); len + 64];
-                    let out = &mut buffer[offset..offset + len];
-                    k.gradient(GradientTarget::Into { logits: &row, out }, &g, inv_t, target, true);
-                    let streamed = &buffer[offset..offset + len];
-                    let same = into.iter().zip(streamed).all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits());
-                    assert!(same, "{what} offset {offset}: streamed and plain stores differ");
-                    let mut outside = buffer[..offset].iter().chain(&buffer[offset + len..]);
-                    assert!(outside.all(|x| x.to_f32().is_nan()), "{what} offset {offset}: a store outside the row");
-                }
-                for (j, (&x, got)) in u.iter().zip(&into).enumerate() {
-                    let log_p = x - g.lse as f64;
-                    let p = log_p.exp();
-                    let want = p * (g.b as f64 + c as f64 * log_p)
-                        + g.d as f64
-                        + if target == Some(j) { g.a as f64 } else { 0.0 };
-                    let err = (got.to_f32() as f64 - want).abs();
-                    assert!(
-                        err <= tolerance * want.abs().max(0.01),
-                        "{what}: element {j}: {} against {want}",
-                        got.to_f32()
-                    );
+                let lse = u.iter().map(|&x| x.exp()).sum::<f64>().ln() as f32;
+                let tiny = |b: f32| RowGradient { lse, a: 0.0, b, c, d: 0.0 };
+                for g in
+                    [RowGradient { lse, a: -0.8, b: 0.6, c, d: 0.01 }, tiny(1e-38), tiny(-1e-38), RowGradient::ZERO]
+                {
+                    let what = format!("{isa:?} {} len {len} inv_t {inv_t} c {c} {g:?}", std::any::type_name::<T>());
+                    let into = gradients_agree(k, &row, &g, inv_t, target, &what);
+                    for (j, (&x, got)) in u.iter().zip(&into).enumerate() {
+                        let log_p = x - g.lse as f64;
+                        let p = if g.is_zero() { 0.0 } else { log_p.exp() };
+                        let want = p * (g.b as f64 + g.c as f64 * log_p)
+                            + g.d as f64
+                            + if target == Some(j) { g.a as f64 } else { 0.0 };
+                        let err = (got.to_f32() as f64 - want).abs();
+                        assert!(
+                            err <= tolerance * want.abs().max(0.01),
+                            "{what}: element {j}: {} against {want}",
+                            got.to_f32()
+                        );
+                    }
                 }
             }
         }
+    }
+
+    /// The gradient of `row` into another buffer, after checking that in place, and with `large`
+    /// into a buffer at every offset of a line and in place, give the same bits (and nothing is
+    /// written outside the row).
+    fn gradients_agree<T: Element>(
+        k: Kernels<T>,
+        row: &[T],
+        g: &RowGradient,
+        inv_t: f32,
+        target: Option<usize>,
+        what: &str,
+    ) -> Vec<T> {
+        let len = row.len();
+        let bits = |x: &[T]| x.iter().map(|v| v.to_f32().to_bits()).collect::<Vec<_>>();
+        let mut into = vec![T::from_f32(0.0); len];
+        k.gradient(GradientTarget::Into { logits: row, out: &mut into }, g, inv_t, target, false);
+        for large in [false, true] {
+            let mut in_place = row.to_vec();
+            k.gradient(GradientTarget::InPlace(&mut in_place), g, inv_t, target, large);
+            assert_eq!(bits(&into), bits(&in_place), "{what} large {large}: in place and into another buffer");
+        }
+        for offset in 0..64 / std::mem::size_of::<T>() {
+            let mut buffer = vec![T::from_f32(f32::NAN); len + 64];
+            let out = &mut buffer[offset..offset + len];
+            k.gradient(GradientTarget::Into { logits: row, out }, g, inv_t, target, true);
+            assert_eq!(bits(&into), bits(&buffer[offset..offset + len]), "{what} offset {offset}: streamed and plain");
+            let mut outside = buffer[..offset].iter().chain(&buffer[offset + len..]);
+            assert!(outside.all(|x| x.to_f32().is_nan()), "{what} offset {offset}: a store outside the row");
+        }
+        into
     }
 
     #[test]
