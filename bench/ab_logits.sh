@@ -3,6 +3,7 @@
 # binary in turn, round after round, so that this VM's drift hits both alike.
 #   bench/ab_logits.sh ROUNDS BIN_A BIN_B [BIN ...]
 # Prints `round|arm|binary|step p50 (s) x-the-floor copy-GB/s` per run (`flashgrpo bench`).
+# ARMS=REGEX runs only the arms whose name matches (e.g. ARMS=bf16).
 # Build the binaries first (e.g. `cargo build --release && cp target/release/flashgrpo /tmp/new`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,12 +15,14 @@ arms=(
   "n1024-f32 fused-inplace|--config configs/bench-grpo-n1024-f32.yaml"
   "n1024-f32 fused|--config configs/bench-grpo-n1024-f32.yaml --set impl=fused"
   "n1024-bf16 gspo fused-inplace|--config configs/bench-grpo-n1024-bf16.yaml --set importance_sampling_level=sequence --set loss_type=grpo"
+  "n1024-bf16 gspo fused|--config configs/bench-grpo-n1024-bf16.yaml --set importance_sampling_level=sequence --set loss_type=grpo --set impl=fused"
   "original-bf16 fused-inplace|--config configs/bench-grpo-original.yaml"
   "original-bf16 fused|--config configs/bench-grpo-original.yaml --set impl=fused"
 )
 for r in $(seq "$rounds"); do
   for arm in "${arms[@]}"; do
     name=${arm%%|*}
+    [[ -n ${ARMS:-} && ! $name =~ ${ARMS} ]] && continue
     read -ra args <<<"${arm#*|}"
     for bin in "$@"; do
       v=$("$bin" bench "${args[@]}" 2>/dev/null |
