@@ -187,20 +187,12 @@ fn run_with_gradient<T: Element>(
     let spec = &prepared.spec;
     let objective = Objective::new(&spec.loss, &spec.rows, spec.options, spec.batch_shard, &prepared.active);
     if !objective.is_row_local() {
-        let logits: &[T] = match &target {
-            GradientTarget::Into { logits, .. } => logits,
-            GradientTarget::InPlace(l) => l,
-        };
-        let stats = prepared.statistics(logits, 0..spec.rows.vocab)?;
+        let stats = prepared.statistics(target.logits(), 0..spec.rows.vocab)?;
         let (output, grads) = prepared.objective(&stats)?;
         prepared.gradient(target, 0..spec.rows.vocab, &grads)?;
         return Ok(output);
     }
-    let len = match &target {
-        GradientTarget::Into { logits, .. } => logits.len(),
-        GradientTarget::InPlace(l) => l.len(),
-    };
-    prepared.check_shard_len(len, &(0..spec.rows.vocab))?;
+    prepared.check_shard_len(target.logits().len(), &(0..spec.rows.vocab))?;
     let block = Block::all_rows(&spec.rows, &prepared.active, 0..spec.rows.vocab);
     let rows = cpu::sweep(target, &block, &objective, spec.options.temperature, prepared.needs_sum_u())?;
     let (stats, outcomes): (Vec<RowStats>, Vec<_>) = rows.into_iter().unzip();

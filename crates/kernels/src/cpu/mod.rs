@@ -31,6 +31,32 @@ pub enum GradientTarget<'a, T> {
     InPlace(&'a mut [T]),
 }
 
+impl<'a, T> GradientTarget<'a, T> {
+    /// The logits read (in place, the buffer that is also written).
+    pub(crate) fn logits(&self) -> &[T] {
+        match self {
+            GradientTarget::Into { logits, .. } => logits,
+            GradientTarget::InPlace(logits) => logits,
+        }
+    }
+
+    /// The size of the buffer written.
+    fn written_bytes(&self) -> usize {
+        match self {
+            GradientTarget::Into { out, .. } => std::mem::size_of_val(*out),
+            GradientTarget::InPlace(logits) => std::mem::size_of_val(*logits),
+        }
+    }
+
+    /// What is read (`None`: the row itself) and what is written.
+    pub(crate) fn into_parts(self) -> (Option<&'a [T]>, &'a mut [T]) {
+        match self {
+            GradientTarget::Into { logits, out } => (Some(logits), out),
+            GradientTarget::InPlace(row) => (None, row),
+        }
+    }
+}
+
 type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>, bool) -> PartialRowStats;
 type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>, bool);
 /// What [`sweep`] does with a row's statistics. They may be relative to a reference below the
@@ -155,14 +181,6 @@ impl<T: Element> Kernels<T> {
 /// (docs/BENCHMARKS.md); a smaller gradient stays in cache for its reader.
 const STREAM_MIN_BYTES: usize = 64 << 20;
 
-/// The size of the buffer a gradient target writes.
-fn written_bytes<T>(target: &GradientTarget<'_, T>) -> usize {
-    match target {
-        GradientTarget::Into { out, .. } => std::mem::size_of_val(*out),
-        GradientTarget::InPlace(logits) => std::mem::size_of_val(*logits),
-    }
-}
-
 /// Rows per rayon task: enough elements that scheduling costs nothing next to the work.
 fn rows_per_task(width: usize) -> usize {
     (1 << 15) / width.max(1) + 1
@@ -260,7 +278,7 @@ pub(crate) fn gradient<T: Element>(
     let inv_t = (1.0 / temperature) as f32;
     let min_len = rows_per_task(width);
     let k = Kernels::<T>::select();
-    let large = written_bytes(&target) >= STREAM_MIN_BYTES;
+    let large = target.written_bytes() >= STREAM_MIN_BYTES;
     let one_row = |l: usize, write: GradientTarget<'_, T>| {
         let i = block.row(l);
         k.gradient(write, &grads[i], inv_t, block.target(i), large)
@@ -297,12 +315,11 @@ pub(crate) fn sweep<T: Element>(
     let k = Kernels::<T>::select();
     // Masked rows' zeros stream in place too (their logits are not read); the sweep streams
     // computed rows only into a new buffer (in place, it has just read the row's lines).
-    let large = written_bytes(&target) >= STREAM_MIN_BYTES;
+    let large = target.written_bytes() >= STREAM_MIN_BYTES;
     let one_row = |i: usize, write: GradientTarget<'_, T>| -> Option<(RowStats, RowOutcome)> {
         let y = block.target(i);
         if !block.active[i] {
-            let (GradientTarget::Into { out, .. } | GradientTarget::InPlace(out)) = write;
-            k.zero_row(out, large);
+            k.zero_row(write.into_parts().1, large);
             return Some((RowStats::default(), RowOutcome::ZERO));
         }
         let mut result = None;

@@ -699,15 +699,6 @@ fn combine_tile<S: Simd>(s: S, g: &RowGradient, u: &mut [f32], kept: &[f32], k: 
     }
 }
 
-/// Splits a gradient target into what is read (`None`: the row itself) and what is written.
-#[inline(always)]
-fn parts<'a, T>(dst: GradientTarget<'a, T>) -> (Option<&'a [T]>, &'a mut [T]) {
-    match dst {
-        GradientTarget::Into { logits, out } => (Some(logits), out),
-        GradientTarget::InPlace(row) => (None, row),
-    }
-}
-
 /// Step 3 on one row part, recomputing `p` from the logits:
 /// `dlogits_j = a*[j = y] + p_j * (b + c * log p_j) + d`, in one pass: each 16 logits are read,
 /// their gradient computed in registers and written (in place, over the same lines). Through a
@@ -726,7 +717,7 @@ pub(crate) fn gradient<S: Simd, T: Element>(
     large: bool,
 ) {
     if g.is_zero() {
-        let (_, out) = parts(dst);
+        let (_, out) = dst.into_parts();
         zero_row(s, out, large);
         return;
     }
@@ -870,7 +861,7 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
     row: RowPass<'_>,
 ) {
     let RowPass { g, r, target, stream } = row;
-    let (src, out) = parts(dst);
+    let (src, out) = dst.into_parts();
     let len = out.len();
     let full = len / LANES * LANES;
     // The 16 logits around the target, kept before an in-place pass overwrites them.
@@ -945,7 +936,7 @@ pub(crate) fn sweep<S: Simd, T: Element>(
     large: bool,
     finish: &mut dyn FnMut(PartialRowStats) -> Option<RowGradient>,
 ) -> bool {
-    let (src, out) = parts(dst);
+    let (src, out) = dst.into_parts();
     let stream = large && src.is_some() && s.streams::<T>();
     let len = out.len();
     // Taken out of the thread-local and put back after, so that the work below is compiled in

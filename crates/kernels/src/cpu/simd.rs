@@ -57,10 +57,11 @@ pub(crate) trait Simd: Copy {
         false
     }
     /// [`Simd::store_t`] as a non-temporal store where [`Simd::streams`] (the same bits): for a
-    /// buffer too large to stay in cache whose lines are not read first (a new gradient buffer, or
-    /// a row's zeros in place), which a plain store would first read (read-for-ownership). Where `dst` does not start on a 32-byte boundary it falls back to a
-    /// plain store; the caller ends the row's streaming stores with [`Simd::stream_fence`] before
-    /// anything else writes or reads them.
+    /// buffer too large to stay in cache whose lines are not read first (a new gradient buffer,
+    /// or a row's zeros in place), which a plain store would first read (read-for-ownership).
+    /// Where `dst` does not start on a 32-byte boundary it falls back to a plain store; the caller
+    /// ends the row's streaming stores with [`Simd::stream_fence`] before anything else writes or
+    /// reads them.
     #[inline(always)]
     fn stream_t<T: Element>(self, v: Self::V, dst: &mut [T]) {
         self.store_t(v, dst)
