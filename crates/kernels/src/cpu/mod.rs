@@ -120,12 +120,24 @@ macro_rules! isa_kernels {
 isa_kernels!(
     avx512bf16,
     [#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,bmi1,bmi2")]],
-    simd::Avx512::<true>
+    // SAFETY: the module's functions are compiled with these features and called only after
+    // `isa::current` found them (`Kernels::select`).
+    unsafe { simd::Avx512::<true>::new() }
 );
 #[cfg(target_arch = "x86_64")]
-isa_kernels!(avx512, [#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi1,bmi2")]], simd::Avx512::<false>);
+isa_kernels!(
+    avx512,
+    [#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,bmi1,bmi2")]],
+    // SAFETY: as for `avx512bf16`.
+    unsafe { simd::Avx512::<false>::new() }
+);
 #[cfg(target_arch = "x86_64")]
-isa_kernels!(avx2, [#[target_feature(enable = "avx2,fma,f16c,bmi1,bmi2")]], simd::Avx2);
+isa_kernels!(
+    avx2,
+    [#[target_feature(enable = "avx2,fma,f16c,bmi1,bmi2")]],
+    // SAFETY: as for `avx512bf16`.
+    unsafe { simd::Avx2::new() }
+);
 isa_kernels!(generic, [], simd::Portable::<false>);
 
 impl<T: Element> Kernels<T> {

@@ -189,19 +189,42 @@ impl<const FMA: bool> Simd for Portable<FMA> {
 
 /// AVX-512F intrinsics. Only constructed by kernels compiled with AVX-512 enabled, after
 /// run-time detection (`isa.rs`); with `BF16`, also AVX512-BF16 (`vcvtneps2bf16` rounds 16 f32
-/// to bf16 in one instruction; unlike the integer rounding, it flushes denormals to zero).
+/// to bf16 in one instruction; unlike the integer rounding, it flushes denormals to zero). The
+/// private field leaves [`Avx512::new`], which is `unsafe`, the only way to make one: every
+/// method runs those instructions.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-pub(crate) struct Avx512<const BF16: bool>;
+pub(crate) struct Avx512<const BF16: bool>(());
+
+#[cfg(target_arch = "x86_64")]
+impl<const BF16: bool> Avx512<BF16> {
+    /// # Safety
+    /// The CPU must support AVX-512F, BW, DQ and VL (and AVX512-BF16 with `BF16`), and the
+    /// token's methods must be called from code compiled with those features.
+    pub(crate) const unsafe fn new() -> Self {
+        Self(())
+    }
+}
 
 /// AVX2 + FMA + F16C intrinsics, 16 lanes as two 8-lane registers. Only constructed by kernels
 /// compiled with those features, after run-time detection. The same arithmetic as
 /// [`Portable<true>`] (its `exp` included, Cephes' clamp and bit tricks), written out: LLVM
 /// split the portable 16-lane arrays into 128-bit halves and spilled them, and the AVX2 kernels
 /// ran ~3.3x slower per logit than AVX-512's (issue 17).
+/// As for [`Avx512`], [`Avx2::new`] is the only way to make one.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-pub(crate) struct Avx2;
+pub(crate) struct Avx2(());
+
+#[cfg(target_arch = "x86_64")]
+impl Avx2 {
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C, and the token's methods must be called from code
+    /// compiled with those features.
+    pub(crate) const unsafe fn new() -> Self {
+        Self(())
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -247,9 +270,9 @@ mod tests {
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx2 {
             #[target_feature(enable = "avx2,fma,f16c")]
             fn avx2() {
-                conversions::<_, f32>(Avx2);
-                conversions::<_, half::bf16>(Avx2);
-                conversions::<_, half::f16>(Avx2);
+                conversions::<_, f32>(unsafe { Avx2::new() });
+                conversions::<_, half::bf16>(unsafe { Avx2::new() });
+                conversions::<_, half::f16>(unsafe { Avx2::new() });
             }
             // SAFETY: AVX2, FMA and F16C were detected.
             unsafe { avx2() };
@@ -258,16 +281,16 @@ mod tests {
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx512 {
             #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
             fn all() {
-                conversions::<_, f32>(Avx512::<false>);
-                conversions::<_, half::bf16>(Avx512::<false>);
-                conversions::<_, half::f16>(Avx512::<false>);
+                conversions::<_, f32>(unsafe { Avx512::<false>::new() });
+                conversions::<_, half::bf16>(unsafe { Avx512::<false>::new() });
+                conversions::<_, half::f16>(unsafe { Avx512::<false>::new() });
             }
             // SAFETY: AVX-512 was detected.
             unsafe { all() };
             if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx512Bf16 {
                 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
                 fn bf16() {
-                    conversions::<_, half::bf16>(Avx512::<true>);
+                    conversions::<_, half::bf16>(unsafe { Avx512::<true>::new() });
                 }
                 // SAFETY: AVX512-BF16 was detected.
                 unsafe { bf16() };
@@ -311,7 +334,7 @@ mod tests {
             values.resize(values.len().next_multiple_of(LANES), 1.0);
             #[target_feature(enable = "avx2,fma,f16c")]
             fn check(values: &[f32]) {
-                let (p, a) = (Portable::<true>, Avx2);
+                let (p, a) = (Portable::<true>, unsafe { Avx2::new() });
                 let bits = |v: [f32; LANES]| v.map(f32::to_bits);
                 for (x, y) in values.chunks_exact(LANES).zip(values.chunks_exact(LANES).skip(1)) {
                     assert_eq!(bits(p.to_array(p.exp(p.load(x)))), bits(a.to_array(a.exp(a.load(x)))), "exp of {x:?}");
@@ -331,7 +354,7 @@ mod tests {
             /// widened: exact, NaN payloads kept).
             #[inline(always)]
             fn same_round_trip<T: Element>(x: &[f32]) {
-                let (p, a) = (Portable::<true>, Avx2);
+                let (p, a) = (Portable::<true>, unsafe { Avx2::new() });
                 let (mut pt, mut at) = (vec![T::default(); LANES], vec![T::default(); LANES]);
                 p.store_t(p.load(x), &mut pt);
                 a.store_t(a.load(x), &mut at);
@@ -352,7 +375,7 @@ mod tests {
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx2 {
             #[target_feature(enable = "avx2,fma,f16c")]
             fn avx2_worst() -> f64 {
-                worst(Avx2)
+                worst(unsafe { Avx2::new() })
             }
             // SAFETY: AVX2, FMA and F16C were detected.
             let w = unsafe { avx2_worst() };
@@ -362,7 +385,7 @@ mod tests {
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx512 {
             #[target_feature(enable = "avx512f")]
             fn avx512_worst() -> f64 {
-                worst(Avx512::<false>)
+                worst(unsafe { Avx512::<false>::new() })
             }
             // SAFETY: AVX-512F was detected.
             let w = unsafe { avx512_worst() };
@@ -405,7 +428,7 @@ mod tests {
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx2 {
             #[target_feature(enable = "avx2,fma,f16c")]
             fn avx2_worst(slope: f64) -> f64 {
-                exp2_worst(Avx2, slope)
+                exp2_worst(unsafe { Avx2::new() }, slope)
             }
             // SAFETY: AVX2, FMA and F16C were detected.
             let w = unsafe { avx2_worst(slope) };
@@ -415,7 +438,7 @@ mod tests {
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx512 {
             #[target_feature(enable = "avx512f,avx512dq")]
             fn avx512_worst() -> f64 {
-                exp2_worst(Avx512::<false>, 0.0)
+                exp2_worst(unsafe { Avx512::<false>::new() }, 0.0)
             }
             // SAFETY: AVX-512F and DQ were detected.
             let w = unsafe { avx512_worst() };
@@ -423,7 +446,7 @@ mod tests {
             // An integer power of two is exact (the polynomial's constant term is 1).
             #[target_feature(enable = "avx512f,avx512dq")]
             fn powers() -> [f32; LANES] {
-                let s = Avx512::<false>;
+                let s = unsafe { Avx512::<false>::new() };
                 s.to_array(s.exp2(s.load(&std::array::from_fn::<f32, LANES, _>(|k| k as f32 * 9.0 - 140.0))))
             }
             // SAFETY: as above.
