@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::cpu::{self, Block, GradientTarget};
+use crate::cpu::{self, Block, GradientTarget, RowMax};
 use crate::element::Element;
 use crate::error::LossError;
 use crate::inputs::{validate, BatchShard, Loss, Rows};
@@ -88,9 +88,24 @@ impl<'a> PreparedLoss<'a> {
         logits: &[T],
         columns: Range<usize>,
     ) -> Result<Vec<PartialRowStats>, LossError> {
+        self.statistics_with(logits, columns, RowMax::Reported)
+    }
+
+    /// Step 1 over the whole vocabulary, for [`Self::objective`] alone (the sums perhaps relative
+    /// to a reference below each row's maximum, [`RowMax::Unneeded`]).
+    fn whole_statistics<T: Element>(&self, logits: &[T]) -> Result<Vec<PartialRowStats>, LossError> {
+        self.statistics_with(logits, 0..self.spec.rows.vocab, RowMax::Unneeded)
+    }
+
+    fn statistics_with<T: Element>(
+        &self,
+        logits: &[T],
+        columns: Range<usize>,
+        max: RowMax,
+    ) -> Result<Vec<PartialRowStats>, LossError> {
         self.check_shard_len(logits.len(), &columns)?;
         let block = Block::all_rows(&self.spec.rows, &self.active, columns);
-        cpu::statistics(logits, &block, self.spec.options.temperature, self.needs_sum_u())
+        cpu::statistics(logits, &block, self.spec.options.temperature, self.needs_sum_u(), max)
     }
 
     /// Step 2 from the statistics of the whole vocabulary (one shard's, or [`combine_shards`]'s).
@@ -187,7 +202,7 @@ fn run_with_gradient<T: Element>(
     let spec = &prepared.spec;
     let objective = Objective::new(&spec.loss, &spec.rows, spec.options, spec.batch_shard, &prepared.active);
     if !objective.is_row_local() {
-        let stats = prepared.statistics(target.logits(), 0..spec.rows.vocab)?;
+        let stats = prepared.whole_statistics(target.logits())?;
         let (output, grads) = prepared.objective(&stats)?;
         prepared.gradient(target, 0..spec.rows.vocab, &grads)?;
         return Ok(output);
@@ -202,7 +217,7 @@ fn run_with_gradient<T: Element>(
 /// The loss and per-token outputs, no gradient.
 pub fn forward<T: Element>(spec: LossSpec<'_>, logits: &[T]) -> Result<LossOutput, LossError> {
     let prepared = PreparedLoss::new(spec)?;
-    let stats = prepared.statistics(logits, 0..spec.rows.vocab)?;
+    let stats = prepared.whole_statistics(logits)?;
     Ok(prepared.objective(&stats)?.0)
 }
 

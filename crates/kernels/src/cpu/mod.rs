@@ -57,7 +57,7 @@ impl<'a, T> GradientTarget<'a, T> {
     }
 }
 
-type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>, bool) -> PartialRowStats;
+type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>, bool, bool) -> PartialRowStats;
 type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>, bool);
 /// What [`sweep`] does with a row's statistics. They may be relative to a reference below the
 /// row's maximum (the base-2 pass does not track it, `row::statistics_base2`): use them through
@@ -84,8 +84,8 @@ macro_rules! isa_kernels {
             /// # Safety
             /// The CPU must support the features this module is compiled for.
             $(#[$attr])*
-            pub unsafe fn statistics<T: Element>(row: &[T], inv_t: f32, target: Option<usize>, sum_u: bool) -> PartialRowStats {
-                row::statistics($simd, row, inv_t, target, sum_u)
+            pub unsafe fn statistics<T: Element>(row: &[T], inv_t: f32, target: Option<usize>, sum_u: bool, max: bool) -> PartialRowStats {
+                row::statistics($simd, row, inv_t, target, sum_u, max)
             }
 
             /// # Safety
@@ -154,9 +154,9 @@ impl<T: Element> Kernels<T> {
         }
     }
 
-    fn statistics(&self, row: &[T], inv_t: f32, target: Option<usize>, sum_u: bool) -> PartialRowStats {
+    fn statistics(&self, row: &[T], inv_t: f32, target: Option<usize>, sum_u: bool, max: bool) -> PartialRowStats {
         // SAFETY: `select` only picks kernels whose features `Isa::detected` found on this CPU.
-        unsafe { (self.statistics)(row, inv_t, target, sum_u) }
+        unsafe { (self.statistics)(row, inv_t, target, sum_u, max) }
     }
 
     fn gradient(&self, dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>, large: bool) {
@@ -242,6 +242,16 @@ impl<'a> Block<'a> {
     }
 }
 
+/// Whether step 1 reports each row part's maximum, as [`PartialRowStats`] defines its sums (a
+/// vocabulary shard's statistics, for [`PartialRowStats::combine`]), or may leave the sums
+/// relative to a reference below it (a whole row's, which only reach [`PartialRowStats::finish`]):
+/// the base-2 pass then skips one vector operation of ~12 per 16 logits (`row::statistics_base2`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RowMax {
+    Reported,
+    Unneeded,
+}
+
 /// Step 1: partial statistics of every active row of the block (`logits` holds
 /// `[block.len, columns.len()]`); `sum u` only when `sum_u`. Inactive rows are not read.
 /// A NaN or Inf makes the lowest such row an error.
@@ -250,6 +260,7 @@ pub(crate) fn statistics<T: Element>(
     block: &Block<'_>,
     temperature: f64,
     sum_u: bool,
+    max: RowMax,
 ) -> Result<Vec<PartialRowStats>, LossError> {
     let width = block.columns.len();
     let inv_t = (1.0 / temperature) as f32;
@@ -264,7 +275,7 @@ pub(crate) fn statistics<T: Element>(
         .map(|(local, r)| {
             let i = block.row(local);
             if block.active[i] {
-                k.statistics(r, inv_t, block.target(i), sum_u)
+                k.statistics(r, inv_t, block.target(i), sum_u, max == RowMax::Reported)
             } else {
                 PartialRowStats::EMPTY
             }

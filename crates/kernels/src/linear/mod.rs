@@ -28,7 +28,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::cpu::{self, Block, GradientTarget};
+use crate::cpu::{self, Block, GradientTarget, RowMax};
 use crate::element::Element;
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
@@ -436,8 +436,8 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         true
     }
 
-    /// Pass 1: every row's partial statistics over the columns.
-    fn statistics(&mut self) -> Result<Vec<PartialRowStats>, LossError> {
+    /// Pass 1: every row's partial statistics over the columns (`max`: for shards, [`RowMax`]).
+    fn statistics(&mut self, max: RowMax) -> Result<Vec<PartialRowStats>, LossError> {
         let mut stats = vec![PartialRowStats::EMPTY; self.prepared.spec().rows.len()];
         let temperature = self.prepared.spec().options.temperature;
         for chunk in self.chunks() {
@@ -445,7 +445,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             let n = chunk.len() * self.width();
             let rows = &self.computed[chunk];
             let block = chunk_block(self.prepared, &self.columns, rows);
-            let got = cpu::statistics(&self.z[..n], &block, temperature, self.prepared.needs_sum_u())?;
+            let got = cpu::statistics(&self.z[..n], &block, temperature, self.prepared.needs_sum_u(), max)?;
             for (&row, s) in rows.iter().zip(got) {
                 stats[row] = s;
             }
@@ -548,7 +548,7 @@ pub fn linear_forward<T: Element>(
 ) -> Result<LossOutput, LossError> {
     let prepared = PreparedLoss::new(spec)?;
     let mut streamer = Streamer::new(&prepared, inputs, 0..spec.rows.vocab, budget)?;
-    let stats = streamer.statistics()?;
+    let stats = streamer.statistics(RowMax::Unneeded)?;
     Ok(prepared.objective(&stats)?.0)
 }
 
@@ -572,7 +572,7 @@ pub fn linear_forward_backward<T: Element>(
         let (stats, outcomes): (Vec<RowStats>, Vec<_>) = rows.into_iter().unzip();
         return Ok(objective.output(&spec.rows, prepared.active_rows(), &stats, &outcomes));
     }
-    let stats = streamer.statistics()?;
+    let stats = streamer.statistics(RowMax::Unneeded)?;
     let (output, row_grads) = prepared.objective(&stats)?;
     streamer.gradient(&row_grads, &mut grads);
     Ok(output)
@@ -598,7 +598,7 @@ impl<'a> PreparedLinearLoss<'a> {
         shard: LinearInputs<'_, T>,
         columns: Range<usize>,
     ) -> Result<Vec<PartialRowStats>, LossError> {
-        Streamer::new(&self.prepared, shard, columns, self.budget)?.statistics()
+        Streamer::new(&self.prepared, shard, columns, self.budget)?.statistics(RowMax::Reported)
     }
 
     /// Step 2 from the combined statistics of the whole vocabulary.
