@@ -452,7 +452,7 @@ const FAST_SUM_LIMIT: f64 = 4096.0;
 /// partial statistics) they are [`PartialRowStats`]' own: relative to the row's maximum (the fast
 /// tiles' sums moved from their reference to it in f64, [`Base2Sums::stats`]). Without (the
 /// sweep's, and the whole vocabulary's statistics, which only reach `finish`) the maximum is not
-/// tracked (one vector operation in ~12 fewer per 16 logits), and the sums may be relative to a
+/// tracked (one vector operation fewer of ~12 per 16 logits), and the sums may be relative to a
 /// reference below it (by at most ~8.3): the same `lse` and entropy.
 #[inline(always)]
 fn statistics_base2<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, const SCALED: bool, const MAX: bool>(
