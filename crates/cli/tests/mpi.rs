@@ -4,8 +4,9 @@
 //! (`scripts/setup-mpi.sh`: Debian packages) and builds the binary with `--features mpi` into
 //! `target/mpi` (the default build needs no MPI), so the README's test command covers them on a
 //! fresh machine. It builds with the `mpi-test` profile (Cargo.toml: no debug information,
-//! `opt-level = 1`): on a clean clone this test took ~271 s against 407-443 s with `--release`,
-//! whose build alone was ~407 s of it; the runs are tiny.
+//! `opt-level = 1`): from an empty `target/mpi` this test took ~271 s, against 407-443 s with
+//! `--release`; the build is nearly all of it (from scratch ~260 s against ~407 s), the runs
+//! themselves ~40 s.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
