@@ -64,6 +64,15 @@ impl<'a> PreparedLoss<'a> {
         &self.active
     }
 
+    /// The objective prepared for this batch, when it is row-local: a backend may then evaluate it
+    /// a block of rows at a time ([`Objective::block`]) while its passes go on.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn row_local_objective(&self) -> Option<Objective<'a>> {
+        let spec = &self.spec;
+        let objective = Objective::new(&spec.loss, &spec.rows, spec.options, spec.batch_shard, &self.active);
+        objective.is_row_local().then_some(objective)
+    }
+
     fn check_shard_len(&self, len: usize, columns: &Range<usize>) -> Result<(), LossError> {
         let rows = &self.spec.rows;
         if columns.end > rows.vocab || columns.start > columns.end {

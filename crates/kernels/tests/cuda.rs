@@ -12,7 +12,7 @@
 mod common;
 
 use common::{linear_for, relative_norm_error, Case, Data, Linear, MaskKind, Op};
-use flashgrpo_kernels::cuda::{CudaDevice, CudaElement, CudaLinearGradients, CudaLinearInputs};
+use flashgrpo_kernels::cuda::{CudaDevice, CudaElement, CudaLinearGradients, CudaLinearInputs, RowBlocks};
 use flashgrpo_kernels::linear::reference as linear_reference;
 use flashgrpo_kernels::{reference, ChunkBudget, ImportanceSamplingLevel, LossOutput, LossType, Reduction};
 use half::{bf16, f16};
@@ -87,7 +87,9 @@ fn check_logits<T: CudaElement>(gpu: &CudaDevice, data: &Data, grad_tol: f64) {
 
 #[test]
 fn logits_every_op_dtype_and_shape_matches_the_reference() {
-    let Some(gpu) = gpu() else { return };
+    let Some(mut gpu) = gpu() else { return };
+    // Row-local objectives a few rows at a time (the blocks' boundaries at every alignment).
+    gpu.row_blocks = RowBlocks { blocks: 8, min_rows: 1 };
     let grpo = |lt, level, v| {
         Case::new(Op::Grpo, 3, 7, v).with(|o| {
             o.loss_type = lt;
@@ -225,9 +227,34 @@ fn repeated_runs_give_the_same_bits() {
     }
 }
 
+/// Row-local objectives run a block of rows at a time, overlapped with the GPU's passes: the
+/// outputs must be the bits of the one whole objective (`forward`), at every block size.
+#[test]
+fn blocks_of_rows_give_the_whole_objectives_bits() {
+    let Some(mut gpu) = gpu() else { return };
+    // Blocks of any size (the default keeps at least a wave of rows a block: one block here).
+    gpu.row_blocks = RowBlocks { blocks: 8, min_rows: 1 };
+    // 21 rows (blocks of 3), 1200 (blocks of 150), 9 (blocks of 2, the last of 1).
+    for (b, t, v) in [(3, 7, 4099), (4, 300, 1000), (1, 9, 255)] {
+        let data = Case::new(Op::Grpo, b, t, v)
+            .with(|o| {
+                o.beta = 0.04;
+                o.epsilon_high = Some(0.28);
+                o.entropy_coef = 0.01;
+            })
+            .data();
+        let logits: Vec<bf16> = data.logits_as();
+        let mut l = gpu.upload(&logits).unwrap();
+        let whole = gpu.forward(data.spec(), &l).unwrap();
+        let blocks = gpu.forward_backward(data.spec(), &mut l, None).unwrap();
+        assert!(blocks == whole, "blocks of rows differ from the whole objective at B={b} T={t} V={v}");
+    }
+}
+
 #[test]
 fn bad_inputs_are_errors_not_crashes() {
-    let Some(gpu) = gpu() else { return };
+    let Some(mut gpu) = gpu() else { return };
+    gpu.row_blocks = RowBlocks { blocks: 8, min_rows: 1 };
     let mut case = Case::new(Op::Grpo, 2, 3, 100).with(|o| o.beta = 0.04);
     case.mask = MaskKind::None;
     let data = case.data();
@@ -239,4 +266,13 @@ fn bad_inputs_are_errors_not_crashes() {
     let mut l = gpu.upload(&logits).unwrap();
     let e = gpu.forward_backward(data.spec(), &mut l, None).unwrap_err().to_string();
     assert!(e.contains("row 2") || e.contains("NaN"), "{e}");
+    // Two bad rows in different blocks of rows: the lower is named.
+    logits[5 * 100 + 3] = f32::INFINITY;
+    let mut l = gpu.upload(&logits).unwrap();
+    let e = gpu.forward_backward(data.spec(), &mut l, None).unwrap_err().to_string();
+    assert!(e.contains("row 2"), "{e}");
+    logits[2 * 100 + 7] = 0.0;
+    let mut l = gpu.upload(&logits).unwrap();
+    let e = gpu.forward_backward(data.spec(), &mut l, None).unwrap_err().to_string();
+    assert!(e.contains("row 5"), "{e}");
 }

@@ -3,16 +3,17 @@
 //! event timing.
 
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, SyncOnDrop,
-    ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice,
+    SyncOnDrop, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
+use super::overlap::RowBlocks;
 use crate::error::LossError;
 use crate::Element;
 
@@ -178,6 +179,11 @@ pub struct CudaDevice {
     module: Arc<CudaModule>,
     /// cuBLAS, opened on first use: the logits-level losses do not need it.
     blas: OnceLock<CudaBlas>,
+    /// Two page-locked host buffers that row-local calls copy statistics back into, a block of
+    /// rows at a time (`overlap`); kept, as pinning memory costs more than a block's pass.
+    staging: Mutex<Vec<PinnedHostSlice<f32>>>,
+    /// How row-local logits-level calls split their rows (default: from the multiprocessor count).
+    pub row_blocks: RowBlocks,
     /// The device's name, as the driver reports it.
     pub name: String,
     /// `sm_XY`.
@@ -200,7 +206,12 @@ impl CudaDevice {
         let cubin = compile_kernels(arch)?;
         let module = context.load_module(Ptx::from_binary(cubin)).map_err(cuda_error("loading the kernels"))?;
         let stream = context.default_stream();
-        Ok(Self { context, stream, module, blas: OnceLock::new(), name, arch })
+        let multiprocessors = context
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_error("reading the multiprocessor count"))?;
+        let row_blocks = RowBlocks::for_multiprocessors(multiprocessors as usize);
+        let staging = Mutex::new(Vec::new());
+        Ok(Self { context, stream, module, blas: OnceLock::new(), staging, row_blocks, name, arch })
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -221,6 +232,23 @@ impl CudaDevice {
         }
         let blas = CudaBlas::new(self.stream.clone()).map_err(|e| LossError::Cuda(format!("opening cuBLAS: {e:?}")))?;
         Ok(self.blas.get_or_init(|| blas))
+    }
+
+    /// The two staging buffers, `len` floats each (exactly: a copy into one moves its length).
+    pub(crate) fn staging(&self, len: usize) -> Result<MutexGuard<'_, Vec<PinnedHostSlice<f32>>>, LossError> {
+        let mut buffers = self.staging.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if buffers.len() != 2 || buffers.iter().any(|b| b.len() != len) {
+            // A call that failed may have left a copy into the old buffers queued.
+            self.synchronize()?;
+            buffers.clear();
+            for _ in 0..2 {
+                // SAFETY: the memory starts uninitialised; `overlap` reads only what a completed copy
+                // wrote. Flags 0: cached (the default, write-combined, is slow for the host to read).
+                let buffer = unsafe { self.context.alloc_pinned_with_flags::<f32>(len, 0) };
+                buffers.push(buffer.map_err(cuda_error("allocating page-locked host memory"))?);
+            }
+        }
+        Ok(buffers)
     }
 
     /// One of rows.cu's kernels by name.

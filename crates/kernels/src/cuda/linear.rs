@@ -19,8 +19,8 @@ use super::passes::{active_mask, vocab_i32, RowBlock};
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 use crate::linear::{shapes, ChunkBudget};
-use crate::objective::{LossOutput, Objective, RowGradient, RowOutcome};
-use crate::stats::{PartialRowStats, RowStats};
+use crate::objective::{LossOutput, Objective, RowGradient};
+use crate::stats::PartialRowStats;
 
 /// The inputs of a fused-linear loss on the GPU (one dtype for all three).
 #[derive(Debug, Clone, Copy)]
@@ -254,18 +254,12 @@ impl CudaDevice {
             for (i, chunk) in chunks.iter().enumerate() {
                 streamer.logits(chunk)?;
                 let partial = streamer.statistics(chunk)?;
-                for (row, p) in chunk.clone().zip(&partial) {
-                    let (stats, outcome) = if active[row] {
-                        let stats = p.finish(rows.vocab);
-                        (stats, objective.row(row, &stats))
-                    } else {
-                        (RowStats::default(), RowOutcome::ZERO)
-                    };
-                    all_stats.push(stats);
-                    outcomes.push(outcome);
-                }
-                let row_grads: Vec<RowGradient> = outcomes[chunk.clone()].iter().map(|o| o.grad).collect();
+                let (stats, chunk_outcomes): (Vec<_>, Vec<_>) =
+                    objective.block(active, rows.vocab, chunk.start, &partial).into_iter().unzip();
+                let row_grads: Vec<RowGradient> = chunk_outcomes.iter().map(|o| o.grad).collect();
                 streamer.backward(chunk, &row_grads, &mut grads, i == 0)?;
+                all_stats.extend(stats);
+                outcomes.extend(chunk_outcomes);
             }
             objective.output(rows, active, &all_stats, &outcomes)
         } else {

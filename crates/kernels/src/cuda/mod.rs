@@ -7,6 +7,8 @@
 //! - [`device`]: opening a GPU, compiling `rows.cu` for it, copies, memory readings, timing.
 //! - [`logits`]: losses of `[N, V]` logits already on the GPU (gradient out of place or in place).
 //! - [`linear`]: fused-linear losses from hidden states and an lm_head on the GPU.
+//! - `overlap`: a row-local objective evaluated a block of rows at a time while the GPU streams
+//!   the next block, so that the GPU does not wait for the whole objective between its passes.
 //! - `passes`: launching the row passes over a block of rows; `blas`: the row-major products of
 //!   fused-linear, on cuBLAS; `phases`: the `FLASHGRPO_CUDA_PHASES` diagnostic (host-clock time of
 //!   each phase of a logits-level call).
@@ -24,6 +26,7 @@ mod blas;
 pub mod device;
 pub mod linear;
 pub mod logits;
+mod overlap;
 mod passes;
 mod phases;
 
@@ -31,3 +34,4 @@ mod phases;
 pub use cudarc::driver::CudaSlice;
 pub use device::{compile_kernels, cublas_present, include_dirs, CudaDevice, CudaElement, DeviceMemory, ROWS_SOURCE};
 pub use linear::{CudaLinearGradients, CudaLinearInputs};
+pub use overlap::RowBlocks;

@@ -2,6 +2,8 @@
 //! pointers (the whole logits, or one chunk of fused-linear's), and the conversions of their O(N)
 //! inputs and outputs between the host and the GPU.
 
+use std::ops::Range;
+
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::device::{cuda_error, CudaDevice};
@@ -26,6 +28,21 @@ pub(crate) struct RowBlock {
     pub active: u64,
 }
 
+impl RowBlock {
+    /// The rows `range` of this block (`element_bytes`: the size of one logit).
+    pub fn rows_of(&self, range: &Range<usize>, element_bytes: usize) -> RowBlock {
+        let offset =
+            |ptr: u64, bytes_per_row: usize| if ptr == 0 { 0 } else { ptr + (range.start * bytes_per_row) as u64 };
+        RowBlock {
+            logits: offset(self.logits, self.vocab * element_bytes),
+            rows: range.len(),
+            targets: offset(self.targets, 8),
+            active: offset(self.active, 4),
+            ..*self
+        }
+    }
+}
+
 pub(crate) fn vocab_i32(vocab: usize) -> Result<i32, LossError> {
     i32::try_from(vocab).map_err(|_| LossError::Cuda(format!("a vocabulary of {vocab} exceeds the kernels' i32")))
 }
@@ -42,11 +59,26 @@ impl CudaDevice {
         prepared: &PreparedLoss<'_>,
         first_row: usize,
     ) -> Result<Vec<PartialRowStats>, LossError> {
+        self.launch_row_stats(suffix, block, out)?;
+        if block.rows == 0 {
+            return Ok(Vec::new());
+        }
+        let raw = self.stream().clone_dtoh(&out.slice(..5 * block.rows)).map_err(cuda_error("copying from the GPU"))?;
+        self.checked_stats(&raw, prepared, first_row)
+    }
+
+    /// The statistics pass queued on the stream, not waited for.
+    pub(crate) fn launch_row_stats(
+        &self,
+        suffix: &str,
+        block: RowBlock,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), LossError> {
         if out.len() < 5 * block.rows {
             return Err(LossError::Cuda(format!("{} statistics for {} rows", out.len() / 5, block.rows)));
         }
         if block.rows == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let vocab = vocab_i32(block.vocab)?;
         let function = self.function(&format!("row_stats_{suffix}"))?;
@@ -61,10 +93,18 @@ impl CudaDevice {
         // SAFETY: the arguments match `row_stats_*`'s signature in rows.cu; the block's pointers hold
         // rows*vocab logits, `rows` targets and mask values (or are null), `out` 5*rows floats.
         unsafe { launch.launch(Self::per_row(block.rows)?) }.map_err(cuda_error("launching row_stats"))?;
-        let mut raw = self.download(out)?;
-        raw.truncate(5 * block.rows);
+        Ok(())
+    }
+
+    /// Statistics copied back (five floats a row, of the rows `first_row..`), checked for NaN / Inf.
+    pub(crate) fn checked_stats(
+        &self,
+        raw: &[f32],
+        prepared: &PreparedLoss<'_>,
+        first_row: usize,
+    ) -> Result<Vec<PartialRowStats>, LossError> {
         let rows = &prepared.spec().rows;
-        let stats = statistics_from(&raw, rows.targets.is_some());
+        let stats = statistics_from(raw, rows.targets.is_some());
         check_finite(rows, prepared.active_rows(), first_row, &stats)?;
         Ok(stats)
     }

@@ -19,6 +19,8 @@ use rayon::prelude::*;
 
 use crate::inputs::{BatchShard, Loss, Normalisers, Rows};
 use crate::options::LossOptions;
+#[cfg(feature = "cuda")]
+use crate::stats::PartialRowStats;
 use crate::stats::RowStats;
 
 /// What every op returns besides the gradient. Per-token outputs are `[B*T]`, row-major, and
@@ -159,6 +161,34 @@ impl<'a> Objective<'a> {
             Objective::Entropy(norm) => simple::entropy(stats, norm),
             Objective::Logprob(temperature) => simple::logprob(stats, *temperature),
         }
+    }
+
+    /// The statistics and outcomes of the rows `first..first + partial.len()`, from their
+    /// statistics over the whole vocabulary (rows that take no part: zeros), in parallel. For a
+    /// backend that streams rows in blocks (fused-linear's chunks, the CUDA passes) and evaluates
+    /// a row-local objective one block at a time, in row order.
+    #[cfg(feature = "cuda")]
+    pub fn block(
+        &self,
+        active: &[bool],
+        vocab: usize,
+        first: usize,
+        partial: &[PartialRowStats],
+    ) -> Vec<(RowStats, RowOutcome)> {
+        debug_assert!(self.is_row_local(), "a block at a time needs a row-local objective");
+        partial
+            .par_iter()
+            .enumerate()
+            .with_min_len(ROWS_PER_TASK)
+            .map(|(k, p)| {
+                let row = first + k;
+                if !active[row] {
+                    return (RowStats::default(), RowOutcome::ZERO);
+                }
+                let stats = p.finish(vocab);
+                (stats, self.row(row, &stats))
+            })
+            .collect()
     }
 
     /// The outcome of every row.
