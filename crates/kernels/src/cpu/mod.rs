@@ -57,7 +57,7 @@ impl<'a, T> GradientTarget<'a, T> {
     }
 }
 
-type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>, bool, bool) -> PartialRowStats;
+type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>, bool, RowMax) -> PartialRowStats;
 type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>, bool);
 /// What [`sweep`] does with a row's statistics. They may be relative to a reference below the
 /// row's maximum (the base-2 pass does not track it, `row::statistics_base2`): use them through
@@ -84,7 +84,7 @@ macro_rules! isa_kernels {
             /// # Safety
             /// The CPU must support the features this module is compiled for.
             $(#[$attr])*
-            pub unsafe fn statistics<T: Element>(row: &[T], inv_t: f32, target: Option<usize>, sum_u: bool, max: bool) -> PartialRowStats {
+            pub unsafe fn statistics<T: Element>(row: &[T], inv_t: f32, target: Option<usize>, sum_u: bool, max: RowMax) -> PartialRowStats {
                 row::statistics($simd, row, inv_t, target, sum_u, max)
             }
 
@@ -154,7 +154,7 @@ impl<T: Element> Kernels<T> {
         }
     }
 
-    fn statistics(&self, row: &[T], inv_t: f32, target: Option<usize>, sum_u: bool, max: bool) -> PartialRowStats {
+    fn statistics(&self, row: &[T], inv_t: f32, target: Option<usize>, sum_u: bool, max: RowMax) -> PartialRowStats {
         // SAFETY: `select` only picks kernels whose features `Isa::detected` found on this CPU.
         unsafe { (self.statistics)(row, inv_t, target, sum_u, max) }
     }
@@ -275,7 +275,7 @@ pub(crate) fn statistics<T: Element>(
         .map(|(local, r)| {
             let i = block.row(local);
             if block.active[i] {
-                k.statistics(r, inv_t, block.target(i), sum_u, max == RowMax::Reported)
+                k.statistics(r, inv_t, block.target(i), sum_u, max)
             } else {
                 PartialRowStats::EMPTY
             }

@@ -34,7 +34,7 @@
 use std::cell::RefCell;
 
 use super::simd::{Simd, LANES};
-use super::GradientTarget;
+use super::{GradientTarget, RowMax};
 use crate::element::Element;
 use crate::objective::RowGradient;
 use crate::stats::PartialRowStats;
@@ -515,10 +515,11 @@ fn statistics_base2<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, c
     stats
 }
 
-/// Step 1 on one row part. With `max`, the statistics are relative to the row part's maximum, as
-/// [`PartialRowStats`] defines them (a vocabulary shard's, for [`PartialRowStats::combine`]);
-/// without, perhaps to a reference below it (the base-2 pass, [`statistics_base2`]): for a
-/// whole row, whose statistics only reach [`PartialRowStats::finish`].
+/// Step 1 on one row part. With [`RowMax::Reported`], the statistics are relative to the row
+/// part's maximum, as [`PartialRowStats`] defines them (a vocabulary shard's, for
+/// [`PartialRowStats::combine`]); with [`RowMax::Unneeded`], perhaps to a reference below it (the
+/// base-2 pass, [`statistics_base2`]): for a whole row, whose statistics only reach
+/// [`PartialRowStats::finish`].
 #[inline(always)]
 pub(crate) fn statistics<S: Simd, T: Element>(
     s: S,
@@ -526,12 +527,11 @@ pub(crate) fn statistics<S: Simd, T: Element>(
     inv_t: f32,
     target: Option<usize>,
     sum_u: bool,
-    max: bool,
+    max: RowMax,
 ) -> PartialRowStats {
-    if max {
-        statistics_for::<S, T, false, true>(s, row, inv_t, target, sum_u, &mut [], &mut [])
-    } else {
-        statistics_for::<S, T, false, false>(s, row, inv_t, target, sum_u, &mut [], &mut [])
+    match max {
+        RowMax::Reported => statistics_for::<S, T, false, true>(s, row, inv_t, target, sum_u, &mut [], &mut []),
+        RowMax::Unneeded => statistics_for::<S, T, false, false>(s, row, inv_t, target, sum_u, &mut [], &mut []),
     }
 }
 
@@ -1002,7 +1002,7 @@ mod tests {
     //! took, and its statistics without the maximum (a whole row's) and [`sweep`]'s give the same
     //! `lse`, entropy and `log p`.
     use super::super::isa::{with_isa, Isa};
-    use super::super::{GradientTarget, Kernels};
+    use super::super::{GradientTarget, Kernels, RowMax};
     use crate::element::{DType, Element};
     use crate::objective::RowGradient;
     use crate::stats::PartialRowStats;
@@ -1080,9 +1080,9 @@ mod tests {
                 let want = reference(&widened, inv_t, target);
                 let what = format!("{isa:?} {name} {} inv_t {inv_t}", std::any::type_name::<T>());
                 let k = with_isa(isa, Kernels::<T>::select);
-                check(&what, k.statistics(&row, inv_t, Some(target), true, true), &want);
+                check(&what, k.statistics(&row, inv_t, Some(target), true, RowMax::Reported), &want);
                 // Without the maximum (a whole row's statistics): what `finish` makes of them.
-                let loose = k.statistics(&row, inv_t, Some(target), true, false);
+                let loose = k.statistics(&row, inv_t, Some(target), true, RowMax::Unneeded);
                 let (got, want_whole) = (loose.finish(row.len()), want.finish(row.len()));
                 assert!(
                     (got.lse - want_whole.lse).abs() <= 1e-6 * want_whole.lse.abs().max(1.0),
