@@ -65,8 +65,8 @@ impl<'a> PreparedLoss<'a> {
     }
 
     /// The objective prepared for this batch, when it is row-local: a backend may then evaluate it
-    /// a block of rows at a time ([`Objective::block`]) while its passes go on.
-    #[cfg(feature = "cuda")]
+    /// a row at a time as it streams (the CPU sweep) or a block of rows at a time while its passes
+    /// go on (the CUDA backend); else `None`, and step 2 needs every row's statistics first.
     pub(crate) fn row_local_objective(&self) -> Option<Objective<'a>> {
         let spec = &self.spec;
         let objective = Objective::new(&spec.loss, &spec.rows, spec.options, spec.batch_shard, &self.active);
@@ -209,13 +209,12 @@ fn run_with_gradient<T: Element>(
     target: GradientTarget<'_, T>,
 ) -> Result<LossOutput, LossError> {
     let spec = &prepared.spec;
-    let objective = Objective::new(&spec.loss, &spec.rows, spec.options, spec.batch_shard, &prepared.active);
-    if !objective.is_row_local() {
+    let Some(objective) = prepared.row_local_objective() else {
         let stats = prepared.whole_statistics(target.logits())?;
         let (output, grads) = prepared.objective(&stats)?;
         prepared.gradient(target, 0..spec.rows.vocab, &grads)?;
         return Ok(output);
-    }
+    };
     prepared.check_shard_len(target.logits().len(), &(0..spec.rows.vocab))?;
     let block = Block::all_rows(&spec.rows, &prepared.active, 0..spec.rows.vocab);
     let rows = cpu::sweep(target, &block, &objective, spec.options.temperature, prepared.needs_sum_u())?;

@@ -234,11 +234,12 @@ impl CudaDevice {
         Ok(self.blas.get_or_init(|| blas))
     }
 
-    /// The two staging buffers, `len` floats each (exactly: a copy into one moves its length).
+    /// The two staging buffers, of one length, at least `len` floats: they only grow, so that
+    /// calls whose row count varies (RL batches) do not pin memory again each time.
     pub(crate) fn staging(&self, len: usize) -> Result<MutexGuard<'_, Vec<PinnedHostSlice<f32>>>, LossError> {
         let mut buffers = self.staging.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if buffers.len() != 2 || buffers.iter().any(|b| b.len() != len) {
-            // A call that failed may have left a copy into the old buffers queued.
+        if buffers.len() != 2 || buffers.iter().any(|b| b.len() < len) {
+            // Nothing may still be copying into the old buffers when they are freed.
             self.synchronize()?;
             buffers.clear();
             for _ in 0..2 {
@@ -349,6 +350,14 @@ impl CudaDevice {
     pub fn keep_reserved_memory(&self) -> Result<(), LossError> {
         self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, Some(u64::MAX))?;
         Ok(())
+    }
+}
+
+/// Waits for the stream before the module, the staging buffers and the context go: cudarc's
+/// page-locked buffers do not wait for copies into them on a single stream.
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
     }
 }
 

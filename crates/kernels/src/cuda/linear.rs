@@ -19,7 +19,7 @@ use super::passes::{active_mask, vocab_i32, RowBlock};
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 use crate::linear::{shapes, ChunkBudget};
-use crate::objective::{LossOutput, Objective, RowGradient};
+use crate::objective::{LossOutput, RowGradient};
 use crate::stats::PartialRowStats;
 
 /// The inputs of a fused-linear loss on the GPU (one dtype for all three).
@@ -247,9 +247,8 @@ impl CudaDevice {
         }
         let mut streamer = Streamer::new(self, &prepared, inputs, budget, true)?;
         let active = prepared.active_rows();
-        let objective = Objective::new(&spec.loss, rows, spec.options, spec.batch_shard, active);
         let chunks = streamer.chunks();
-        let output = if objective.is_row_local() {
+        let output = if let Some(objective) = prepared.row_local_objective() {
             let (mut all_stats, mut outcomes) = (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
             for (i, chunk) in chunks.iter().enumerate() {
                 streamer.logits(chunk)?;

@@ -101,7 +101,8 @@ impl CudaDevice {
     /// Forward and backward: the gradient into `grad` (same shape and dtype as `logits`), or, with
     /// `grad = None`, over the logits themselves. A row-local objective is evaluated a block of
     /// rows at a time while the GPU streams the next block (`overlap`); others between the two
-    /// whole passes.
+    /// whole passes. NaN or Inf logits are an error naming the lowest such row, found as the
+    /// statistics come back: in place, earlier blocks' logits may have been overwritten by then.
     pub fn forward_backward<T: CudaElement>(
         &self,
         spec: LossSpec<'_>,
@@ -119,9 +120,13 @@ impl CudaDevice {
             if let Some(inputs) = self.row_inputs(&prepared, logits)? {
                 clock.mark("inputs");
                 let target = if grad_ptr != 0 { grad_ptr } else { inputs.block.logits };
-                let output =
-                    self.forward_backward_overlapped::<T>(&prepared, &objective, inputs.block, target, &mut clock)?;
-                self.synchronize()?;
+                let result =
+                    self.forward_backward_overlapped::<T>(&prepared, &objective, inputs.block, target, &mut clock);
+                // Also after an error: blocks' passes and copies may still be queued, and the
+                // caller may free what they write as soon as this returns.
+                let synchronized = self.synchronize();
+                let output = result?;
+                synchronized?;
                 clock.mark("gradient");
                 clock.report();
                 return Ok(output);

@@ -69,14 +69,15 @@ impl CudaDevice {
         let size = std::mem::size_of::<T>();
         let kernel = format!("row_gradient_{}", T::SUFFIX);
         let ranges = self.row_blocks.ranges(whole.rows);
-        let floats = 5 * ranges[0].len();
-        let mut out = self.zeros::<f32>(floats)?;
-        let mut staging = self.staging(floats)?;
-        // The whole of `out` each time (cudarc copies the destination's length; a shorter last
-        // block leaves rows of the one before behind it, never read), then an event to wait on:
-        // cudarc records the pinned buffer's own event only when it tracks several streams.
+        let mut staging = self.staging(5 * ranges[0].len())?;
+        // `out` as long as the staging buffers, copied whole each time (cudarc copies the
+        // destination's length; rows past a block's are left from an earlier one, never read),
+        // then an event to wait on: cudarc records the pinned buffer's own event only when it
+        // tracks several streams.
+        let mut out = self.zeros::<f32>(staging[0].len())?;
         let queue_statistics = |k: usize, out: &mut CudaSlice<f32>, host: &mut PinnedHostSlice<f32>| {
             self.launch_row_stats(T::SUFFIX, whole.rows_of(&ranges[k], size), out)?;
+            debug_assert_eq!(out.len(), host.len(), "a copy back moves the staging buffer's length");
             self.stream().memcpy_dtoh(&*out, host).map_err(cuda_error("copying from the GPU"))?;
             self.stream().record_event(None).map_err(cuda_error("recording an event"))
         };

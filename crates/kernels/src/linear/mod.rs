@@ -566,8 +566,7 @@ pub fn linear_forward_backward<T: Element>(
     }
     check_gradients(&spec, inputs.hidden_size, spec.rows.vocab, &grads)?;
     let mut streamer = Streamer::new(&prepared, inputs, 0..spec.rows.vocab, budget)?;
-    let objective = Objective::new(&spec.loss, &spec.rows, spec.options, spec.batch_shard, prepared.active_rows());
-    if objective.is_row_local() {
+    if let Some(objective) = prepared.row_local_objective() {
         let rows = streamer.sweep(&objective, &mut grads)?;
         let (stats, outcomes): (Vec<RowStats>, Vec<_>) = rows.into_iter().unzip();
         return Ok(objective.output(&spec.rows, prepared.active_rows(), &stats, &outcomes));
