@@ -30,10 +30,6 @@ impl Rows<'_> {
     pub fn position(&self, row: usize) -> (usize, usize) {
         (row / self.seq_len.max(1), row % self.seq_len.max(1))
     }
-
-    pub(crate) fn mask_at(&self, row: usize) -> bool {
-        self.mask.is_none_or(|m| m[row] != 0.0)
-    }
 }
 
 /// Rollout-engine importance weights (TRL's `vllm_is_ratio`), per token or per sequence.
@@ -249,11 +245,9 @@ pub fn validate(loss: &Loss, rows: &Rows, options: &LossOptions) -> Result<Vec<b
     }
     if let Some(m) = rows.mask {
         expect_len("mask", m.len(), n, format!("it must hold {}", bt()))?;
-        for (row, &v) in m.iter().enumerate() {
-            if v != 0.0 && v != 1.0 {
-                let (b, t) = rows.position(row);
-                return Err(LossError::MaskValue { row, b, t, value: v });
-            }
+        if let Some(row) = first_bad(m, m, |v, _| v != 0.0 && v != 1.0) {
+            let (b, t) = rows.position(row);
+            return Err(LossError::MaskValue { row, b, t, value: m[row] });
         }
     }
     let needs_targets = !matches!(loss, Loss::Entropy);
@@ -268,7 +262,10 @@ pub fn validate(loss: &Loss, rows: &Rows, options: &LossOptions) -> Result<Vec<b
         None => {}
     }
 
-    let mut active: Vec<bool> = (0..n).map(|i| rows.mask_at(i)).collect();
+    let mut active: Vec<bool> = match rows.mask {
+        Some(m) => m.iter().map(|&v| v != 0.0).collect(),
+        None => vec![true; n],
+    };
     if let (Loss::CrossEntropy, Some(targets)) = (loss, rows.targets) {
         for (a, &y) in active.iter_mut().zip(targets) {
             *a &= y != options.ignore_index;
@@ -276,11 +273,10 @@ pub fn validate(loss: &Loss, rows: &Rows, options: &LossOptions) -> Result<Vec<b
     }
     if needs_targets {
         let targets = rows.targets.unwrap_or_default();
-        for (row, (&a, &y)) in active.iter().zip(targets).enumerate() {
-            if a && (y < 0 || y as u64 >= rows.vocab as u64) {
-                let (b, t) = rows.position(row);
-                return Err(LossError::TargetOutOfRange { row, b, t, value: y, vocab: rows.vocab });
-            }
+        let vocab = rows.vocab as u64;
+        if let Some(row) = first_bad(targets, &active, |y, a| a & (y as u64 >= vocab)) {
+            let (b, t) = rows.position(row);
+            return Err(LossError::TargetOutOfRange { row, b, t, value: targets[row], vocab: rows.vocab });
         }
     }
 
@@ -386,8 +382,20 @@ fn validate_policy_inputs(
     Ok(())
 }
 
+/// The first index `i` where `bad(xs[i], flags[i])`. The valid case, which every call pays for,
+/// runs as a branch-free pass over chunks (it vectorises: ~4x faster than stopping at each element
+/// at 32768 rows, time the host spends before a GPU's first pass); the exact index is looked for
+/// only inside the first chunk that has one.
+fn first_bad<X: Copy, F: Copy>(xs: &[X], flags: &[F], bad: impl Fn(X, F) -> bool) -> Option<usize> {
+    const CHUNK: usize = 256;
+    xs.chunks(CHUNK).zip(flags.chunks(CHUNK)).enumerate().find_map(|(c, (x, f))| {
+        let any = x.iter().zip(f).fold(false, |acc, (&x, &f)| acc | bad(x, f));
+        any.then(|| c * CHUNK + x.iter().zip(f).position(|(&x, &f)| bad(x, f)).expect("a bad element"))
+    })
+}
+
 fn check_finite(tensor: &'static str, v: &[f32], rows: &Rows, active: &[bool]) -> Result<(), LossError> {
-    match v.iter().zip(active).position(|(x, &a)| a && !x.is_finite()) {
+    match first_bad(v, active, |x, a| a & !x.is_finite()) {
         Some(row) => {
             let (b, t) = rows.position(row);
             Err(LossError::NonFiniteInput { tensor, row, b, t, value: v[row] })

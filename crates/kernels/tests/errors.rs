@@ -166,3 +166,40 @@ fn sampling_logp_errors_are_named() {
     forward(LossSpec { loss: Loss::Grpo(PolicyInputs { sampling_logp: Some(nan), ..p }), ..base }, &data.logits)
         .unwrap();
 }
+
+/// Inputs are checked a chunk of rows at a time (`inputs::first_bad`): over many chunks, the
+/// lowest bad row that takes part is still the one named, and a masked row's values are ignored.
+#[test]
+fn the_lowest_bad_row_is_named_across_many_rows() {
+    let fresh = || {
+        let mut data = Case::new(Op::Grpo, 2, 700, 8).with(|o| o.beta = 0.04).data();
+        let mut mask = vec![1.0; 1400];
+        mask[10] = 0.0;
+        data.mask = Some(mask);
+        data
+    };
+    let mut data = fresh();
+    data.targets[10] = 99; // masked: never read
+    data.targets[901] = 8;
+    data.targets[300] = -1;
+    let e = err_of(data.spec(), &data.logits);
+    assert!(e.contains("targets[0, 300] (row 300) = -1"), "{e}");
+
+    let mut data = fresh();
+    let mask = data.mask.as_mut().unwrap();
+    mask[1300] = 0.5;
+    mask[777] = 2.0;
+    let e = err_of(data.spec(), &data.logits);
+    assert!(e.contains("mask[1, 77] (row 777) = 2"), "{e}");
+
+    for tensor in ["old_logp", "ref_logp"] {
+        let mut data = fresh();
+        let values = if tensor == "old_logp" { data.old_logp.as_mut() } else { data.ref_logp.as_mut() };
+        let values = values.expect("the case passes both");
+        values[10] = f32::NAN; // masked
+        values[1399] = f32::INFINITY;
+        values[513] = f32::NAN;
+        let e = err_of(data.spec(), &data.logits);
+        assert!(e.contains(&format!("`{tensor}` has a non-finite value NaN at row 513")), "{e}");
+    }
+}
