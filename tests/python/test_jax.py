@@ -187,6 +187,23 @@ def check_fused_linear():
     close("jax fused_linear_grpo", "loss", loss, want, 1e-5)
     for name, g, w in zip(["hidden", "weight", "bias"], grads, want_grads):
         close_norm("jax fused_linear_grpo", f"grad_{name}", g, w, 1e-4)
+    # bf16 inputs with a chosen products' way (the forward and the custom VJP's backward both).
+    bf = [x.astype(jnp.bfloat16) for x in (hidden, weight, bias)]
+    want, want_grads = jax.value_and_grad(theirs, argnums=(0, 1, 2))(*[x.astype(jnp.float32) for x in bf])
+    for way in ["widened", "rounded"]:
+        def chosen(h, w, b):
+            return fj.fused_linear_grpo_loss(h, w, targets, adv, mask, bias=b, beta=0.0, epsilon_high=0.28,
+                                             bf16_products=way).astype(jnp.float32)
+        try:
+            bl, bg = jax.jit(jax.value_and_grad(chosen, argnums=(0, 1, 2)))(*bf)
+        except Exception as e:  # noqa: BLE001 - a machine without a rounded way refuses it, naming the key
+            CHECKS[0] += 1
+            if way == "widened" or "bf16_products" not in str(e):
+                FAILURES.append(f"jax bf16_products={way}: {e}")
+            continue
+        close(f"jax fused_linear_grpo bf16_products={way}", "loss", bl, want, 2e-2)
+        for name, g, w in zip(["hidden", "weight"], bg, want_grads):
+            close_norm(f"jax fused_linear_grpo bf16_products={way}", f"grad_{name}", g.astype(jnp.float32), w, 3e-2)
     ce = jax.grad(lambda h, w: fj.fused_linear_cross_entropy(h, w, targets, label_smoothing=0.1), argnums=(0, 1))
 
     def ref_ce(h, w):

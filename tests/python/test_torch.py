@@ -457,6 +457,38 @@ def check_per_token_fused_linear():
         FAILURES.append(f"{case}: gradient dtypes {gh_mixed.dtype}, {gw_mixed.dtype}")
 
 
+def check_bf16_products():
+    """`bf16_products` picks the bf16 products' way per call: every way this machine has agrees
+    with the f32 computation within bf16's tolerance (the rounded ways too), and a way it lacks is
+    a ValueError naming the key and the ways it has."""
+    B, T, H, V = 2, 6, 32, 300
+    hidden, weight, _ = linear_inputs(B, T, H, V, False)
+    targets, adv = torch.randint(0, V, (B, T)), torch.randn(B)
+
+    def run(h, w, **kw):
+        xh, xw = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = ft.fused_linear_grpo_loss(xh, xw, targets, adv, **kw)
+        out.loss.backward()
+        return out.loss.detach().float(), xh.grad.float(), xw.grad.float()
+
+    bh, bw = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+    want = run(bh.float(), bw.float())  # the same rounded inputs, in f32
+    for way in ["auto", "widened", "rounded", "avx512-bf16", "amx"]:
+        try:
+            got = run(bh, bw, bf16_products=way)
+        except ValueError as e:
+            CHECKS[0] += 1
+            if way in ("auto", "widened") or "bf16_products" not in str(e):
+                FAILURES.append(f"bf16_products={way}: {e}")
+            continue
+        case = f"torch fused_linear_grpo bf16_products={way}"
+        close(case, "loss", got[0], want[0], 2e-2)
+        close_norm(case, "grad_hidden", got[1], want[1], 2e-2)
+        close_norm(case, "grad_weight", got[2], want[2], 2e-2)
+    expect_error("unknown bf16_products", ValueError, ["bf16_products", "`tpu`", "widened"],
+                 lambda: run(bh, bw, bf16_products="tpu"))
+
+
 def expect_error(case, kind, words, fn):
     CHECKS[0] += 1
     try:
@@ -509,6 +541,7 @@ def main():
     check_logits_level_modules()
     check_triton_per_token()
     check_per_token_fused_linear()
+    check_bf16_products()
     check_errors()
     sys.exit(report("flashgrpo.torch"))
 

@@ -47,7 +47,7 @@ fn inputs(kind_grpo: bool) -> (Arc<LossInputs>, flashgrpo_kernels::synthetic::Sy
         targets: Some(data.targets.clone()),
         mask: Some(data.mask.clone()),
         options,
-        budget: ChunkBudget { bytes: 4 * V * 3 },
+        budget: ChunkBudget::from_bytes(4 * V * 3),
         batch_shard: None,
     };
     (Arc::new(inputs), data)

@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::ValueEnum;
 use flashgrpo_kernels::linear::{matmul_bf16_gflops, matmul_gflops};
-use flashgrpo_kernels::{Backend, Bf16Products, Cpu, DType, Isa};
+use flashgrpo_kernels::{Backend, Cpu, DType, Isa};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -193,7 +193,7 @@ impl Runner for Cpu {
             out.push(("bench/matmul_bf16_gflops", json!(rate)));
         }
         if dtype == DType::BF16 {
-            out.push(("bench/bf16_products", json!(Bf16Products::detected().setting())));
+            out.push(("bench/bf16_products", json!(flashgrpo_kernels::matmul_bf16::current().setting())));
         }
         Ok((bf16_rate.unwrap_or(f32_rate), out))
     }

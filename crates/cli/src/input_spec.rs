@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use flashgrpo_kernels::synthetic::{normal_matrix, Rng, SyntheticRows, SyntheticSpec};
-use flashgrpo_kernels::{linear_forward, ChunkBudget, DType, LinearInputs, Loss, LossOptions, LossSpec, Op, Rows};
+use flashgrpo_kernels::{
+    linear_forward, Bf16Choice, ChunkBudget, DType, LinearInputs, Loss, LossOptions, LossSpec, Op, Rows,
+};
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
@@ -46,6 +48,8 @@ pub struct InputSpec {
     pub with_bias: bool,
     /// Fused-linear: the memory the streaming may use beyond inputs and gradients, in MiB.
     pub chunk_memory_mb: usize,
+    /// Fused-linear, bf16: the products' way (`auto`, `rounded`, or a way's name; README).
+    pub bf16_products: Bf16Choice,
 }
 
 impl Default for InputSpec {
@@ -68,6 +72,7 @@ impl Default for InputSpec {
             hidden_size: None,
             with_bias: false,
             chunk_memory_mb: ChunkBudget::DEFAULT_MB,
+            bf16_products: Bf16Choice::Auto,
         }
     }
 }
@@ -81,9 +86,9 @@ fn cast(values: Vec<f32>, dtype: DType) -> FloatData {
 }
 
 impl InputSpec {
-    /// The fused-linear memory budget.
+    /// How fused-linear calls run: the memory budget and the bf16 products' way.
     pub fn budget(&self) -> ChunkBudget {
-        ChunkBudget::from_mb(self.chunk_memory_mb)
+        ChunkBudget::from_mb(self.chunk_memory_mb).with_bf16_products(self.bf16_products)
     }
 
     fn synthetic(&self) -> SyntheticSpec {

@@ -11,7 +11,7 @@ use crate::device::Device;
 use crate::run::{run_on, Impl, Results};
 use crate::tensor_io::{write_atomically, Output, TensorFile};
 use crate::vocab_parallel_run::run_vocab_parallel;
-use flashgrpo_kernels::{ChunkBudget, Op};
+use flashgrpo_kernels::{Bf16Choice, ChunkBudget, Op};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, clap::Args)]
@@ -35,7 +35,7 @@ pub struct LossArgs {
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
     /// A loss option of LOSSES.md, e.g. `--set beta=0.04 --set loss_type=grpo`, or
-    /// `chunk_memory_mb` (fused-linear).
+    /// `chunk_memory_mb` or `bf16_products` (fused-linear).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
     /// Split the vocabulary over the processes of `mpirun -np K` (logits columns, or lm_head
@@ -51,17 +51,21 @@ pub struct LossArgs {
 struct LossKeys {
     /// Fused-linear: the memory the streaming may use beyond inputs and gradients, in MiB.
     chunk_memory_mb: usize,
+    /// Fused-linear, bf16: the products' way (`auto`, `rounded`, or a way's name).
+    bf16_products: Bf16Choice,
 }
 
 impl Default for LossKeys {
     fn default() -> Self {
-        Self { chunk_memory_mb: ChunkBudget::DEFAULT_MB }
+        Self { chunk_memory_mb: ChunkBudget::DEFAULT_MB, bf16_products: Bf16Choice::Auto }
     }
 }
 
 pub fn main(args: LossArgs) -> Result<()> {
     let loaded = config::load::<LossKeys, NoKeys>(config::Source::Defaults, &args.sets)?;
-    let (options, budget) = (loaded.options, ChunkBudget::from_mb(loaded.command.chunk_memory_mb));
+    let keys = &loaded.command;
+    let budget = ChunkBudget::from_mb(keys.chunk_memory_mb).with_bf16_products(keys.bf16_products);
+    let options = loaded.options;
     let file = TensorFile::read(&args.inputs)?;
     let batch = Batch::read(&file, args.op).with_context(|| format!("in {}", args.inputs.display()))?;
     drop(file);

@@ -139,6 +139,40 @@ fn bench_row_kernels_follow_flashgrpo_isa() {
     }
 }
 
+/// `bf16_products` picks the fused-linear products' way for the run (reported, and the rate of
+/// the same way measured); every way agrees on the loss; a way this machine lacks is refused with
+/// the list of those it has.
+#[test]
+fn bench_bf16_products_follow_the_config() {
+    let run = |way: &str| {
+        Command::new(env!("CARGO_BIN_EXE_flashgrpo"))
+            .args(["bench", "--json", "--set", "impl=fused-linear", "--set", "hidden_size=64", "--set", "dtype=bf16"])
+            .args(["--set", "vocab=3001", "--set", "batch=2", "--set", "seq_len=16", "--set", "steps=1"])
+            .args(["--set", "warmup=0", "--set", &format!("bf16_products={way}")])
+            .output()
+            .unwrap()
+    };
+    let loss = |way: &str| {
+        let o = run(way);
+        assert!(o.status.success(), "{way}: {}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (v["bench/bf16_products"].as_str().unwrap().to_string(), v["bench/loss"].as_f64().unwrap())
+    };
+    let (auto_way, auto_loss) = loss("auto");
+    let (widened, widened_loss) = loss("widened");
+    assert_eq!(widened, "widened");
+    assert!(
+        (auto_loss - widened_loss).abs() < 1e-4 * auto_loss.abs().max(1.0),
+        "{auto_way} {auto_loss} vs widened {widened_loss}"
+    );
+    let (rounded, rounded_loss) = loss(if auto_way == "widened" { "widened" } else { "rounded" });
+    assert!(rounded == "widened" || rounded.ends_with("-rounded"), "{rounded}");
+    assert!((auto_loss - rounded_loss).abs() < 1e-4 * auto_loss.abs().max(1.0), "{rounded} {rounded_loss}");
+    let o = run("tpu");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && stderr.contains("bf16_products") && stderr.contains("widened"), "{stderr}");
+}
+
 #[test]
 fn bench_reports_every_metric_and_impls_agree() {
     let mut losses = Vec::new();

@@ -65,7 +65,7 @@ pub use inputs::{BatchShard, IsRatio, Loss, Op, PolicyInputs, Rows};
 pub use linear::{
     linear_forward, linear_forward_backward, ChunkBudget, LinearGradients, LinearInputs, PreparedLinearLoss,
 };
-pub use matmul_bf16::{with_bf16_products, Bf16Products};
+pub use matmul_bf16::{with_bf16_products, Bf16Choice, Bf16Products};
 pub use objective::{quantile, LossOutput, RowGradient};
 pub use options::{
     Aggregation, EntropyBonus, ImportanceSamplingLevel, KlEstimator, LossOptions, LossType, Reduction,

@@ -204,7 +204,7 @@ fn linear_matches_the_reference_in_one_chunk_and_many() {
         for (h, with_bias) in [(64, false), (96, true), (1, true)] {
             let lin = linear_for(&case, h, with_bias);
             // One chunk, and chunks of two rows.
-            for budget in [ChunkBudget::default(), ChunkBudget { bytes: 2 * case.vocab * 8 }] {
+            for budget in [ChunkBudget::default(), ChunkBudget::from_bytes(2 * case.vocab * 8)] {
                 check_linear::<f32>(&gpu, &data, &lin, budget);
                 check_linear::<bf16>(&gpu, &data, &lin, budget);
             }

@@ -6,7 +6,7 @@ mod common;
 
 use common::{linear_for, Case, Data, Linear, Op};
 use flashgrpo_kernels::linear::reference;
-use flashgrpo_kernels::matmul_bf16::{with_bf16_products, Bf16Products};
+use flashgrpo_kernels::matmul_bf16::{with_bf16_products, Bf16Choice, Bf16Products};
 use flashgrpo_kernels::{
     combine_shards, linear_forward, linear_forward_backward, Aggregation, ChunkBudget, Element, EntropyBonus,
     ImportanceSamplingLevel, KlEstimator, LinearGradients, LinearInputs, LossOutput, LossType, PreparedLinearLoss,
@@ -111,7 +111,7 @@ fn check_within<T: Element>(data: &Data, lin: &Linear, budget: ChunkBudget, prod
 /// Budgets: the default (one chunk), and ones small enough for 1-3 rows per chunk and (bf16)
 /// weight tiles of 16 rows.
 fn budgets(v: usize) -> [ChunkBudget; 3] {
-    [ChunkBudget::default(), ChunkBudget { bytes: 4 * (v + 64) * 2 }, ChunkBudget { bytes: 4 * v * 3 + 5000 }]
+    [ChunkBudget::default(), ChunkBudget::from_bytes(4 * (v + 64) * 2), ChunkBudget::from_bytes(4 * v * 3 + 5000)]
 }
 
 #[test]
@@ -204,7 +204,7 @@ fn masked_rows_are_skipped_by_the_products() {
     let masked = |i: usize| i < 5 || (20..31).contains(&i) || i % 7 == 3 || i >= 64;
     data.mask = Some((0..n).map(|i| if masked(i) { 0.0 } else { 1.0 }).collect());
     let lin = linear_for(&case, 40, true);
-    let more = [ChunkBudget { bytes: 4 * 301 * 9 }, ChunkBudget { bytes: 900_000 }];
+    let more = [ChunkBudget::from_bytes(4 * 301 * 9), ChunkBudget::from_bytes(900_000)];
     for budget in budgets(case.vocab).into_iter().chain(more) {
         check::<f32>(&data, &lin, budget);
         check_bf16_every_way(&data, &lin, budget);
@@ -240,7 +240,7 @@ fn rows_without_a_gradient_skip_the_gradient_products() {
             data.advantages[b] = 0.0;
         }
         let lin = linear_for(&case, 24, true);
-        for budget in budgets(case.vocab).into_iter().chain([ChunkBudget { bytes: 900_000 }]) {
+        for budget in budgets(case.vocab).into_iter().chain([ChunkBudget::from_bytes(900_000)]) {
             check::<f32>(&data, &lin, budget);
             check_bf16_every_way(&data, &lin, budget);
         }
@@ -265,7 +265,7 @@ fn bitwise_identical_for_any_thread_count_and_the_same_for_any_chunking() {
             .unwrap()
             .install(|| run::<f32>(&data, &lin, budget))
     };
-    let budget = ChunkBudget { bytes: 4 * 3001 * 200 };
+    let budget = ChunkBudget::from_bytes(4 * 3001 * 200);
     let one = at(1, budget);
     for threads in [2, 7] {
         let other = at(threads, budget);
@@ -291,7 +291,7 @@ fn bf16_is_bitwise_identical_for_any_thread_count() {
     for products in Bf16Products::available() {
         let at = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            let budget = ChunkBudget { bytes: 4 * 1001 * 50 };
+            let budget = ChunkBudget::from_bytes(4 * 1001 * 50);
             pool.install(|| with_bf16_products(products, || run::<bf16>(&data, &lin, budget)))
         };
         let one = at(1);
@@ -317,7 +317,7 @@ fn vocabulary_shards_equal_unsharded() {
         let lin = linear_for(&case, 12, true);
         let (h, v, n) = (12, 90, 10);
         let whole = run::<f32>(&data, &lin, ChunkBudget::default());
-        let prepared = PreparedLinearLoss::new(data.spec(), ChunkBudget { bytes: 4 * 40 * 3 }).unwrap();
+        let prepared = PreparedLinearLoss::new(data.spec(), ChunkBudget::from_bytes(4 * 40 * 3)).unwrap();
         let bounds = [0, 7, 40, 41, 90];
         let bias = lin.bias.as_ref().unwrap();
         let shard = |c: &std::ops::Range<usize>| LinearInputs {
@@ -372,4 +372,32 @@ fn bad_shapes_are_named() {
     let grads = LinearGradients { hidden: &mut gh, weight: None, bias: None, accumulate: false };
     let e = linear_forward_backward(data.spec(), inputs, grads, ChunkBudget::default()).unwrap_err().to_string();
     assert!(e.contains("grad_hidden"), "{e}");
+}
+
+/// A budget's `bf16_products` runs the way it names, the same bits as the thread's override, and
+/// a config reads it from its setting (`auto`, `rounded`, or a way's name), refusing a way this
+/// machine lacks with the list of those it has.
+#[test]
+fn the_budgets_bf16_products_choose_the_way() {
+    let case = Case::new(Op::Grpo, 2, 9, 301).with(|o| o.beta = 0.04);
+    let data = case.data();
+    let lin = linear_for(&case, 40, false);
+    let budget = ChunkBudget::from_bytes(4 * 301 * 5);
+    for products in Bf16Products::available() {
+        let chosen = run::<bf16>(&data, &lin, budget.with_bf16_products(Bf16Choice::Way(products)));
+        let overridden = with_bf16_products(products, || run::<bf16>(&data, &lin, budget));
+        assert!(chosen.out == overridden.out, "{products:?}");
+        assert_eq!(chosen.grad_hidden, overridden.grad_hidden, "{products:?}");
+        assert_eq!(chosen.grad_weight, overridden.grad_weight, "{products:?}");
+        assert_eq!(Bf16Choice::parse(products.setting()).unwrap(), Bf16Choice::Way(products));
+        let read: Bf16Choice = serde_saphyr::from_str(products.setting()).unwrap();
+        assert_eq!(read, Bf16Choice::Way(products));
+    }
+    assert_eq!(Bf16Choice::parse("auto").unwrap(), Bf16Choice::Auto);
+    match Bf16Products::available().into_iter().find(|p| p.rounded()) {
+        Some(fastest) => assert_eq!(Bf16Choice::parse("rounded").unwrap(), Bf16Choice::Way(fastest)),
+        None => assert!(Bf16Choice::parse("rounded").is_err()),
+    }
+    let e = Bf16Choice::parse("tpu").unwrap_err().to_string();
+    assert!(e.contains("bf16_products") && e.contains("`tpu`") && e.contains("widened"), "{e}");
 }

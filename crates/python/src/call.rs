@@ -4,8 +4,8 @@
 
 use flashgrpo_kernels::{
     forward, forward_backward, forward_backward_in_place, linear_forward, linear_forward_backward, with_element,
-    ChunkBudget, DType, Element, IsRatio, LinearGradients, LinearInputs, LossOptions, LossOutput, LossSpec, Op,
-    PolicyInputs, Rows,
+    Bf16Choice, ChunkBudget, DType, Element, IsRatio, LinearGradients, LinearInputs, LossOptions, LossOutput, LossSpec,
+    Op, PolicyInputs, Rows,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -222,6 +222,8 @@ pub struct LinearCall<'a> {
     pub hidden_size: usize,
     pub grads: GradientAddresses,
     pub chunk_memory_mb: usize,
+    /// The bf16 products' way: `auto`, `rounded`, or a way's name ([`Bf16Choice`]).
+    pub bf16_products: &'a str,
 }
 
 /// The buffers of a fused-linear loss (`names`: hidden states, weight, bias, or their gradients)
@@ -258,6 +260,11 @@ pub const LINEAR_INPUTS: [&str; 3] = ["hidden", "weight", "bias"];
 pub const LINEAR_GRADIENTS: [&str; 3] = ["grad_hidden", "grad_weight", "grad_bias"];
 
 impl LinearCall<'_> {
+    fn budget(&self) -> Result<ChunkBudget> {
+        let products = Bf16Choice::parse(self.bf16_products).map_err(message)?;
+        Ok(ChunkBudget::from_mb(self.chunk_memory_mb).with_bf16_products(products))
+    }
+
     fn inputs(&self) -> [Address; 3] {
         let addresses = [self.hidden, self.weight, self.bias];
         linear_addresses(LINEAR_INPUTS, addresses, self.rows.rows(), self.rows.vocab, self.hidden_size)
@@ -271,7 +278,7 @@ impl LinearCall<'_> {
         let (h, g) = (self.hidden_size, self.grads);
         let gradients =
             linear_addresses(LINEAR_GRADIENTS, [g.hidden, g.weight, g.bias], self.rows.rows(), self.rows.vocab, h);
-        let budget = ChunkBudget::from_mb(self.chunk_memory_mb);
+        let budget = self.budget()?;
         let spec = unsafe { self.rows.spec(op, &options)? };
         with_element!(dtype, T => unsafe { linear_call::<T>(spec, self.inputs(), h, gradients, g.accumulate, budget) })
     }
@@ -285,7 +292,7 @@ impl LinearCall<'_> {
         let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
         let options = parse_options(self.options)?;
         let spec = unsafe { self.rows.spec(op, &options)? };
-        let budget = ChunkBudget::from_mb(self.chunk_memory_mb);
+        let budget = self.budget()?;
         DeferredGradient::linear_from_rows(&spec, budget, dtype, self.hidden_size, values)
     }
 
@@ -297,14 +304,14 @@ impl LinearCall<'_> {
         let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
         let options = parse_options(self.options)?;
         let spec = unsafe { self.rows.spec(op, &options)? };
-        let budget = ChunkBudget::from_mb(self.chunk_memory_mb);
+        let budget = self.budget()?;
         unsafe { deferred::linear_forward(spec, dtype, self.inputs(), self.hidden_size, budget) }
     }
 }
 
 /// [`LinearCall`] from Python, with the GIL released.
 #[pyfunction]
-#[pyo3(signature = (op, dtype, hidden, weight, bias, hidden_size, rows, options, grads, chunk_memory_mb))]
+#[pyo3(signature = (op, dtype, hidden, weight, bias, hidden_size, rows, options, grads, chunk_memory_mb, bf16_products="auto"))]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_loss(
     py: Python<'_>,
@@ -318,8 +325,21 @@ pub fn linear_loss(
     options: &str,
     grads: GradientAddresses,
     chunk_memory_mb: usize,
+    bf16_products: &str,
 ) -> PyResult<LossResult> {
-    let call = LinearCall { op, dtype, options, rows, hidden, weight, bias, hidden_size, grads, chunk_memory_mb };
+    let call = LinearCall {
+        op,
+        dtype,
+        options,
+        rows,
+        hidden,
+        weight,
+        bias,
+        hidden_size,
+        grads,
+        chunk_memory_mb,
+        bf16_products,
+    };
     // SAFETY: the module's contract, for the length of this call.
     let output = py.detach(|| unsafe { call.run() });
     output.map(LossResult::new).map_err(PyValueError::new_err)
@@ -328,7 +348,7 @@ pub fn linear_loss(
 /// Steps 1 and 2 of a fused-linear loss, the gradients left for
 /// [`DeferredGradient::write_linear`] (from Python, with the GIL released).
 #[pyfunction]
-#[pyo3(signature = (op, dtype, hidden, weight, bias, hidden_size, rows, options, chunk_memory_mb))]
+#[pyo3(signature = (op, dtype, hidden, weight, bias, hidden_size, rows, options, chunk_memory_mb, bf16_products="auto"))]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_loss_deferred(
     py: Python<'_>,
@@ -341,9 +361,22 @@ pub fn linear_loss_deferred(
     rows: RowAddresses,
     options: &str,
     chunk_memory_mb: usize,
+    bf16_products: &str,
 ) -> PyResult<(LossResult, DeferredGradient)> {
     let grads = GradientAddresses { hidden: 0, weight: 0, bias: 0, accumulate: false };
-    let call = LinearCall { op, dtype, options, rows, hidden, weight, bias, hidden_size, grads, chunk_memory_mb };
+    let call = LinearCall {
+        op,
+        dtype,
+        options,
+        rows,
+        hidden,
+        weight,
+        bias,
+        hidden_size,
+        grads,
+        chunk_memory_mb,
+        bf16_products,
+    };
     // SAFETY: the module's contract, for the length of this call.
     let run = || unsafe { call.run_deferred() };
     let (output, gradient) = py.detach(run).map_err(PyValueError::new_err)?;

@@ -188,6 +188,8 @@ fn linear_call<'c>(call: &'c Call<'_>, first_grad: Option<usize>, widened: &mut 
         hidden_size,
         grads,
         chunk_memory_mb: chunk_memory_mb.parse().map_err(|e| format!("chunk_memory_mb `{chunk_memory_mb}`: {e}"))?,
+        // Optional: `auto` where the caller names none.
+        bf16_products: call.string_attr("bf16_products").unwrap_or("auto"),
     })
 }
 

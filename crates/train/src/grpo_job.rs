@@ -329,6 +329,7 @@ fn warm_start(
     let loss = LossConfig {
         implementation: LossImpl::FusedLinear,
         chunk_memory_mb: config.loss.chunk_memory_mb,
+        bf16_products: config.loss.bf16_products,
         ..LossConfig::default()
     };
     let taught = sloppy_answers(train, config.task.sloppy_teacher_share(), config.seed);

@@ -326,6 +326,6 @@ mod tests {
         assert!(rows * 151_936 * 6 <= 1024 << 20, "{rows}");
         assert!(4096usize.div_ceil(rows) * rows - 4096 < rows);
         assert_eq!(rows_per_chunk::<f32>(10, 1000, ChunkBudget::from_mb(1024)), 10);
-        assert_eq!(rows_per_chunk::<f32>(10, 1000, ChunkBudget { bytes: 1 }), 1);
+        assert_eq!(rows_per_chunk::<f32>(10, 1000, ChunkBudget::from_bytes(1)), 1);
     }
 }

@@ -33,7 +33,7 @@ use crate::element::Element;
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 use crate::matmul::{self, Mat, MatMut};
-use crate::matmul_bf16::{self, Bf16Products};
+use crate::matmul_bf16::{self, Bf16Choice, Bf16Products};
 use crate::objective::{LossOutput, Objective, RowGradient, RowOutcome};
 use crate::stats::{PartialRowStats, RowStats};
 
@@ -65,17 +65,27 @@ pub struct LinearGradients<'a> {
     pub accumulate: bool,
 }
 
-/// The memory the streaming may use beyond the inputs and the gradients.
+/// How a fused-linear call runs, shared by every front end: the memory the streaming may use
+/// beyond the inputs and the gradients, and, for bf16 inputs, the products' way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChunkBudget {
     pub bytes: usize,
+    pub bf16_products: Bf16Choice,
 }
 
 impl ChunkBudget {
     pub const DEFAULT_MB: usize = 192;
 
     pub fn from_mb(mb: usize) -> Self {
-        Self { bytes: mb << 20 }
+        Self::from_bytes(mb << 20)
+    }
+
+    pub fn from_bytes(bytes: usize) -> Self {
+        Self { bytes, bf16_products: Bf16Choice::Auto }
+    }
+
+    pub fn with_bf16_products(self, bf16_products: Bf16Choice) -> Self {
+        Self { bf16_products, ..self }
     }
 }
 
@@ -244,7 +254,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             )));
         }
         shapes::check_inputs(rows, h, v, inputs.hidden.len(), inputs.weight.len(), inputs.bias.map(<[T]>::len))?;
-        let products = matmul_bf16::current();
+        let products = budget.bf16_products.resolve();
         let packed = T::as_bf16_bits(&[]).is_some() && products.packed();
         let operands = if packed {
             Operands::Packed { hidden: Box::default(), partials: Vec::new(), products }

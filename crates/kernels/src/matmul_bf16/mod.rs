@@ -2,7 +2,8 @@
 //! (see [`crate::matmul`]) with bf16 weights and hidden states, f32 accumulation and f32 outputs.
 //! [`layer`] gives the same products to a model's linear layers (the trainer's engine).
 //!
-//! The ways, chosen at run time ([`Bf16Products::detected`], overridable per thread with
+//! The ways, chosen at run time ([`Bf16Products::detected`], overridable per call with
+//! [`Bf16Choice`] in the [`ChunkBudget`](crate::ChunkBudget), per thread with
 //! [`with_bf16_products`] and for the process with `FLASHGRPO_BF16_PRODUCTS`):
 //! - [`Bf16Products::Amx`]: Intel AMX tiles ([`amx`]), 1.4-2 TFLOP/s per core on this project's
 //!   machine with the operands in the caches, against ~100 GFLOP/s for f32. The logits product multiplies the bf16 inputs exactly; the two
@@ -28,7 +29,9 @@ use std::ops::Range;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 
+use crate::error::LossError;
 use crate::matmul::{Mat, MatMut};
 use pack::{PackedA, PackedB};
 
@@ -143,6 +146,80 @@ pub fn with_bf16_products<R>(products: Bf16Products, f: impl FnOnce() -> R) -> R
 /// The way calls from this thread run now.
 pub fn current() -> Bf16Products {
     OVERRIDE.with(Cell::get).unwrap_or_else(Bf16Products::detected)
+}
+
+/// A call's or a config's choice of bf16 products (`bf16_products`), carried by
+/// [`ChunkBudget`](crate::ChunkBudget) so that every front end, and a deferred backward, runs the
+/// way its forward ran: `auto` ([`current`]: the machine's fastest way with f32-grade gradients,
+/// or what `FLASHGRPO_BF16_PRODUCTS` names), `rounded` (the machine's fastest way with the logits'
+/// gradient rounded to bf16, as PyTorch and Liger take it), or one way's setting. Checked against
+/// this machine when read: a way it lacks is an error naming the ones it has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Bf16Choice {
+    #[default]
+    Auto,
+    Way(Bf16Products),
+}
+
+impl Bf16Choice {
+    pub fn parse(setting: &str) -> Result<Self, LossError> {
+        let available = Bf16Products::available();
+        let found = match setting {
+            "auto" => return Ok(Bf16Choice::Auto),
+            "rounded" => available.iter().find(|p| p.rounded()),
+            _ => available.iter().find(|p| p.setting() == setting),
+        };
+        found.map(|&p| Bf16Choice::Way(p)).ok_or_else(|| {
+            let ways: Vec<&str> = available.iter().map(|p| p.setting()).collect();
+            LossError::InvalidOption {
+                name: "bf16_products",
+                message: format!(
+                    "`{setting}` is not a way this machine has; it has: auto, {}{}",
+                    if available.iter().any(|p| p.rounded()) { "rounded, " } else { "" },
+                    ways.join(", ")
+                ),
+            }
+        })
+    }
+
+    /// The way a call runs: the one chosen, else this thread's ([`current`]).
+    pub fn resolve(self) -> Bf16Products {
+        match self {
+            Bf16Choice::Auto => current(),
+            Bf16Choice::Way(p) => p,
+        }
+    }
+
+    /// Runs `f` with this choice as the calling thread's way (`auto`: as it is), for what reads
+    /// the thread's way rather than a budget (the bench's product rate, a model's layers).
+    pub fn run<R>(self, f: impl FnOnce() -> R) -> R {
+        match self {
+            Bf16Choice::Auto => f(),
+            Bf16Choice::Way(p) => with_bf16_products(p, f),
+        }
+    }
+
+    pub fn setting(self) -> &'static str {
+        match self {
+            Bf16Choice::Auto => "auto",
+            Bf16Choice::Way(p) => p.setting(),
+        }
+    }
+}
+
+impl TryFrom<String> for Bf16Choice {
+    type Error = LossError;
+
+    fn try_from(setting: String) -> Result<Self, LossError> {
+        Self::parse(&setting)
+    }
+}
+
+impl From<Bf16Choice> for String {
+    fn from(choice: Bf16Choice) -> String {
+        choice.setting().to_string()
+    }
 }
 
 /// Where a product's f32 result goes: `rows x cols` of C at `ptr` (rows `stride` apart), or, if

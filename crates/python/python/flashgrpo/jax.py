@@ -205,6 +205,17 @@ def _as_hidden_dtype(hidden, weight, bias):
     return weight.astype(hidden.dtype), bias.astype(hidden.dtype)
 
 
+def _budget(chunk_memory_mb, bf16_products):
+    """A fused-linear call's budget, hashable (a custom VJP's static argument): the memory in MiB
+    and the bf16 products' way."""
+    return (chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB, bf16_products or "auto")
+
+
+def _budget_attrs(chunk):
+    """The budget as the custom calls' string attributes."""
+    return dict(chunk_memory_mb=str(chunk[0]), bf16_products=chunk[1])
+
+
 def _linear_call(op, opts, chunk, hidden, weight, bias, side, with_grad):
     _register()
     weight, bias = _as_hidden_dtype(hidden, weight, bias)
@@ -215,7 +226,7 @@ def _linear_call(op, opts, chunk, hidden, weight, bias, side, with_grad):
                    jax.ShapeDtypeStruct(bias.shape, jnp.float32)]
     target = "flashgrpo_linear_loss_grad" if with_grad else "flashgrpo_linear_loss"
     return jax.ffi.ffi_call(target, shapes, vmap_method="sequential")(
-        hidden, weight, bias, *side, op=op, options=opts, chunk_memory_mb=str(chunk))
+        hidden, weight, bias, *side, op=op, options=opts, **_budget_attrs(chunk))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -253,7 +264,7 @@ def _linear_rows_fwd(op, value, opts, chunk, hidden, weight, bias, *side):
     shapes = [jax.ShapeDtypeStruct((), jnp.float32)] + [jax.ShapeDtypeStruct((rows,), jnp.float32)] * 5
     shapes.append(jax.ShapeDtypeStruct((rows * 5,), jnp.float32))  # each row's gradient scalars
     results = jax.ffi.ffi_call("flashgrpo_linear_rows", shapes, vmap_method="sequential")(
-        hidden, *_as_hidden_dtype(hidden, weight, bias), *side, op=op, options=opts, chunk_memory_mb=str(chunk))
+        hidden, *_as_hidden_dtype(hidden, weight, bias), *side, op=op, options=opts, **_budget_attrs(chunk))
     return _outputs_of(results)[1][value], (hidden, weight, bias, side, results[6])
 
 
@@ -262,7 +273,7 @@ def _linear_rows_bwd(op, value, opts, chunk, residual, cotangent):
     shapes = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (hidden, weight, bias)]
     grads = jax.ffi.ffi_call("flashgrpo_linear_rows_grad", shapes, vmap_method="sequential")(
         hidden, *_as_hidden_dtype(hidden, weight, bias), *side, row_gradients,
-        cotangent.astype(jnp.float32).reshape(-1), op=op, options=opts, chunk_memory_mb=str(chunk))
+        cotangent.astype(jnp.float32).reshape(-1), op=op, options=opts, **_budget_attrs(chunk))
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (hidden, weight, bias))) + _NO_COTANGENTS
 
 
@@ -282,34 +293,37 @@ def _linear_inputs(hidden, weight, bias, row_inputs):
     return hidden, weight, bias, _per_row(batch, seq_len, **row_inputs)
 
 
-def _run_linear_rows(op, value, hidden, weight, bias, options, chunk_memory_mb, **row_inputs):
+def _run_linear_rows(op, value, hidden, weight, bias, options, chunk_memory_mb, bf16_products=None, **row_inputs):
     hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
     _register()
-    chunk = chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB
+    chunk = _budget(chunk_memory_mb, bf16_products)
     out = _linear_rows(op, value, options_json(options), chunk, hidden, weight, bias, *side)
     return out.reshape(hidden.shape[:-1])
 
 
-def _run_linear(op, hidden, weight, bias, options, chunk_memory_mb, **row_inputs):
+def _run_linear(op, hidden, weight, bias, options, chunk_memory_mb, bf16_products=None, **row_inputs):
     hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
-    chunk = chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB
+    chunk = _budget(chunk_memory_mb, bf16_products)
     loss, per_token = _linear_loss(op, options_json(options), chunk, hidden, weight, bias, *side)
     shape = hidden.shape[:-1]
     return loss, {k: jax.lax.stop_gradient(v).reshape(shape) for k, v in per_token.items()}
 
 
 def fused_linear_grpo_loss(hidden, weight, targets, advantages, mask=None, *, bias=None, old_logp=None, ref_logp=None,
-                           is_ratio=None, sampling_logp=None, chunk_memory_mb=None, return_outputs=False, **options):
+                           is_ratio=None, sampling_logp=None, chunk_memory_mb=None, bf16_products=None,
+                           return_outputs=False, **options):
     """``grpo_loss`` of ``hidden [B, T, H] @ weight[V, H]^T (+ bias)``, streamed over the vocabulary;
-    differentiable in ``hidden``, ``weight`` and ``bias``."""
+    differentiable in ``hidden``, ``weight`` and ``bias``. ``bf16_products`` as in
+    ``flashgrpo.torch.fused_linear_grpo_loss`` (``"auto"``, ``"rounded"`` or a way's name)."""
     given = dict(targets=targets, mask=mask, advantages=advantages, old_logp=old_logp, ref_logp=ref_logp,
                  is_ratio=is_ratio, sampling_logp=sampling_logp)
-    loss, per_token = _run_linear("grpo", hidden, weight, bias, options, chunk_memory_mb, **given)
+    loss, per_token = _run_linear("grpo", hidden, weight, bias, options, chunk_memory_mb, bf16_products, **given)
     return _with_outputs(loss, per_token, "grpo", given, return_outputs)
 
 
 def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, reduction="mean", ignore_index=-100,
-                               label_smoothing=0.0, z_loss=0.0, mask=None, chunk_memory_mb=None, **options):
+                               label_smoothing=0.0, z_loss=0.0, mask=None, chunk_memory_mb=None, bf16_products=None,
+                               **options):
     """``cross_entropy`` of ``hidden @ weight^T (+ bias)``; ``reduction`` mean (default), sum or none
     (per token, differentiable per token). Gradients to ``hidden``, ``weight`` and ``bias``."""
     if reduction not in ("mean", "sum", "none"):
@@ -318,23 +332,26 @@ def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, reduction=
                    z_loss=z_loss)
     if reduction == "none":
         out = _run_linear_rows("cross_entropy", "per_token_loss", hidden, weight, bias, options, chunk_memory_mb,
-                               targets=targets, mask=mask)
+                               bf16_products, targets=targets, mask=mask)
         return out.reshape(jnp.shape(targets))
-    loss, _ = _run_linear("cross_entropy", hidden, weight, bias, options, chunk_memory_mb, targets=targets, mask=mask)
+    loss, _ = _run_linear("cross_entropy", hidden, weight, bias, options, chunk_memory_mb, bf16_products,
+                          targets=targets, mask=mask)
     return loss
 
 
-def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, chunk_memory_mb=None):
+def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, chunk_memory_mb=None,
+                         bf16_products=None):
     """Per-token log-probabilities of ``targets`` under ``hidden @ weight^T + bias``, differentiable
     per token in ``hidden``, ``weight`` and ``bias``."""
     out = _run_linear_rows("logprob", "logp", hidden, weight, bias, dict(temperature=temperature), chunk_memory_mb,
-                           targets=targets)
+                           bf16_products, targets=targets)
     return out.reshape(jnp.shape(targets))
 
 
-def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, chunk_memory_mb=None):
+def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, chunk_memory_mb=None,
+                         bf16_products=None):
     """Per-token entropy under ``hidden @ weight^T + bias`` (values only)."""
     _, per_token = _run_linear("entropy", jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(weight),
                                None if bias is None else jax.lax.stop_gradient(bias), dict(temperature=temperature),
-                               chunk_memory_mb, mask=mask)
+                               chunk_memory_mb, bf16_products, mask=mask)
     return per_token["entropy"]

@@ -321,7 +321,7 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
 
 
 def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None, chunk_memory_mb=None,
-                 **row_inputs):
+                 bf16_products=None, **row_inputs):
     """Runs ``op`` over ``hidden [B, T, H] (or [N, H]) @ weight[V, H]^T + bias``. A weight or bias
     of another dtype than ``hidden`` is cast to it (a copy, as Liger-Kernel casts the weight); the
     gradients come back in each input's own dtype. A per-token ``value`` (``per_row``) gets its
@@ -342,6 +342,7 @@ def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None
     request = _Rows(batch, seq_len, vocab, **row_inputs)
     wants_grad = op != "entropy" and _wants_gradient(hidden, weight, bias)
     chunk = chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB
+    products = bf16_products or "auto"
     native = (op, _DTYPES[h.dtype], _address(h), _address(w), _address(b), hidden_size, request.native,
               options_json(options))
     # A per-token value's gradients wait for the backward, where each token's upstream is known.
@@ -354,11 +355,11 @@ def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None
         torch.empty(vocab, dtype=f32) if eager and bias is not None and bias.requires_grad else None,
     )
     if deferred:
-        result, pending = _native.linear_loss_deferred(*native, chunk)
+        result, pending = _native.linear_loss_deferred(*native, chunk, products)
     else:
         addresses = dict(hidden=_address(grads[0]), weight=_address(grads[1]), bias=_address(grads[2]),
                          accumulate=False)
-        result = _native.linear_loss(*native, addresses, chunk)
+        result = _native.linear_loss(*native, addresses, chunk, products)
     per_token = _per_token(result, batch * seq_len, out_shape)
     value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=f32)
     if deferred:
@@ -422,42 +423,51 @@ def logprob(logits, targets, *, temperature=1.0, in_place=False):
 
 
 def fused_linear_grpo_loss(hidden, weight, targets, advantages, mask=None, *, bias=None, old_logp=None,
-                           ref_logp=None, is_ratio=None, sampling_logp=None, chunk_memory_mb=None, **options):
+                           ref_logp=None, is_ratio=None, sampling_logp=None, chunk_memory_mb=None,
+                           bf16_products=None, **options):
     """``grpo_loss`` of ``hidden [B, T, H] @ weight[V, H]^T (+ bias [V])``, streamed over the
     vocabulary in chunks of at most ``chunk_memory_mb`` (the ``[B, T, V]`` logits are never built).
-    Gradients flow to ``hidden``, ``weight`` and ``bias``, those that require one."""
+    Gradients flow to ``hidden``, ``weight`` and ``bias``, those that require one. With bf16
+    inputs, ``bf16_products`` picks the products' way: ``"auto"`` (default, f32-grade gradients),
+    ``"rounded"`` (the logits' gradient rounded to bf16 as PyTorch takes it: faster, bf16-grade
+    ``hidden`` / ``weight`` gradients), or a way's name (``"widened"``, ``"amx"``, ...)."""
     if hidden.dim() != 3:
         raise ValueError(f"`hidden` must be [B, T, H], got shape {list(hidden.shape)}")
     value, per_token = _linear_call("grpo", hidden, weight, bias, options, chunk_memory_mb=chunk_memory_mb,
-                                    targets=targets, mask=mask, advantages=advantages, old_logp=old_logp,
+                                    bf16_products=bf16_products, targets=targets, mask=mask, advantages=advantages, old_logp=old_logp,
                                     ref_logp=ref_logp, is_ratio=is_ratio, sampling_logp=sampling_logp)
     return _outputs(value, per_token)
 
 
 def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, reduction="mean", ignore_index=-100,
-                               label_smoothing=0.0, z_loss=0.0, mask=None, chunk_memory_mb=None, **options):
-    """``cross_entropy`` of ``hidden @ weight^T (+ bias)``, streamed over the vocabulary."""
+                               label_smoothing=0.0, z_loss=0.0, mask=None, chunk_memory_mb=None,
+                               bf16_products=None, **options):
+    """``cross_entropy`` of ``hidden @ weight^T (+ bias)``, streamed over the vocabulary
+    (``bf16_products`` as in ``fused_linear_grpo_loss``)."""
     per_row = "per_token_loss" if reduction == "none" else None
     value, _ = _linear_call("cross_entropy", hidden, weight, bias,
                             dict(options, reduction=reduction, ignore_index=ignore_index,
                                  label_smoothing=label_smoothing, z_loss=z_loss),
                             per_row=per_row, out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb,
-                            targets=targets, mask=mask)
+                            bf16_products=bf16_products, targets=targets, mask=mask)
     return value
 
 
-def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, chunk_memory_mb=None):
+def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, chunk_memory_mb=None,
+                         bf16_products=None):
     """Per-token entropy of ``softmax((hidden @ weight^T + bias) / temperature)``; no gradient."""
     _, per_token = _linear_call("entropy", hidden, weight, bias, dict(temperature=temperature),
-                                chunk_memory_mb=chunk_memory_mb, mask=mask)
+                                chunk_memory_mb=chunk_memory_mb, bf16_products=bf16_products, mask=mask)
     return per_token["entropy"]
 
 
-def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, chunk_memory_mb=None):
+def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, chunk_memory_mb=None,
+                         bf16_products=None):
     """Per-token log-probabilities of ``targets`` under ``hidden @ weight^T + bias``, differentiable
     per token (the gradients are written in the backward, where each token's upstream is known)."""
     value, _ = _linear_call("logprob", hidden, weight, bias, dict(temperature=temperature), per_row="logp",
-                            out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb, targets=targets)
+                            out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb,
+                            bf16_products=bf16_products, targets=targets)
     return value
 
 
