@@ -221,9 +221,21 @@ pub struct LinearCall<'a> {
     pub bias: usize,
     pub hidden_size: usize,
     pub grads: GradientAddresses,
+    pub budget: BudgetArgs<'a>,
+}
+
+/// How a fused-linear call runs, as a front end passes it: the streaming's memory in MiB and the
+/// bf16 products' way (`auto`, `rounded`, or a way's name: [`Bf16Choice`]).
+pub struct BudgetArgs<'a> {
     pub chunk_memory_mb: usize,
-    /// The bf16 products' way: `auto`, `rounded`, or a way's name ([`Bf16Choice`]).
     pub bf16_products: &'a str,
+}
+
+impl BudgetArgs<'_> {
+    fn budget(&self) -> Result<ChunkBudget> {
+        let products = Bf16Choice::parse(self.bf16_products).map_err(message)?;
+        Ok(ChunkBudget::from_mb(self.chunk_memory_mb).with_bf16_products(products))
+    }
 }
 
 /// The buffers of a fused-linear loss (`names`: hidden states, weight, bias, or their gradients)
@@ -260,11 +272,6 @@ pub const LINEAR_INPUTS: [&str; 3] = ["hidden", "weight", "bias"];
 pub const LINEAR_GRADIENTS: [&str; 3] = ["grad_hidden", "grad_weight", "grad_bias"];
 
 impl LinearCall<'_> {
-    fn budget(&self) -> Result<ChunkBudget> {
-        let products = Bf16Choice::parse(self.bf16_products).map_err(message)?;
-        Ok(ChunkBudget::from_mb(self.chunk_memory_mb).with_bf16_products(products))
-    }
-
     fn inputs(&self) -> [Address; 3] {
         let addresses = [self.hidden, self.weight, self.bias];
         linear_addresses(LINEAR_INPUTS, addresses, self.rows.rows(), self.rows.vocab, self.hidden_size)
@@ -278,7 +285,7 @@ impl LinearCall<'_> {
         let (h, g) = (self.hidden_size, self.grads);
         let gradients =
             linear_addresses(LINEAR_GRADIENTS, [g.hidden, g.weight, g.bias], self.rows.rows(), self.rows.vocab, h);
-        let budget = self.budget()?;
+        let budget = self.budget.budget()?;
         let spec = unsafe { self.rows.spec(op, &options)? };
         with_element!(dtype, T => unsafe { linear_call::<T>(spec, self.inputs(), h, gradients, g.accumulate, budget) })
     }
@@ -292,7 +299,7 @@ impl LinearCall<'_> {
         let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
         let options = parse_options(self.options)?;
         let spec = unsafe { self.rows.spec(op, &options)? };
-        let budget = self.budget()?;
+        let budget = self.budget.budget()?;
         DeferredGradient::linear_from_rows(&spec, budget, dtype, self.hidden_size, values)
     }
 
@@ -304,7 +311,7 @@ impl LinearCall<'_> {
         let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
         let options = parse_options(self.options)?;
         let spec = unsafe { self.rows.spec(op, &options)? };
-        let budget = self.budget()?;
+        let budget = self.budget.budget()?;
         unsafe { deferred::linear_forward(spec, dtype, self.inputs(), self.hidden_size, budget) }
     }
 }
@@ -327,19 +334,8 @@ pub fn linear_loss(
     chunk_memory_mb: usize,
     bf16_products: &str,
 ) -> PyResult<LossResult> {
-    let call = LinearCall {
-        op,
-        dtype,
-        options,
-        rows,
-        hidden,
-        weight,
-        bias,
-        hidden_size,
-        grads,
-        chunk_memory_mb,
-        bf16_products,
-    };
+    let budget = BudgetArgs { chunk_memory_mb, bf16_products };
+    let call = LinearCall { op, dtype, options, rows, hidden, weight, bias, hidden_size, grads, budget };
     // SAFETY: the module's contract, for the length of this call.
     let output = py.detach(|| unsafe { call.run() });
     output.map(LossResult::new).map_err(PyValueError::new_err)
@@ -364,19 +360,8 @@ pub fn linear_loss_deferred(
     bf16_products: &str,
 ) -> PyResult<(LossResult, DeferredGradient)> {
     let grads = GradientAddresses { hidden: 0, weight: 0, bias: 0, accumulate: false };
-    let call = LinearCall {
-        op,
-        dtype,
-        options,
-        rows,
-        hidden,
-        weight,
-        bias,
-        hidden_size,
-        grads,
-        chunk_memory_mb,
-        bf16_products,
-    };
+    let budget = BudgetArgs { chunk_memory_mb, bf16_products };
+    let call = LinearCall { op, dtype, options, rows, hidden, weight, bias, hidden_size, grads, budget };
     // SAFETY: the module's contract, for the length of this call.
     let run = || unsafe { call.run_deferred() };
     let (output, gradient) = py.detach(run).map_err(PyValueError::new_err)?;

@@ -7,10 +7,11 @@
 //! per-row inputs `targets` (int32 or int64), `mask`, `advantages`, `old_logp`, `ref_logp`,
 //! `is_ratio`, `sampling_logp` (float32), an empty array for each one not given. Attributes:
 //! `op` and `options` (LOSSES.md's options as JSON), and for the fused-linear call
-//! `chunk_memory_mb`, all strings. Results: the loss (float32 scalar), the five per-token outputs
-//! (float32 `[B*T]`, zeros where the op computes none), then, in the `_grad` variants, the
-//! gradient: of the logits (their dtype and shape), or of hidden, weight and bias (float32). A
-//! logits gradient aliased to the logits (`input_output_aliases`) is written over them.
+//! `chunk_memory_mb` and, optionally, `bf16_products` (`auto` when absent), all strings. Results:
+//! the loss (float32 scalar), the five per-token outputs (float32 `[B*T]`, zeros where the op
+//! computes none), then, in the `_grad` variants, the gradient: of the logits (their dtype and
+//! shape), or of hidden, weight and bias (float32). A logits gradient aliased to the logits
+//! (`input_output_aliases`) is written over them.
 //! A fused-linear per-token output under `jax.grad`: `flashgrpo_linear_rows` (the forward) also
 //! returns each row's gradient scalars (`[B*T * 5]`), and `flashgrpo_linear_rows_grad` (the
 //! backward) takes them and the cotangent after the per-row inputs and returns only the three
@@ -23,7 +24,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict};
 
 use crate::buffers::Result;
-use crate::call::{GradientAddresses, LinearCall, LogitsCall, RowAddresses};
+use crate::call::{BudgetArgs, GradientAddresses, LinearCall, LogitsCall, RowAddresses};
 use crate::xla_ffi::{self, Buffer, Call, CallFrame, Error};
 
 fn dtype_name(buffer: &Buffer, what: &str) -> Result<&'static str> {
@@ -187,9 +188,13 @@ fn linear_call<'c>(call: &'c Call<'_>, first_grad: Option<usize>, widened: &mut 
         bias: address(bias),
         hidden_size,
         grads,
-        chunk_memory_mb: chunk_memory_mb.parse().map_err(|e| format!("chunk_memory_mb `{chunk_memory_mb}`: {e}"))?,
-        // Optional: `auto` where the caller names none.
-        bf16_products: call.string_attr("bf16_products").unwrap_or("auto"),
+        budget: BudgetArgs {
+            chunk_memory_mb: chunk_memory_mb
+                .parse()
+                .map_err(|e| format!("chunk_memory_mb `{chunk_memory_mb}`: {e}"))?,
+            // Optional: `auto` where the caller names none.
+            bf16_products: call.string_attr("bf16_products").unwrap_or("auto"),
+        },
     })
 }
 
