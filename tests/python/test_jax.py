@@ -195,7 +195,7 @@ def check_fused_linear():
             return fj.fused_linear_grpo_loss(h, w, targets, adv, mask, bias=b, beta=0.0, epsilon_high=0.28,
                                              bf16_products=way).astype(jnp.float32)
         try:
-            bl, bg = jax.jit(jax.value_and_grad(chosen, argnums=(0, 1, 2)))(*bf)
+            bl, bg = jax.block_until_ready(jax.jit(jax.value_and_grad(chosen, argnums=(0, 1, 2)))(*bf))
         except Exception as e:  # noqa: BLE001 - a machine without a rounded way refuses it, naming the key
             CHECKS[0] += 1
             if way == "widened" or "bf16_products" not in str(e):

@@ -45,7 +45,7 @@ pub struct LossArgs {
     pub vocab_parallel: bool,
 }
 
-/// `flashgrpo loss`'s own key, besides the loss options.
+/// `flashgrpo loss`'s own keys, besides the loss options.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 struct LossKeys {

@@ -79,9 +79,9 @@ fn bad_keys_and_values_are_named() {
     assert!(!o.status.success() && text(&o).contains("num_attention_heads"), "{}", text(&o));
     let o = train(&["--config", "configs/none.yaml"]);
     assert!(!o.status.success() && text(&o).contains("configs/none.yaml"), "{}", text(&o));
-    let o = train(&["--algo", "sft", "--set", "loss.bf16_products=tpu", "--print-config"]);
+    let o = train(&["--algo", "sft", "--set", "model.bf16_products=tpu", "--print-config"]);
     assert!(!o.status.success() && text(&o).contains("bf16_products") && text(&o).contains("widened"), "{}", text(&o));
-    let o = train(&["--algo", "sft", "--set", "loss.bf16_products=widened", "--print-config"]);
+    let o = train(&["--algo", "sft", "--set", "model.bf16_products=widened", "--print-config"]);
     assert!(o.status.success() && text(&o).contains("bf16_products: widened"), "{}", text(&o));
 }
 

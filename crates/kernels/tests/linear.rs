@@ -395,9 +395,23 @@ fn the_budgets_bf16_products_choose_the_way() {
     }
     assert_eq!(Bf16Choice::parse("auto").unwrap(), Bf16Choice::Auto);
     match Bf16Products::available().into_iter().find(|p| p.rounded()) {
-        Some(fastest) => assert_eq!(Bf16Choice::parse("rounded").unwrap(), Bf16Choice::Way(fastest)),
+        Some(fastest) => {
+            assert_eq!(Bf16Choice::parse("rounded").unwrap(), Bf16Choice::Rounded);
+            assert_eq!(Bf16Choice::Rounded.resolve(), fastest);
+            let read: Bf16Choice = serde_saphyr::from_str("rounded").unwrap();
+            assert_eq!(String::from(read), "rounded", "kept by name, not as this CPU's way");
+        }
         None => assert!(Bf16Choice::parse("rounded").is_err()),
     }
     let e = Bf16Choice::parse("tpu").unwrap_err().to_string();
     assert!(e.contains("bf16_products") && e.contains("`tpu`") && e.contains("widened"), "{e}");
+    // A way built by hand that this machine lacks is an error, not a panic.
+    let all = [Bf16Products::Amx, Bf16Products::AmxRounded, Bf16Products::Avx512Bf16, Bf16Products::Avx512Bf16Rounded];
+    if let Some(&missing) = all.iter().find(|p| !Bf16Products::available().contains(p)) {
+        let hidden: Vec<bf16> = lin.hidden.iter().map(|&x| bf16::from_f32(x)).collect();
+        let weight: Vec<bf16> = lin.weight.iter().map(|&x| bf16::from_f32(x)).collect();
+        let inputs = LinearInputs { hidden: &hidden, weight: &weight, bias: None, hidden_size: lin.h };
+        let e = linear_forward(data.spec(), inputs, budget.with_bf16_products(Bf16Choice::Way(missing)));
+        assert!(e.unwrap_err().to_string().contains("cannot run"), "{missing:?}");
+    }
 }

@@ -123,8 +123,13 @@ fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
     std::fs::write(path, serde_json::to_string_pretty(value).expect("json")).map_err(io(path))
 }
 
-/// Runs GRPO as the config says, in `config.out`.
+/// Runs GRPO as the config says, in `config.out`, with the bf16 products `model.bf16_products`
+/// names (the layers' and the head's).
 pub fn run_grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary> {
+    config.model.bf16_products.run(|| grpo_job(config, options))
+}
+
+fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary> {
     config.validate()?;
     let comm = options.comm.as_ref();
     let mesh = Mesh::new(comm, &config.parallel)?;
@@ -329,7 +334,6 @@ fn warm_start(
     let loss = LossConfig {
         implementation: LossImpl::FusedLinear,
         chunk_memory_mb: config.loss.chunk_memory_mb,
-        bf16_products: config.loss.bf16_products,
         ..LossConfig::default()
     };
     let taught = sloppy_answers(train, config.task.sloppy_teacher_share(), config.seed);

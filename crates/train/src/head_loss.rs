@@ -9,7 +9,7 @@ use std::sync::Arc;
 use candle_core::{Result, Tensor};
 use flashgrpo_candle::composed::ComposedLoss;
 use flashgrpo_candle::{loss_from_hidden, loss_from_logits, LossInputs, LossTensors};
-use flashgrpo_kernels::{Bf16Choice, ChunkBudget, LossOptions};
+use flashgrpo_kernels::{ChunkBudget, LossOptions};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
@@ -42,8 +42,6 @@ impl LossImpl {
 pub struct LossConfig {
     pub implementation: LossImpl,
     pub chunk_memory_mb: usize,
-    /// The head's fused-linear products with a bf16 model (`auto`, `rounded`, or a way's name).
-    pub bf16_products: Bf16Choice,
     pub options: LossOptions,
 }
 
@@ -52,7 +50,6 @@ impl Default for LossConfig {
         Self {
             implementation: LossImpl::default(),
             chunk_memory_mb: ChunkBudget::DEFAULT_MB,
-            bf16_products: Bf16Choice::Auto,
             options: LossOptions::default(),
         }
     }
@@ -60,7 +57,7 @@ impl Default for LossConfig {
 
 impl LossConfig {
     pub fn budget(&self) -> ChunkBudget {
-        ChunkBudget::from_mb(self.chunk_memory_mb).with_bf16_products(self.bf16_products)
+        ChunkBudget::from_mb(self.chunk_memory_mb)
     }
 }
 
@@ -69,7 +66,6 @@ impl Serialize for LossConfig {
         let mut map = Map::new();
         map.insert("impl".into(), Value::from(self.implementation.name()));
         map.insert("chunk_memory_mb".into(), Value::from(self.chunk_memory_mb));
-        map.insert("bf16_products".into(), Value::from(self.bf16_products.setting()));
         if let Value::Object(options) = serde_json::to_value(&self.options).map_err(serde::ser::Error::custom)? {
             map.extend(options);
         }
@@ -88,10 +84,6 @@ impl<'de> Deserialize<'de> for LossConfig {
                 "chunk_memory_mb" => {
                     config.chunk_memory_mb = serde_json::from_value(value).map_err(D::Error::custom)?
                 }
-                "bf16_products" => {
-                    let setting: String = serde_json::from_value(value).map_err(D::Error::custom)?;
-                    config.bf16_products = Bf16Choice::parse(&setting).map_err(D::Error::custom)?
-                }
                 k if LossOptions::NAMES.contains(&k) => {
                     // `delta: none` reads as unset, as in Python; `reduction: none` is a value.
                     let unset = k != "reduction" && value.as_str().is_some_and(|s| s.eq_ignore_ascii_case("none"));
@@ -99,7 +91,7 @@ impl<'de> Deserialize<'de> for LossConfig {
                 }
                 _ => {
                     return Err(D::Error::custom(format!(
-                        "unknown key `loss.{key}`; valid keys are impl, chunk_memory_mb, bf16_products and the loss options {}",
+                        "unknown key `loss.{key}`; valid keys are impl, chunk_memory_mb and the loss options {}",
                         LossOptions::NAMES.join(", ")
                     )))
                 }

@@ -27,8 +27,13 @@ pub fn gsm8k_example(p: &Gsm8kProblem) -> Example {
 
 /// Runs SFT as the config says, writing `metrics.jsonl`, `config.json` and `model/` to `out`.
 /// GSM8K trains on `Question: ...\nAnswer: ` + the worked solution; the arithmetic task on its
-/// prompts and the think/answer format the GRPO rewards ask for.
+/// prompts and the think/answer format the GRPO rewards ask for. The bf16 products are those
+/// `model.bf16_products` names.
 pub fn run_sft_job(config: &TrainConfig, out: &Path, comm: &dyn Collective) -> Result<SftSummary> {
+    config.model.bf16_products.run(|| sft_job(config, out, comm))
+}
+
+fn sft_job(config: &TrainConfig, out: &Path, comm: &dyn Collective) -> Result<SftSummary> {
     let mesh = Mesh::new(comm, &config.parallel)?;
     let root = comm.is_root();
     let (train, eval) = config.task.load(&config.data, config.seed)?;

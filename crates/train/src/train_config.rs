@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use candle_core::DType;
-use flashgrpo_kernels::DType as ElementType;
+use flashgrpo_kernels::{Bf16Choice, DType as ElementType};
 use serde::{Deserialize, Serialize};
 
 use crate::data::TaskSection;
@@ -46,6 +46,9 @@ pub struct ModelSection {
     pub path: Option<PathBuf>,
     /// Parameters are converted to this dtype (bf16: f32 master weights in the optimiser).
     pub dtype: ElementType,
+    /// With `dtype: bf16`, how the layers' and the head's products run (`auto`, `rounded`, or a
+    /// way's name: [`Bf16Choice`]), as `FLASHGRPO_BF16_PRODUCTS` for the whole process.
+    pub bf16_products: Bf16Choice,
     pub hidden_size: usize,
     pub num_layers: usize,
     pub num_heads: usize,
@@ -69,6 +72,7 @@ impl Default for ModelSection {
         Self {
             path: None,
             dtype: ElementType::F32,
+            bf16_products: Bf16Choice::Auto,
             hidden_size: 128,
             num_layers: 2,
             num_heads: 4,

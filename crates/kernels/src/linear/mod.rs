@@ -255,7 +255,14 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         }
         shapes::check_inputs(rows, h, v, inputs.hidden.len(), inputs.weight.len(), inputs.bias.map(<[T]>::len))?;
         let products = budget.bf16_products.resolve();
-        let packed = T::as_bf16_bits(&[]).is_some() && products.packed();
+        let bf16 = T::as_bf16_bits(&[]).is_some();
+        if bf16 && !Bf16Products::available().contains(&products) {
+            return Err(LossError::InvalidOption {
+                name: "bf16_products",
+                message: format!("this machine cannot run `{}`", products.setting()),
+            });
+        }
+        let packed = bf16 && products.packed();
         let operands = if packed {
             Operands::Packed { hidden: Box::default(), partials: Vec::new(), products }
         } else {

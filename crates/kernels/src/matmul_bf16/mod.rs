@@ -152,32 +152,36 @@ pub fn current() -> Bf16Products {
 /// [`ChunkBudget`](crate::ChunkBudget) so that every front end, and a deferred backward, runs the
 /// way its forward ran: `auto` ([`current`]: the machine's fastest way with f32-grade gradients,
 /// or what `FLASHGRPO_BF16_PRODUCTS` names), `rounded` (the machine's fastest way with the logits'
-/// gradient rounded to bf16, as PyTorch and Liger take it), or one way's setting. Checked against
-/// this machine when read: a way it lacks is an error naming the ones it has.
+/// gradient rounded to bf16, as PyTorch and Liger take it; kept by that name, so a config written
+/// on one CPU reads on another), or one way's setting. Checked against this machine when read: a
+/// way it lacks is an error naming the ones it has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum Bf16Choice {
     #[default]
     Auto,
+    Rounded,
     Way(Bf16Products),
 }
 
 impl Bf16Choice {
     pub fn parse(setting: &str) -> Result<Self, LossError> {
         let available = Bf16Products::available();
-        let found = match setting {
-            "auto" => return Ok(Bf16Choice::Auto),
-            "rounded" => available.iter().find(|p| p.rounded()),
-            _ => available.iter().find(|p| p.setting() == setting),
+        let choice = match setting {
+            "auto" => Some(Bf16Choice::Auto),
+            "rounded" => available.iter().any(|p| p.rounded()).then_some(Bf16Choice::Rounded),
+            _ => available.iter().find(|p| p.setting() == setting).map(|&p| Bf16Choice::Way(p)),
         };
-        found.map(|&p| Bf16Choice::Way(p)).ok_or_else(|| {
+        choice.ok_or_else(|| {
             let ways: Vec<&str> = available.iter().map(|p| p.setting()).collect();
+            let packed = available.iter().any(|p| p.packed());
             LossError::InvalidOption {
                 name: "bf16_products",
                 message: format!(
-                    "`{setting}` is not a way this machine has; it has: auto, {}{}",
-                    if available.iter().any(|p| p.rounded()) { "rounded, " } else { "" },
-                    ways.join(", ")
+                    "`{setting}` is not a way this machine has; it has: auto, {}{}{}",
+                    if packed { "rounded, " } else { "" },
+                    ways.join(", "),
+                    if packed { "" } else { " (this CPU has neither AMX nor AVX512-BF16)" }
                 ),
             }
         })
@@ -187,22 +191,24 @@ impl Bf16Choice {
     pub fn resolve(self) -> Bf16Products {
         match self {
             Bf16Choice::Auto => current(),
+            Bf16Choice::Rounded => Bf16Products::available().into_iter().find(|p| p.rounded()).unwrap_or_else(current),
             Bf16Choice::Way(p) => p,
         }
     }
 
     /// Runs `f` with this choice as the calling thread's way (`auto`: as it is), for what reads
-    /// the thread's way rather than a budget (the bench's product rate, a model's layers).
+    /// the thread's way rather than a budget: the bench's product rate, a training run's layers.
     pub fn run<R>(self, f: impl FnOnce() -> R) -> R {
         match self {
             Bf16Choice::Auto => f(),
-            Bf16Choice::Way(p) => with_bf16_products(p, f),
+            choice => with_bf16_products(choice.resolve(), f),
         }
     }
 
     pub fn setting(self) -> &'static str {
         match self {
             Bf16Choice::Auto => "auto",
+            Bf16Choice::Rounded => "rounded",
             Bf16Choice::Way(p) => p.setting(),
         }
     }

@@ -434,8 +434,9 @@ def fused_linear_grpo_loss(hidden, weight, targets, advantages, mask=None, *, bi
     if hidden.dim() != 3:
         raise ValueError(f"`hidden` must be [B, T, H], got shape {list(hidden.shape)}")
     value, per_token = _linear_call("grpo", hidden, weight, bias, options, chunk_memory_mb=chunk_memory_mb,
-                                    bf16_products=bf16_products, targets=targets, mask=mask, advantages=advantages, old_logp=old_logp,
-                                    ref_logp=ref_logp, is_ratio=is_ratio, sampling_logp=sampling_logp)
+                                    bf16_products=bf16_products, targets=targets, mask=mask, advantages=advantages,
+                                    old_logp=old_logp, ref_logp=ref_logp, is_ratio=is_ratio,
+                                    sampling_logp=sampling_logp)
     return _outputs(value, per_token)
 
 
@@ -506,12 +507,13 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                  epsilon_high=0.2, loss_type="dapo", max_completion_length=None, importance_sampling_level="token",
                  sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, temperature=1.0, delta=None,
                  use_bias_correction_kl=False, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-                 vespo_lambda_neg=2.0, chunk_memory_mb=None, **options):
+                 vespo_lambda_neg=2.0, chunk_memory_mb=None, bf16_products=None, **options):
         super().__init__()
         del compiled, chunk_size
         _check_liger_options(sapo_temperature_pos, sapo_temperature_neg, delta)
         self.use_ref_model = use_ref_model
         self.chunk_memory_mb = chunk_memory_mb
+        self.bf16_products = bf16_products
         self.options = dict(options, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                             loss_type=loss_type, max_completion_length=max_completion_length,
                             importance_sampling_level=importance_sampling_level,
@@ -533,7 +535,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             with torch.no_grad():
                 ref_per_token_logps = fused_linear_logprob(
                     ref_input, lin_weight if ref_weight is None else ref_weight, selected_token_ids,
-                    bias=ref_bias, temperature=self.options["temperature"], chunk_memory_mb=self.chunk_memory_mb)
+                    bias=ref_bias, temperature=self.options["temperature"], chunk_memory_mb=self.chunk_memory_mb,
+                    bf16_products=self.bf16_products)
         options = dict(self.options, num_items=_num_items(num_items_in_batch))
         if ref_per_token_logps is None:
             # Liger's reference is then the policy itself (detached): the KL term and its gradient
@@ -542,7 +545,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         out = fused_linear_grpo_loss(
             _input, lin_weight, selected_token_ids, advantages, attention_mask, bias=bias,
             old_logp=old_per_token_logps, ref_logp=ref_per_token_logps, is_ratio=vllm_is_ratio,
-            chunk_memory_mb=self.chunk_memory_mb, **options)
+            chunk_memory_mb=self.chunk_memory_mb, bf16_products=self.bf16_products, **options)
         per_token = out._asdict()
         return out.loss, tuple(_liger_metrics(per_token, attention_mask, self.options["beta"],
                                               self.options["loss_type"]))
