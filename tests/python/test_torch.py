@@ -459,20 +459,24 @@ def check_per_token_fused_linear():
 
 def check_bf16_products():
     """`bf16_products` picks the bf16 products' way per call: every way this machine has agrees
-    with the f32 computation within bf16's tolerance (the rounded ways too), and a way it lacks is
-    a ValueError naming the key and the ways it has."""
+    with TRL-style float64 autograd on the same bf16 inputs within bf16's tolerance (the rounded
+    ways too), and a way it lacks is a ValueError naming the key and the ways it has."""
     B, T, H, V = 2, 6, 32, 300
     hidden, weight, _ = linear_inputs(B, T, H, V, False)
-    targets, adv = torch.randint(0, V, (B, T)), torch.randn(B)
+    targets, adv, mask = torch.randint(0, V, (B, T)), torch.randn(B), torch.ones(B, T)
+    bh, bw = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+    o = grpo_options(beta=0.0)
+    h, w, _, logits = materialised(bh.float(), bw.float(), None)
+    reference = trl_grpo(logits.detach(), targets, mask, adv, None, None, None, o)
+    logits.backward(reference["grad"])
+    want = (reference["loss"], h.grad, w.grad)
 
     def run(h, w, **kw):
         xh, xw = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        out = ft.fused_linear_grpo_loss(xh, xw, targets, adv, **kw)
+        out = ft.fused_linear_grpo_loss(xh, xw, targets, adv, mask, **kernel_options(o), **kw)
         out.loss.backward()
-        return out.loss.detach().float(), xh.grad.float(), xw.grad.float()
+        return out.loss.detach().double(), xh.grad.double(), xw.grad.double()
 
-    bh, bw = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
-    want = run(bh.float(), bw.float())  # the same rounded inputs, in f32
     for way in ["auto", "widened", "rounded", "avx512-bf16", "amx"]:
         try:
             got = run(bh, bw, bf16_products=way)

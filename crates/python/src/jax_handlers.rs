@@ -7,7 +7,7 @@
 //! per-row inputs `targets` (int32 or int64), `mask`, `advantages`, `old_logp`, `ref_logp`,
 //! `is_ratio`, `sampling_logp` (float32), an empty array for each one not given. Attributes:
 //! `op` and `options` (LOSSES.md's options as JSON), and for the fused-linear call
-//! `chunk_memory_mb` and, optionally, `bf16_products` (`auto` when absent), all strings. Results:
+//! `chunk_memory_mb` and `bf16_products`, all strings. Results:
 //! the loss (float32 scalar), the five per-token outputs (float32 `[B*T]`, zeros where the op
 //! computes none), then, in the `_grad` variants, the gradient: of the logits (their dtype and
 //! shape), or of hidden, weight and bias (float32). A logits gradient aliased to the logits
@@ -192,8 +192,7 @@ fn linear_call<'c>(call: &'c Call<'_>, first_grad: Option<usize>, widened: &mut 
             chunk_memory_mb: chunk_memory_mb
                 .parse()
                 .map_err(|e| format!("chunk_memory_mb `{chunk_memory_mb}`: {e}"))?,
-            // Optional: `auto` where the caller names none.
-            bf16_products: call.string_attr("bf16_products").unwrap_or("auto"),
+            bf16_products: call.string_attr("bf16_products")?,
         },
     })
 }

@@ -138,14 +138,16 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         let (z, _z) = self.z.device_ptr(stream);
         let (targets, _t) = optional_ptr(self.targets.as_ref(), stream);
         let (active, _a) = self.active.device_ptr(stream);
-        RowBlock {
-            logits: z,
-            rows: chunk.len(),
+        let all_rows = RowBlock {
+            logits: 0,
+            rows: self.prepared.spec().rows.len(),
             vocab: self.vocab(),
             inv_temperature: (1.0 / self.prepared.spec().options.temperature) as f32,
-            targets: if targets == 0 { 0 } else { targets + 8 * chunk.start as u64 },
-            active: active + 4 * chunk.start as u64,
-        }
+            targets,
+            active,
+        };
+        // The chunk's targets and mask are the batch's rows; its logits are `z` from its first row.
+        RowBlock { logits: z, ..all_rows.rows_of(chunk, 0) }
     }
 
     /// The chunk's partial statistics (after [`logits`](Self::logits)), checked for NaN / Inf.
