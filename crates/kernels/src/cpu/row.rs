@@ -198,6 +198,38 @@ struct TileSums {
     max: f32,
 }
 
+/// [`tile_sums`]' running sums, 16 lanes each.
+struct VectorSums<S: Simd> {
+    sv: S::V,
+    dv: S::V,
+    vv: S::V,
+    maxv: S::V,
+}
+
+impl<S: Simd> VectorSums<S> {
+    #[inline(always)]
+    fn new(s: S) -> Self {
+        Self { sv: s.splat(0.0), dv: s.splat(0.0), vv: s.splat(0.0), maxv: s.splat(f32::NEG_INFINITY) }
+    }
+
+    /// Adds 16 logits (`c`, exactly 16) in the units of `e`; returns their `e^d`.
+    #[inline(always)]
+    fn add<T: Element, E: Exponent<S>, const SUM_U: bool, const MAX: bool>(&mut self, s: S, c: &[T], e: E) -> S::V {
+        s.prefetch(ahead(c));
+        let (v, d) = e.split(s, s.load_t(c));
+        if MAX {
+            self.maxv = s.max(self.maxv, v);
+        }
+        let p = e.exp(s, d);
+        self.sv = s.add(self.sv, p);
+        self.dv = s.mul_add(p, d, self.dv);
+        if SUM_U {
+            self.vv = s.add(self.vv, v);
+        }
+        p
+    }
+}
+
 /// One sweep over a tile: [`TileSums`] in the units of `e`; with `STORE`, each `e^d` also goes to
 /// `scratch` (the kept values [`sweep`] rescales). In natural units `e^d = exp(u - m)` with `m`
 /// at or near the tile's maximum ([`statistics_natural`] only requires `max u <= m + HEADROOM`);
@@ -212,24 +244,23 @@ fn tile_sums<S: Simd, T: Element, E: Exponent<S>, const STORE: bool, const SUM_U
     scratch: &mut [f32],
 ) -> TileSums {
     let full = tile.len() / LANES * LANES;
-    let (mut sv, mut dv, mut vv) = (s.splat(0.0), s.splat(0.0), s.splat(0.0));
-    let mut maxv = s.splat(f32::NEG_INFINITY);
-    for (j, c) in tile[..full].chunks_exact(LANES).enumerate() {
-        s.prefetch(ahead(c));
-        let (v, d) = e.split(s, s.load_t(c));
-        if MAX {
-            maxv = s.max(maxv, v);
+    let mut sums = VectorSums::new(s);
+    // The kept values go to whole 16-value chunks of `scratch` zipped with the logits' (the
+    // same bits as indexing it): with an index checked in the loop, the in-place bf16 sweep ran
+    // ~5% slower in cache on cpu-2c, and a replica of the loop alone ~27%
+    // (`bench/tools/zen4_sweep_costs.rs`; docs/BENCHMARKS.md, "Where the in-place sweep's time
+    // goes").
+    if STORE {
+        for (c, kept) in tile[..full].chunks_exact(LANES).zip(scratch[..full].chunks_exact_mut(LANES)) {
+            let p = sums.add::<T, E, SUM_U, MAX>(s, c, e);
+            s.store(p, kept);
         }
-        let p = e.exp(s, d);
-        if STORE {
-            s.store(p, &mut scratch[j * LANES..]);
-        }
-        sv = s.add(sv, p);
-        dv = s.mul_add(p, d, dv);
-        if SUM_U {
-            vv = s.add(vv, v);
+    } else {
+        for c in tile[..full].chunks_exact(LANES) {
+            sums.add::<T, E, SUM_U, MAX>(s, c, e);
         }
     }
+    let VectorSums { sv, dv, vv, maxv } = sums;
     let (mut sa, mut da, mut va, mut ma) = (s.to_array(sv), s.to_array(dv), s.to_array(vv), s.to_array(maxv));
     for (k, x) in tile[full..].iter().enumerate() {
         let (v, d) = e.split_scalar(s, x.to_f32());
@@ -674,9 +705,9 @@ fn write_tile<S: Simd, T: Element, V: TileValues<S>>(s: S, values: &V, dst: &mut
 #[inline(always)]
 fn plain_stores<S: Simd, T: Element, V: TileValues<S>>(s: S, values: &V, dst: &mut [T], first: usize) {
     let full = dst.len() / LANES * LANES;
-    for j in (0..full).step_by(LANES) {
-        s.prefetch(ahead(&dst[j..]));
-        s.store_t(values.vector(s, first + j), &mut dst[j..]);
+    for (k, out) in dst[..full].chunks_exact_mut(LANES).enumerate() {
+        s.prefetch(ahead(out));
+        s.store_t(values.vector(s, first + k * LANES), out);
     }
     for (j, out) in dst.iter_mut().enumerate().skip(full) {
         *out = s.round_t(values.scalar(s, first + j));

@@ -1,0 +1,255 @@
+//! What the logits-level sweep's two loops cost on an AVX-512 CPU, piece by piece (issue 17,
+//! item 3; docs/BENCHMARKS.md, "Where the in-place sweep's time goes"). A standalone program,
+//! outside the workspace so that CI never builds it:
+//!
+//! ```sh
+//! rustc --edition 2021 -O -C target-cpu=native bench/tools/zen4_sweep_costs.rs -o /tmp/zen4_sweep_costs
+//! /tmp/zen4_sweep_costs
+//! ```
+//!
+//! Three parts, each in ns (and cycles at an assumed clock, `GHZ`; this VM reports none):
+//! 1. one 512-bit instruction's reciprocal throughput, on 8 independent chains (enough to cover
+//!    every latency here, so that a figure is the issue rate, not a dependency);
+//! 2. `2^t` of 16 bf16 logits as the statistics loop computes it (widening, `t` FMA, `exp2`, the
+//!    two sums) and as alternatives would, with the logits in L1 and nothing stored;
+//! 3. a replica of the in-place sweep over one row of V=151936 bf16 logits held in L2 (4.: over
+//!    16 rows in turn, from L3, as `flashgrpo bench`'s in-cache run reads them): the
+//!    statistics loop keeping `2^t` (f32, as `cpu::row` does, or f16), the gradient loop
+//!    rescaling the kept values into bf16 over the logits, and both; with and without prefetches.
+//!
+//! The polynomial is `math::EXP2_POLY_DEG5`'s (the costs, not the values, are the point).
+
+use std::arch::x86_64::*;
+use std::hint::black_box;
+use std::time::Instant;
+
+const GHZ: f64 = 3.66;
+const V: usize = 151_936;
+const POLY: [f32; 6] = [1.867_132_4e-3, 9.017_025e-3, 5.579_991_6e-2, 2.401_644_4e-1, 6.931_513e-1, 1.0];
+
+fn report(what: &str, seconds: f64, units: f64) {
+    let ns = seconds * 1e9 / units;
+    println!("  {what:<44} {ns:6.3} ns  {:5.2} cycles", ns * GHZ);
+}
+
+/// Part 1: `op` applied to 8 independent chains, `n` times.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+unsafe fn throughput(what: &str, op: unsafe fn(__m512, __m512) -> __m512) {
+    let n = 20_000_000usize;
+    let mut acc = [_mm512_set1_ps(1.0001); 8];
+    let c = black_box(_mm512_set1_ps(0.9999));
+    let start = Instant::now();
+    for _ in 0..n {
+        for a in acc.iter_mut() {
+            *a = op(*a, c);
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    black_box(acc);
+    report(what, seconds, (n * 8) as f64);
+}
+
+#[inline(always)]
+unsafe fn poly(f: __m512, degree: usize) -> __m512 {
+    let mut p = _mm512_set1_ps(POLY[5 - degree]);
+    for &c in &POLY[6 - degree..] {
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    }
+    p
+}
+
+/// `2^t` as `cpu::simd` computes it: `vreduceps` (floor), the polynomial, `vscalefps`.
+#[inline(always)]
+unsafe fn exp2_reduce(t: __m512) -> __m512 {
+    let f = _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+    _mm512_scalef_ps(poly(f, 5), t)
+}
+
+#[inline(always)]
+unsafe fn exp2_roundscale(t: __m512) -> __m512 {
+    let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+    _mm512_scalef_ps(poly(_mm512_sub_ps(t, k), 5), k)
+}
+
+/// The power of two built in the exponent bits (a clamp, a conversion, an integer add and shift,
+/// a multiply) instead of `vscalefps`.
+#[inline(always)]
+unsafe fn exp2_integer(t: __m512) -> __m512 {
+    let t = _mm512_max_ps(t, _mm512_set1_ps(-126.0));
+    let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+    let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)));
+    _mm512_mul_ps(poly(_mm512_sub_ps(t, k), 5), _mm512_castsi512_ps(bits))
+}
+
+#[inline(always)]
+unsafe fn exp2_degree4(t: __m512) -> __m512 {
+    let f = _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+    _mm512_scalef_ps(poly(f, 4), t)
+}
+
+#[inline(always)]
+unsafe fn widen(src: *const u16) -> __m512 {
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src.cast()))))
+}
+
+/// Part 2: the statistics loop's arithmetic over `row` (in L1) `reps` times, nothing stored.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+unsafe fn statistics_arithmetic(what: &str, row: &[u16], exp2: unsafe fn(__m512) -> __m512) {
+    let reps = 100_000usize;
+    let (a, r) = (_mm512_set1_ps(0.144_269_5), _mm512_set1_ps(3.0));
+    let (mut sv, mut dv) = ([_mm512_setzero_ps(); 2], [_mm512_setzero_ps(); 2]);
+    let start = Instant::now();
+    for _ in 0..reps {
+        for j in (0..row.len()).step_by(32) {
+            for h in 0..2 {
+                let t = _mm512_fmsub_ps(widen(row.as_ptr().add(j + 16 * h)), a, r);
+                let e = exp2(t);
+                sv[h] = _mm512_add_ps(sv[h], e);
+                dv[h] = _mm512_fmadd_ps(e, t, dv[h]);
+            }
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    black_box((sv, dv));
+    report(what, seconds, (reps * row.len() / 16) as f64);
+}
+
+/// Part 3's statistics loop, the kept values stored through a slice index checked in the loop
+/// (as `cpu::row::tile_sums` stored them before 2026-11-27), in f32.
+#[inline(always)]
+unsafe fn statistics_checked(row: &[u16], kept: &mut [f32]) -> f32 {
+    let (a, r) = (_mm512_set1_ps(0.144_269_5), _mm512_set1_ps(3.0));
+    let (mut sv, mut dv) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    for (j, c) in row.chunks_exact(16).enumerate() {
+        let t = _mm512_fmsub_ps(widen(c.as_ptr()), a, r);
+        let e = exp2_reduce(t);
+        _mm512_storeu_ps(kept[j * 16..][..16].as_mut_ptr(), e);
+        sv = _mm512_add_ps(sv, e);
+        dv = _mm512_fmadd_ps(e, t, dv);
+    }
+    _mm512_reduce_add_ps(sv) + _mm512_reduce_add_ps(dv)
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+unsafe fn sweep_checked(what: &str, base: &[u16]) {
+    let reps = 400usize;
+    let row = base.to_vec();
+    let mut kept = vec![0f32; V];
+    let mut total = 0.0;
+    let start = Instant::now();
+    for _ in 0..reps {
+        total += statistics_checked(black_box(&row), black_box(&mut kept));
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    black_box((total, &kept));
+    report(what, seconds, (reps * V / 16) as f64);
+}
+
+/// Part 3's statistics loop: `2^t` kept in f32 (`HALF` false) or f16, the sums returned.
+#[inline(always)]
+unsafe fn statistics<const HALF: bool, const PREFETCH_KEPT: bool>(row: &[u16], kept: *mut u8) -> f32 {
+    let (a, r) = (_mm512_set1_ps(0.144_269_5), _mm512_set1_ps(3.0));
+    let (mut sv, mut dv) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let bytes = if HALF { 2 } else { 4 };
+    for j in (0..V).step_by(16) {
+        if PREFETCH_KEPT {
+            _mm_prefetch::<_MM_HINT_ET0>(kept.wrapping_add((j + 256) * bytes).cast());
+        }
+        let t = _mm512_fmsub_ps(widen(row.as_ptr().add(j)), a, r);
+        let e = exp2_reduce(t);
+        if HALF {
+            _mm256_storeu_si256(kept.add(j * 2).cast(), _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(e));
+        } else {
+            _mm512_storeu_ps(kept.add(j * 4).cast(), e);
+        }
+        sv = _mm512_add_ps(sv, e);
+        dv = _mm512_fmadd_ps(e, t, dv);
+    }
+    _mm512_reduce_add_ps(sv) + _mm512_reduce_add_ps(dv)
+}
+
+/// Part 3's gradient loop: the kept values times a scale, rounded to bf16 over the row.
+#[inline(always)]
+unsafe fn gradient<const HALF: bool, const PREFETCH_OUT: bool>(kept: *const u8, out: &mut [u16], scale: f32) {
+    let scale = _mm512_set1_ps(scale);
+    for j in (0..V).step_by(16) {
+        if PREFETCH_OUT {
+            _mm_prefetch::<_MM_HINT_ET0>(out.as_ptr().wrapping_add(j + 512).cast());
+        }
+        let k = if HALF {
+            _mm512_cvtph_ps(_mm256_loadu_si256(kept.add(j * 2).cast()))
+        } else {
+            _mm512_loadu_ps(kept.add(j * 4).cast())
+        };
+        let g: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_mul_ps(k, scale)));
+        _mm256_storeu_si256(out.as_mut_ptr().add(j).cast(), g);
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+unsafe fn sweep<const HALF: bool, const STATS: bool, const GRAD: bool, const PREFETCH: bool>(what: &str, base: &[u16], rows: usize) {
+    let reps = 400 / rows;
+    let mut all: Vec<Vec<u16>> = vec![base.to_vec(); rows];
+    let mut kept = vec![0u8; V * 4];
+    let mut total = 0.0;
+    let start = Instant::now();
+    for _ in 0..reps {
+        for row in all.iter_mut() {
+            if STATS {
+                total += statistics::<HALF, PREFETCH>(black_box(row), black_box(kept.as_mut_ptr()));
+            }
+            if GRAD {
+                // A scale so small that the logits stay finite from one repetition to the next.
+                gradient::<HALF, PREFETCH>(black_box(kept.as_ptr()), black_box(row), 1e-30);
+            }
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    black_box((total, &all, &kept));
+    report(what, seconds, (reps * rows * V / 16) as f64);
+}
+
+fn main() {
+    assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16"), "needs AVX-512 and AVX512-BF16");
+    let logits: Vec<u16> = (0..V).map(|i| ((((i * 7919) % 1000) as f32 / 100.0 - 5.0).to_bits() >> 16) as u16).collect();
+    // SAFETY: the features were checked above.
+    unsafe {
+        println!("1. one 512-bit instruction, reciprocal throughput (8 independent chains)");
+        throughput("vfmadd231ps", |x, c| _mm512_fmadd_ps(x, c, c));
+        throughput("vaddps", |x, c| _mm512_add_ps(x, c));
+        throughput("vfmadd231ps + vaddps", |x, c| _mm512_add_ps(_mm512_fmadd_ps(x, c, c), c));
+        throughput("vfmadd231ps + vfmadd231ps", |x, c| _mm512_fmadd_ps(_mm512_fmadd_ps(x, c, c), c, c));
+        throughput("vreduceps", |x, _| _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x));
+        throughput("vfmadd231ps + vreduceps", |x, c| {
+            _mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(_mm512_fmadd_ps(x, c, c))
+        });
+        throughput("vscalefps", |x, c| _mm512_scalef_ps(x, c));
+        throughput("vfmadd231ps + vscalefps", |x, c| _mm512_scalef_ps(_mm512_fmadd_ps(x, c, c), c));
+        throughput("vrndscaleps", |x, _| _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x));
+        throughput("vcvtneps2bf16 (the gradient's rounding)", |x, _| {
+            _mm512_castsi512_ps(_mm512_castsi256_si512(std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x))))
+        });
+        throughput("vcvtps2ph + vcvtph2ps", |x, _| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)));
+
+        println!("2. the statistics loop's arithmetic per 16 bf16 logits (logits in L1, nothing stored)");
+        let in_l1 = &logits[..4096];
+        statistics_arithmetic("exp2 as cpu::simd (vreduceps, degree 5)", in_l1, exp2_reduce);
+        statistics_arithmetic("vrndscaleps and a subtraction", in_l1, exp2_roundscale);
+        statistics_arithmetic("integer exponent instead of vscalefps", in_l1, exp2_integer);
+        statistics_arithmetic("degree-4 polynomial (2.6e-6 relative)", in_l1, exp2_degree4);
+        statistics_arithmetic("no exp2 (widening, t, the two sums)", in_l1, |t| t);
+
+        println!("3. the in-place sweep per 16 logits, one row of V=151936 in L2");
+        sweep::<false, true, false, false>("statistics loop, kept f32", &logits, 1);
+        sweep_checked("statistics loop, kept f32 by a checked index", &logits);
+        sweep::<false, false, true, false>("gradient loop, kept f32", &logits, 1);
+        sweep::<false, true, true, false>("both, kept f32 (as cpu::row)", &logits, 1);
+        sweep::<false, true, true, true>("both, kept f32, prefetchw ahead", &logits, 1);
+        sweep::<true, true, false, false>("statistics loop, kept f16", &logits, 1);
+        sweep::<true, false, true, false>("gradient loop, kept f16", &logits, 1);
+        sweep::<true, true, true, false>("both, kept f16", &logits, 1);
+        println!("4. the same over 16 rows in turn (4.6 MiB of logits, from L3, as the bench's in-cache run)");
+        sweep::<false, true, true, false>("both, kept f32 (as cpu::row)", &logits, 16);
+        sweep::<true, true, true, false>("both, kept f16", &logits, 16);
+    }
+}
