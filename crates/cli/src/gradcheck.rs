@@ -130,16 +130,17 @@ impl Metrics {
             (false, true) => 1e-4,
             (false, false) => 1e-5,
         };
+        // (metric, configured limit, LOSSES.md's, the config key)
         let mut gates = vec![
-            ("loss_rel_err", t.loss_rel.unwrap_or(if self.linear { 1e-4 } else { 1e-5 })),
-            ("fwd/per_token_worst", t.per_token_abs.unwrap_or(if self.linear { 2e-5 } else { 1e-5 })),
-            ("dlogits_rel_norm", t.dlogits_rel_norm.unwrap_or(grad_default)),
+            ("loss_rel_err", t.loss_rel, if self.linear { 1e-4 } else { 1e-5 }, "loss_rel"),
+            ("fwd/per_token_worst", t.per_token_abs, if self.linear { 2e-5 } else { 1e-5 }, "per_token_abs"),
+            ("dlogits_rel_norm", t.dlogits_rel_norm, grad_default, "dlogits_rel_norm"),
         ];
         for name in ["dhidden_rel_norm", "dweight_rel_norm", "dbias_rel_norm"] {
-            gates.push((name, t.dlinear_rel_norm.unwrap_or(grad_default)));
+            gates.push((name, t.dlinear_rel_norm, grad_default, "dlinear_rel_norm"));
         }
         if let Some(m) = t.dlogits_max_abs {
-            gates.push(("dlogits_max_abs", m));
+            gates.push(("dlogits_max_abs", Some(m), m, "dlogits_max_abs"));
         }
         let mut out: Vec<String> = self
             .rows
@@ -149,10 +150,16 @@ impl Metrics {
                 _ => None,
             })
             .collect();
-        for (name, limit) in gates {
-            let v = self.get(name);
+        for (name, configured, default, key) in gates {
+            let (v, limit) = (self.get(name), configured.unwrap_or(default));
             if v.is_finite() && v > limit {
-                out.push(format!("{name} = {v:.3e} exceeds the tolerance {limit:.1e}"));
+                let mut reason = format!("{name} = {v:.3e} exceeds the tolerance {limit:.1e}");
+                if configured.is_some() && limit < default {
+                    // A config written for f32 run with `--set dtype=bf16`, say.
+                    reason +=
+                        &format!(" (`tolerances.{key}` in the config; LOSSES.md's for these inputs is {default:.0e})");
+                }
+                out.push(reason);
             }
         }
         out

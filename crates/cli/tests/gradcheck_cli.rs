@@ -80,6 +80,19 @@ fn a_breached_gate_fails_with_the_reason() {
 }
 
 #[test]
+fn the_tolerances_follow_the_dtype_unless_set() {
+    // The built-in config leaves the gates to LOSSES.md, so bf16 inputs get the bf16 gradient's.
+    let small = ["--set", "vocab=300", "--set", "seq_len=8", "--set", "repeats=1", "--set", "dtype=bf16"];
+    let o = gradcheck(&small);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // A gate set tighter than the dtype's says where it came from.
+    let o = gradcheck(&[&small[..], &["--set", "tolerances.dlogits_rel_norm=1e-5"]].concat());
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("`tolerances.dlogits_rel_norm` in the config") && e.contains("is 1e-2"), "{e}");
+}
+
+#[test]
 fn logits_from_a_file_and_non_finite_values() {
     let dir = std::env::temp_dir().join(format!("flashgrpo-gradcheck-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
