@@ -689,12 +689,11 @@ fn write_tile<S: Simd, T: Element, V: TileValues<S>>(s: S, values: &V, dst: &mut
         if first_line < len && len - first_line >= line {
             let lines_end = first_line + (len - first_line) / line * line;
             plain_stores(s, values, &mut dst[..first_line], 0);
-            j = first_line;
-            while j < lines_end {
-                debug_assert!((dst[j..].as_ptr() as usize).is_multiple_of(32));
-                s.stream_t(values.vector(s, j), &mut dst[j..]);
-                j += LANES;
+            for (k, out) in dst[first_line..lines_end].chunks_exact_mut(LANES).enumerate() {
+                debug_assert!((out.as_ptr() as usize).is_multiple_of(32));
+                s.stream_t(values.vector(s, first_line + k * LANES), out);
             }
+            j = lines_end;
         }
     }
     plain_stores(s, values, &mut dst[j..], j);
