@@ -59,13 +59,14 @@ fn load<S: Simd, T: Element>(s: S, src: &[T], dst: &mut [f32], inv_t: f32) {
 
 #[inline(always)]
 fn load_scaled<S: Simd, T: Element, const SCALED: bool>(s: S, src: &[T], dst: &mut [f32], inv_t: f32) {
+    debug_assert_eq!(src.len(), dst.len());
     let full = src.len() / LANES * LANES;
-    for j in (0..full).step_by(LANES) {
-        s.prefetch(ahead(&src[j..]));
-        s.store(load_u::<S, T, SCALED>(s, &src[j..], inv_t), &mut dst[j..]);
+    for (x, u) in src[..full].chunks_exact(LANES).zip(dst[..full].chunks_exact_mut(LANES)) {
+        s.prefetch(ahead(x));
+        s.store(load_u::<S, T, SCALED>(s, x, inv_t), u);
     }
-    for j in full..src.len() {
-        dst[j] = src[j].to_f32() * inv_t;
+    for (x, u) in src[full..].iter().zip(&mut dst[full..]) {
+        *u = x.to_f32() * inv_t;
     }
 }
 
@@ -717,21 +718,21 @@ fn plain_stores<S: Simd, T: Element, V: TileValues<S>>(s: S, values: &V, dst: &m
 /// (the statistics pass's kept values, rescaled); [`recomputed`] is the same with `p` recomputed
 /// (in natural units; in base 2 for 16-bit outputs).
 /// (No closure here: closures are not compiled with the kernels' target features.)
-#[allow(clippy::needless_range_loop)] // `j` indexes `u` and the kept values
 #[inline(always)]
 fn combine_tile<S: Simd>(s: S, g: &RowGradient, u: &mut [f32], kept: &[f32], k: f32) {
     let full = u.len() / LANES * LANES;
     let (lse, b, c, d) = (s.splat(g.lse), s.splat(g.b), s.splat(g.c), s.splat(g.d));
-    for j in (0..full).step_by(LANES) {
-        let log_p = s.sub(s.load(&u[j..]), lse);
-        let p = s.mul(s.load(&kept[j..]), s.splat(k));
+    // Zipped chunks, not indices checked in the loop (as `tile_sums`).
+    for (uc, kc) in u[..full].chunks_exact_mut(LANES).zip(kept[..full].chunks_exact(LANES)) {
+        let log_p = s.sub(s.load(uc), lse);
+        let p = s.mul(s.load(kc), s.splat(k));
         let out = if g.c == 0.0 { s.mul_add(p, b, d) } else { s.mul_add(p, s.mul_add(c, log_p, b), d) };
-        s.store(out, &mut u[j..]);
+        s.store(out, uc);
     }
-    for j in full..u.len() {
-        let log_p = u[j] - g.lse;
-        let p = kept[j] * k;
-        u[j] = s.scalar_mul_add(p, s.scalar_mul_add(g.c, log_p, g.b), g.d);
+    for (uj, &kj) in u[full..].iter_mut().zip(&kept[full..]) {
+        let log_p = *uj - g.lse;
+        let p = kj * k;
+        *uj = s.scalar_mul_add(p, s.scalar_mul_add(g.c, log_p, g.b), g.d);
     }
 }
 
