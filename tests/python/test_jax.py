@@ -204,6 +204,24 @@ def check_fused_linear():
         close(f"jax fused_linear_grpo bf16_products={way}", "loss", bl, want, 2e-2)
         for name, g, w in zip(["hidden", "weight"], bg, want_grads):
             close_norm(f"jax fused_linear_grpo bf16_products={way}", f"grad_{name}", g.astype(jnp.float32), w, 3e-2)
+    # Unnamed, the way is `rounded` where every gradient handed back is bf16 (a machine with a
+    # rounded way, FLASHGRPO_BF16_PRODUCTS unset), `auto` with an f32 lm_head: the named way's bits.
+    def grads_of(way, h, w, b):
+        f = lambda h, w, b: fj.fused_linear_grpo_loss(h, w, targets, adv, mask, bias=b, beta=0.0,  # noqa: E731
+                                                      bf16_products=way).astype(jnp.float32)
+        return jax.grad(f, argnums=(0, 1, 2))(h, w, b)
+
+    rounded_here = not os.environ.get("FLASHGRPO_BF16_PRODUCTS")
+    try:
+        grads_of("rounded", *bf)
+    except Exception:  # noqa: BLE001 - no rounded way here
+        rounded_here = False
+    mixed = (bf[0], weight, bias)
+    for case, inputs, way in [("bf16", bf, "rounded" if rounded_here else "auto"), ("f32 lm_head", mixed, "auto")]:
+        CHECKS[0] += 1
+        got, named = grads_of(None, *inputs), grads_of(way, *inputs)
+        if any(not bool(jnp.array_equal(a, b)) for a, b in zip(got, named)):
+            FAILURES.append(f"jax default bf16_products, {case}: not the bits of bf16_products={way}")
     ce = jax.grad(lambda h, w: fj.fused_linear_cross_entropy(h, w, targets, label_smoothing=0.1), argnums=(0, 1))
 
     def ref_ce(h, w):

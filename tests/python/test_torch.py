@@ -446,7 +446,7 @@ def check_per_token_fused_linear():
     results = []
     for w_in in (weight.clone(), weight.to(torch.bfloat16).clone()):
         h, w = hb.clone().requires_grad_(True), w_in.requires_grad_(True)
-        out = ft.fused_linear_grpo_loss(h, w, ids, adv, beta=0.0)
+        out = ft.fused_linear_grpo_loss(h, w, ids, adv, beta=0.0, bf16_products="auto")
         out.loss.backward()
         results.append((out.loss.detach(), h.grad, w.grad))
     (loss_mixed, gh_mixed, gw_mixed), (loss_same, gh_same, _) = results
@@ -491,6 +491,35 @@ def check_bf16_products():
         close_norm(case, "grad_weight", got[2], want[2], 2e-2)
     expect_error("unknown bf16_products", ValueError, ["bf16_products", "`tpu`", "widened"],
                  lambda: run(bh, bw, bf16_products="tpu"))
+
+
+def check_default_products():
+    """Unnamed, the bf16 products' way is `rounded` where every gradient handed back is bf16 (the
+    machine having a rounded way and FLASHGRPO_BF16_PRODUCTS unset) and `auto` where one comes
+    back in f32 (an f32 lm_head): the same bits as naming that way."""
+    B, T, H, V = 2, 5, 24, 130
+    hidden, weight, _ = linear_inputs(B, T, H, V, False)
+    ids, adv = torch.randint(0, V, (B, T)), torch.randn(B)
+    bh = hidden.to(torch.bfloat16)
+
+    def grads(w_in, w_grad, **kw):
+        h, w = bh.clone().requires_grad_(True), w_in.clone().requires_grad_(w_grad)
+        ft.fused_linear_grpo_loss(h, w, ids, adv, beta=0.0, **kw).loss.backward()
+        return [g for g in (h.grad, w.grad) if g is not None]
+
+    try:
+        grads(weight.to(torch.bfloat16), True, bf16_products="rounded")
+        rounded_here = not os.environ.get("FLASHGRPO_BF16_PRODUCTS")
+    except ValueError:
+        rounded_here = False
+    expected = "rounded" if rounded_here else "auto"
+    for case, w_in, w_grad, way in [("bf16 lm_head", weight.to(torch.bfloat16), True, expected),
+                                    ("frozen bf16 lm_head", weight.to(torch.bfloat16), False, expected),
+                                    ("f32 lm_head", weight, True, "auto")]:
+        CHECKS[0] += 1
+        got, named = grads(w_in, w_grad), grads(w_in, w_grad, bf16_products=way)
+        if any(not torch.equal(a, b) for a, b in zip(got, named)):
+            FAILURES.append(f"default bf16_products, {case}: not the bits of bf16_products={way}")
 
 
 def expect_error(case, kind, words, fn):
@@ -546,6 +575,7 @@ def main():
     check_triton_per_token()
     check_per_token_fused_linear()
     check_bf16_products()
+    check_default_products()
     check_errors()
     sys.exit(report("flashgrpo.torch"))
 

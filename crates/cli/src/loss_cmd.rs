@@ -51,24 +51,28 @@ pub struct LossArgs {
 struct LossKeys {
     /// Fused-linear: the memory the streaming may use beyond inputs and gradients, in MiB.
     chunk_memory_mb: usize,
-    /// Fused-linear, bf16: the products' way (`auto`, `rounded`, or a way's name).
-    bf16_products: Bf16Choice,
+    /// Fused-linear, bf16: the products' way (`auto`, `rounded`, or a way's name). Unset: as
+    /// every front end, `rounded` where the gradients are handed back in bf16 (this command
+    /// writes them in the inputs' dtype), else `auto` ([`Bf16Choice::default_for`]).
+    bf16_products: Option<Bf16Choice>,
 }
 
 impl Default for LossKeys {
     fn default() -> Self {
-        Self { chunk_memory_mb: ChunkBudget::DEFAULT_MB, bf16_products: Bf16Choice::Auto }
+        Self { chunk_memory_mb: ChunkBudget::DEFAULT_MB, bf16_products: None }
     }
 }
 
 pub fn main(args: LossArgs) -> Result<()> {
     let loaded = config::load::<LossKeys, NoKeys>(config::Source::Defaults, &args.sets)?;
     let keys = &loaded.command;
-    let budget = ChunkBudget::from_mb(keys.chunk_memory_mb).with_bf16_products(keys.bf16_products);
     let options = loaded.options;
     let file = TensorFile::read(&args.inputs)?;
     let batch = Batch::read(&file, args.op).with_context(|| format!("in {}", args.inputs.display()))?;
     drop(file);
+    let bf16_gradients = batch.scores.dtype() == safetensors::Dtype::BF16;
+    let products = keys.bf16_products.unwrap_or_else(|| Bf16Choice::default_for(bf16_gradients));
+    let budget = ChunkBudget::from_mb(keys.chunk_memory_mb).with_bf16_products(products);
     if args.vocab_parallel {
         if args.device != Device::Cpu || args.implementation != Impl::Fused {
             bail!("--vocab-parallel runs the fused kernels on the CPU (--impl fused --device cpu)");

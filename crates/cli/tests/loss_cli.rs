@@ -381,6 +381,61 @@ fn fused_linear_inputs_give_the_linear_gradients() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("with `hidden` and `weight` use `fused`"));
 }
 
+/// Unset, `bf16_products` follows every front end's rule: this command writes the gradients in
+/// the inputs' dtype, so bf16 inputs run the `rounded` way (on a machine with one, the environment
+/// naming none) and f32 inputs `auto`: the same bytes as naming that way.
+#[test]
+fn bf16_fused_linear_runs_rounded_unless_a_way_is_named() {
+    use flashgrpo_kernels::matmul_bf16::Bf16Choice;
+    use flashgrpo_kernels::synthetic::normal_matrix;
+    let dir = Dir::new("linear-default-way");
+    let (h, v) = (64, 300);
+    let data =
+        SyntheticSpec { batch: B, seq_len: L, vocab: v, seed: 9, logit_std: 2.0, logp_noise: 0.3, mask_fraction: 0.0 }
+            .generate();
+    let as_dtype = |name: &'static str, shape: Vec<usize>, x: &[f32], dtype: Dtype| match dtype {
+        Dtype::BF16 => {
+            T { name, dtype, shape, bytes: x.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect() }
+        }
+        _ => f32s(name, shape, x),
+    };
+    let named = std::env::var_os("FLASHGRPO_BF16_PRODUCTS").is_some_and(|v| !v.is_empty());
+    let rounded_here = Bf16Choice::parse("rounded").is_ok() && !named;
+    for (dtype, expected) in [(Dtype::BF16, if rounded_here { "rounded" } else { "auto" }), (Dtype::F32, "auto")] {
+        let input = dir.path("in.safetensors");
+        let targets = T {
+            name: "targets",
+            dtype: Dtype::I64,
+            shape: vec![B, L],
+            bytes: data.targets.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        };
+        write(
+            &input,
+            &[
+                as_dtype("hidden", vec![B, L, h], &normal_matrix(B * L, h, 1.0, 3), dtype),
+                as_dtype("weight", vec![v, h], &normal_matrix(v, h, 0.3, 4), dtype),
+                targets,
+                f32s("advantages", vec![B], &data.advantages),
+            ],
+        );
+        let run = |sets: &[&str]| {
+            let out = dir.path("out.safetensors");
+            let mut cmd = bin();
+            cmd.args(["loss", "--op", "grpo", "--inputs"]).arg(&input).arg("--out").arg(&out);
+            for s in sets {
+                cmd.args(["--set", s]);
+            }
+            let o = cmd.output().unwrap();
+            assert!(o.status.success(), "{sets:?}: {}", String::from_utf8_lossy(&o.stderr));
+            let bytes = std::fs::read(&out).unwrap();
+            let st = SafeTensors::deserialize(&bytes).unwrap();
+            ["grad_hidden", "grad_weight"].map(|n| st.tensor(n).unwrap().data().to_vec())
+        };
+        let way = format!("bf16_products={expected}");
+        assert_eq!(run(&[]), run(&[&way]), "{dtype:?}: unset should run {expected}");
+    }
+}
+
 /// `--device cuda`: on a machine with a GPU, the same outputs as the CPU kernels (f32 and bf16,
 /// out of place and in place); without one, a clear error and no output file.
 #[test]

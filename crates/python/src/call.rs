@@ -316,6 +316,14 @@ impl LinearCall<'_> {
     }
 }
 
+/// The bf16 products' way a fused-linear call runs when the caller names none:
+/// [`Bf16Choice::default_for`], `bf16_gradients` saying whether every gradient the call hands
+/// back is bf16. The one rule of every front end; the Python side only says what it hands back.
+#[pyfunction]
+pub fn default_bf16_products(bf16_gradients: bool) -> &'static str {
+    Bf16Choice::default_for(bf16_gradients).setting()
+}
+
 /// [`LinearCall`] from Python, with the GIL released.
 #[pyfunction]
 #[pyo3(signature = (op, dtype, hidden, weight, bias, hidden_size, rows, options, grads, chunk_memory_mb, bf16_products="auto"))]

@@ -187,6 +187,26 @@ impl Bf16Choice {
         })
     }
 
+    /// What a front end runs when its caller names no way: `rounded` where every gradient it hands
+    /// back is bf16 (`bf16_gradients`: `flashgrpo loss`, PyTorch and JAX on bf16 inputs), else
+    /// `auto`. Rounding those gradients to bf16 already costs them ~1.7e-3 relative (norm);
+    /// taking the logits' gradient rounded too brings that to ~2.4e-3, about Liger-Kernel's and
+    /// below PyTorch eager's own bf16 error, for half the gradient products' flops
+    /// (docs/BENCHMARKS.md, "The front ends' bf16 default"), while the library's f32 gradients
+    /// and the trainer's f32 master weights keep f32-grade products.
+    /// `FLASHGRPO_BF16_PRODUCTS`, or a way this thread runs under ([`with_bf16_products`]), still
+    /// decides (`auto`); so does a CPU with no rounded way.
+    pub fn default_for(bf16_gradients: bool) -> Self {
+        let named = OVERRIDE.with(Cell::get).is_some()
+            || std::env::var_os("FLASHGRPO_BF16_PRODUCTS").is_some_and(|v| !v.is_empty());
+        let rounded_here = Bf16Products::available().iter().any(|p| p.rounded());
+        if bf16_gradients && rounded_here && !named {
+            Bf16Choice::Rounded
+        } else {
+            Bf16Choice::Auto
+        }
+    }
+
     /// The way a call runs: the one chosen, else this thread's ([`current`]).
     pub fn resolve(self) -> Bf16Products {
         match self {

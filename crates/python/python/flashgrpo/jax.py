@@ -205,10 +205,14 @@ def _as_hidden_dtype(hidden, weight, bias):
     return weight.astype(hidden.dtype), bias.astype(hidden.dtype)
 
 
-def _budget(chunk_memory_mb, bf16_products):
+def _budget(chunk_memory_mb, bf16_products, hidden, weight, bias):
     """A fused-linear call's budget, hashable (a custom VJP's static argument): the memory in MiB
-    and the bf16 products' way."""
-    return (chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB, bf16_products or "auto")
+    and the bf16 products' way; unnamed, ``rounded`` where every gradient handed back (each in its
+    input's dtype) is bf16, else ``auto`` (``Bf16Choice::default_for``, docs/PYTHON.md)."""
+    if not bf16_products:
+        given = [x for x in (hidden, weight, bias) if x.size]
+        bf16_products = _native.default_bf16_products(all(x.dtype == jnp.bfloat16 for x in given))
+    return (chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB, bf16_products)
 
 
 def _budget_attrs(chunk):
@@ -296,14 +300,14 @@ def _linear_inputs(hidden, weight, bias, row_inputs):
 def _run_linear_rows(op, value, hidden, weight, bias, options, chunk_memory_mb, bf16_products=None, **row_inputs):
     hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
     _register()
-    chunk = _budget(chunk_memory_mb, bf16_products)
+    chunk = _budget(chunk_memory_mb, bf16_products, hidden, weight, bias)
     out = _linear_rows(op, value, options_json(options), chunk, hidden, weight, bias, *side)
     return out.reshape(hidden.shape[:-1])
 
 
 def _run_linear(op, hidden, weight, bias, options, chunk_memory_mb, bf16_products=None, **row_inputs):
     hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
-    chunk = _budget(chunk_memory_mb, bf16_products)
+    chunk = _budget(chunk_memory_mb, bf16_products, hidden, weight, bias)
     loss, per_token = _linear_loss(op, options_json(options), chunk, hidden, weight, bias, *side)
     shape = hidden.shape[:-1]
     return loss, {k: jax.lax.stop_gradient(v).reshape(shape) for k, v in per_token.items()}

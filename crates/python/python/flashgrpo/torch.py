@@ -320,6 +320,14 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
     return value, per_token
 
 
+def _default_products(*inputs):
+    """The bf16 products' way when the caller names none: ``rounded`` where every gradient handed
+    back is bf16 (each comes back in its input's dtype), else ``auto`` (f32-grade), as
+    ``Bf16Choice::default_for`` decides for every front end (docs/PYTHON.md)."""
+    handed_back = [x for x in inputs if x is not None and x.requires_grad]
+    return _native.default_bf16_products(bool(handed_back) and all(x.dtype == torch.bfloat16 for x in handed_back))
+
+
 def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None, chunk_memory_mb=None,
                  bf16_products=None, **row_inputs):
     """Runs ``op`` over ``hidden [B, T, H] (or [N, H]) @ weight[V, H]^T + bias``. A weight or bias
@@ -342,7 +350,7 @@ def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None
     request = _Rows(batch, seq_len, vocab, **row_inputs)
     wants_grad = op != "entropy" and _wants_gradient(hidden, weight, bias)
     chunk = chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB
-    products = bf16_products or "auto"
+    products = bf16_products or _default_products(hidden, weight, bias)
     native = (op, _DTYPES[h.dtype], _address(h), _address(w), _address(b), hidden_size, request.native,
               options_json(options))
     # A per-token value's gradients wait for the backward, where each token's upstream is known.
