@@ -4,7 +4,9 @@
 # where the CPU has it, else AVX512-BF16); the same with the logits' gradient rounded to bf16
 # (FLASHGRPO_BF16_PRODUCTS=amx-rounded, or avx512-bf16-rounded on a CPU without AMX); flashgrpo bf16
 # with the products widened to f32 (FLASHGRPO_BF16_PRODUCTS=widened, the path before issue 17);
-# PyTorch eager bf16 (TRL's loss on materialised logits) and Liger-Kernel's chunked loss in bf16.
+# our PyTorch drop-in (`flashgrpo.torch.FusedLinearGRPOLoss`, its default way: rounded, as its
+# gradients come back in bf16); PyTorch eager bf16 (TRL's loss on materialised logits) and
+# Liger-Kernel's chunked loss in bf16.
 # Prints each arm's per-round step time and their median, then the bf16 and f32 matrix-product
 # rates of PyTorch (oneDNN) and of ours on the logits product's shape
 # (bench/peers/bf16_matmul.py, `bench/matmul_bf16_gflops`).
@@ -27,7 +29,8 @@ ours() { "$bin" bench --config "$config" "$@" | awk '$1 == "bench/step_s_p50" {p
 peer() { "$python" bench/peers/peer_loss.py --framework "$1" "${shape[@]}" --dtype bf16 --steps 3 --warmup 1 |
   "$python" -c 'import json, sys; print(json.load(sys.stdin)["step_s_p50"])'; }
 declare -A times
-order=(flashgrpo-f32 flashgrpo-bf16 flashgrpo-bf16-rounded flashgrpo-bf16-widened torch-eager-bf16 liger-bf16)
+order=(flashgrpo-f32 flashgrpo-bf16 flashgrpo-bf16-rounded flashgrpo-bf16-widened flashgrpo-torch-bf16 torch-eager-bf16
+  liger-bf16)
 for r in $(seq "$rounds"); do
   for arm in "${order[@]}"; do
     case $arm in
@@ -35,6 +38,7 @@ for r in $(seq "$rounds"); do
       flashgrpo-bf16) t=$(ours --set dtype=bf16) ;;
       flashgrpo-bf16-rounded) t=$(FLASHGRPO_BF16_PRODUCTS=$rounded ours --set dtype=bf16) ;;
       flashgrpo-bf16-widened) t=$(FLASHGRPO_BF16_PRODUCTS=widened ours --set dtype=bf16) ;;
+      flashgrpo-torch-bf16) t=$(peer flashgrpo-torch) ;;
       torch-eager-bf16) t=$(peer torch-eager) ;;
       liger-bf16) t=$(peer liger) ;;
     esac

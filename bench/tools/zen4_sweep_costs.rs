@@ -7,7 +7,7 @@
 //! /tmp/zen4_sweep_costs
 //! ```
 //!
-//! Three parts, each in ns (and cycles at an assumed clock, `GHZ`; this VM reports none):
+//! Five parts, each in ns (and cycles at an assumed clock, `GHZ`; this VM reports none):
 //! 1. one 512-bit instruction's reciprocal throughput, on 8 independent chains (enough to cover
 //!    every latency here, so that a figure is the issue rate, not a dependency);
 //! 2. `2^t` of 16 bf16 logits as the statistics loop computes it (widening, `t` FMA, `exp2`, the
@@ -15,7 +15,9 @@
 //! 3. a replica of the in-place sweep over one row of V=151936 bf16 logits held in L2 (4.: over
 //!    16 rows in turn, from L3, as `flashgrpo bench`'s in-cache run reads them): the
 //!    statistics loop keeping `2^t` (f32, as `cpu::row` does, or f16), the gradient loop
-//!    rescaling the kept values into bf16 over the logits, and both; with and without prefetches.
+//!    rescaling the kept values into bf16 over the logits, and both; with and without prefetches;
+//! 5. the same with the entropy's multiply-add moved from the statistics loop (bound by the FMA
+//!    pipes) to the gradient loop, which reads the logits still in place for it.
 //!
 //! The polynomial is `math::EXP2_POLY_DEG5`'s (the costs, not the values, are the point).
 
@@ -147,7 +149,10 @@ unsafe fn sweep_checked(what: &str, base: &[u16]) {
 
 /// Part 3's statistics loop: `2^t` kept in f32 (`HALF` false) or f16, the sums returned.
 #[inline(always)]
-unsafe fn statistics<const HALF: bool, const PREFETCH_KEPT: bool>(row: &[u16], kept: *mut u8) -> f32 {
+unsafe fn statistics<const HALF: bool, const PREFETCH_KEPT: bool, const NO_ENTROPY: bool>(
+    row: &[u16],
+    kept: *mut u8,
+) -> f32 {
     let (a, r) = (_mm512_set1_ps(0.144_269_5), _mm512_set1_ps(3.0));
     let (mut sv, mut dv) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     let bytes = if HALF { 2 } else { 4 };
@@ -163,15 +168,22 @@ unsafe fn statistics<const HALF: bool, const PREFETCH_KEPT: bool>(row: &[u16], k
             _mm512_storeu_ps(kept.add(j * 4).cast(), e);
         }
         sv = _mm512_add_ps(sv, e);
-        dv = _mm512_fmadd_ps(e, t, dv);
+        if !NO_ENTROPY {
+            dv = _mm512_fmadd_ps(e, t, dv);
+        }
     }
     _mm512_reduce_add_ps(sv) + _mm512_reduce_add_ps(dv)
 }
 
 /// Part 3's gradient loop: the kept values times a scale, rounded to bf16 over the row.
 #[inline(always)]
-unsafe fn gradient<const HALF: bool, const PREFETCH_OUT: bool>(kept: *const u8, out: &mut [u16], scale: f32) {
+unsafe fn gradient<const HALF: bool, const PREFETCH_OUT: bool, const ENTROPY: bool>(
+    kept: *const u8,
+    out: &mut [u16],
+    scale: f32,
+) -> f32 {
     let scale = _mm512_set1_ps(scale);
+    let mut dv = _mm512_setzero_ps();
     for j in (0..V).step_by(16) {
         if PREFETCH_OUT {
             _mm_prefetch::<_MM_HINT_ET0>(out.as_ptr().wrapping_add(j + 512).cast());
@@ -181,13 +193,22 @@ unsafe fn gradient<const HALF: bool, const PREFETCH_OUT: bool>(kept: *const u8, 
         } else {
             _mm512_loadu_ps(kept.add(j * 4).cast())
         };
+        if ENTROPY {
+            // The entropy's sum from the logits still in place, before they are overwritten.
+            dv = _mm512_fmadd_ps(k, widen(out.as_ptr().add(j)), dv);
+        }
         let g: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_mul_ps(k, scale)));
         _mm256_storeu_si256(out.as_mut_ptr().add(j).cast(), g);
     }
+    _mm512_reduce_add_ps(dv)
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
-unsafe fn sweep<const HALF: bool, const STATS: bool, const GRAD: bool, const PREFETCH: bool>(what: &str, base: &[u16], rows: usize) {
+unsafe fn sweep<const HALF: bool, const STATS: bool, const GRAD: bool, const PREFETCH: bool, const MOVED: bool>(
+    what: &str,
+    base: &[u16],
+    rows: usize,
+) {
     let reps = 400 / rows;
     let mut all: Vec<Vec<u16>> = vec![base.to_vec(); rows];
     let mut kept = vec![0u8; V * 4];
@@ -196,11 +217,11 @@ unsafe fn sweep<const HALF: bool, const STATS: bool, const GRAD: bool, const PRE
     for _ in 0..reps {
         for row in all.iter_mut() {
             if STATS {
-                total += statistics::<HALF, PREFETCH>(black_box(row), black_box(kept.as_mut_ptr()));
+                total += statistics::<HALF, PREFETCH, MOVED>(black_box(row), black_box(kept.as_mut_ptr()));
             }
             if GRAD {
                 // A scale so small that the logits stay finite from one repetition to the next.
-                gradient::<HALF, PREFETCH>(black_box(kept.as_ptr()), black_box(row), 1e-30);
+                total += gradient::<HALF, PREFETCH, MOVED>(black_box(kept.as_ptr()), black_box(row), 1e-30);
             }
         }
     }
@@ -210,8 +231,12 @@ unsafe fn sweep<const HALF: bool, const STATS: bool, const GRAD: bool, const PRE
 }
 
 fn main() {
-    assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16"), "needs AVX-512 and AVX512-BF16");
-    let logits: Vec<u16> = (0..V).map(|i| ((((i * 7919) % 1000) as f32 / 100.0 - 5.0).to_bits() >> 16) as u16).collect();
+    assert!(
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16"),
+        "needs AVX-512 and AVX512-BF16"
+    );
+    let logits: Vec<u16> =
+        (0..V).map(|i| ((((i * 7919) % 1000) as f32 / 100.0 - 5.0).to_bits() >> 16) as u16).collect();
     // SAFETY: the features were checked above.
     unsafe {
         println!("1. one 512-bit instruction, reciprocal throughput (8 independent chains)");
@@ -240,16 +265,23 @@ fn main() {
         statistics_arithmetic("no exp2 (widening, t, the two sums)", in_l1, |t| t);
 
         println!("3. the in-place sweep per 16 logits, one row of V=151936 in L2");
-        sweep::<false, true, false, false>("statistics loop, kept f32", &logits, 1);
+        sweep::<false, true, false, false, false>("statistics loop, kept f32", &logits, 1);
         sweep_checked("statistics loop, kept f32 by a checked index", &logits);
-        sweep::<false, false, true, false>("gradient loop, kept f32", &logits, 1);
-        sweep::<false, true, true, false>("both, kept f32 (as cpu::row)", &logits, 1);
-        sweep::<false, true, true, true>("both, kept f32, prefetchw ahead", &logits, 1);
-        sweep::<true, true, false, false>("statistics loop, kept f16", &logits, 1);
-        sweep::<true, false, true, false>("gradient loop, kept f16", &logits, 1);
-        sweep::<true, true, true, false>("both, kept f16", &logits, 1);
+        sweep::<false, false, true, false, false>("gradient loop, kept f32", &logits, 1);
+        sweep::<false, true, true, false, false>("both, kept f32 (as cpu::row)", &logits, 1);
+        sweep::<false, true, true, true, false>("both, kept f32, prefetchw ahead", &logits, 1);
+        sweep::<true, true, false, false, false>("statistics loop, kept f16", &logits, 1);
+        sweep::<true, false, true, false, false>("gradient loop, kept f16", &logits, 1);
+        sweep::<true, true, true, false, false>("both, kept f16", &logits, 1);
         println!("4. the same over 16 rows in turn (4.6 MiB of logits, from L3, as the bench's in-cache run)");
-        sweep::<false, true, true, false>("both, kept f32 (as cpu::row)", &logits, 16);
-        sweep::<true, true, true, false>("both, kept f16", &logits, 16);
+        sweep::<false, true, true, false, false>("both, kept f32 (as cpu::row)", &logits, 16);
+        sweep::<true, true, true, false, false>("both, kept f16", &logits, 16);
+        println!(
+            "5. the entropy's multiply-add moved from the statistics loop to the gradient loop (logits read in place)"
+        );
+        sweep::<false, true, false, false, true>("statistics loop without it", &logits, 1);
+        sweep::<false, false, true, false, true>("gradient loop with it", &logits, 1);
+        sweep::<false, true, true, false, true>("both, moved", &logits, 1);
+        sweep::<false, true, true, false, true>("both, moved, 16 rows in turn", &logits, 16);
     }
 }
