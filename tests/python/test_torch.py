@@ -522,6 +522,32 @@ def check_default_products():
             FAILURES.append(f"default bf16_products, {case}: not the bits of bf16_products={way}")
 
 
+def check_pooled_cast():
+    """A large f32 gradient goes back to a bf16 input through a pooled buffer (`_as_dtype`): the
+    bits of `Tensor.to`, step after step (the pool's buffers reused)."""
+    B, T, H, V = 2, 8, 128, 4096  # the weight's f32 gradient is 2 MiB: pooled
+    hidden, weight, _ = linear_inputs(B, T, H, V, False)
+    ids, adv = torch.randint(0, V, (B, T)), torch.randn(B)
+
+    def grads():
+        h = hidden.to(torch.bfloat16).requires_grad_(True)
+        w = weight.to(torch.bfloat16).requires_grad_(True)
+        ft.fused_linear_grpo_loss(h, w, ids, adv, beta=0.0).loss.backward()
+        return h.grad, w.grad
+
+    pooled = ft._as_dtype
+    try:
+        ft._as_dtype = lambda g, dtype: g.to(dtype)
+        want = grads()
+    finally:
+        ft._as_dtype = pooled
+    for step in range(3):
+        CHECKS[0] += 1
+        got = grads()
+        if any(g.dtype != torch.bfloat16 or not torch.equal(g, w) for g, w in zip(got, want)):
+            FAILURES.append(f"pooled cast to bf16, step {step}: not the bits of Tensor.to")
+
+
 def expect_error(case, kind, words, fn):
     CHECKS[0] += 1
     try:
@@ -576,6 +602,7 @@ def main():
     check_per_token_fused_linear()
     check_bf16_products()
     check_default_products()
+    check_pooled_cast()
     check_errors()
     sys.exit(report("flashgrpo.torch"))
 

@@ -17,8 +17,9 @@ use pyo3::{ffi, PyErr};
 static FREE: Mutex<Vec<Vec<u64>>> = Mutex::new(Vec::new());
 
 /// How many free buffers are kept (a training step frees its gradients before the next one
-/// asks: logits-level one, fused-linear up to three).
-const KEPT: usize = 3;
+/// asks: logits-level one, fused-linear up to three f32 ones and, with bf16 inputs, their bf16
+/// casts: hidden and weight's four with a bias below the pooled size, six with a large bias).
+const KEPT: usize = 6;
 
 /// Writable memory of `len` bytes (8-byte aligned), lent to Python.
 #[pyclass(frozen, module = "flashgrpo._native")]

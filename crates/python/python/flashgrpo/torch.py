@@ -95,6 +95,15 @@ def _gradient_tensor(shape, dtype):
     return torch.frombuffer(_native.gradient_buffer(size), dtype=dtype, count=n).view(shape)
 
 
+def _as_dtype(grad, dtype):
+    """``grad`` (the kernels' f32 gradient) in ``dtype``, its input's: a large one cast into a
+    pooled buffer, whose pages are already mapped (``Tensor.to`` maps a fresh one on every step:
+    80 ms against 17 ms for a 151936 x 896 lm_head's gradient on 2 cores)."""
+    if grad.dtype == dtype:
+        return grad
+    return _gradient_tensor(grad.shape, dtype).copy_(grad)
+
+
 def _address(t):
     return 0 if t is None else (t.data_ptr() if t.numel() else _EMPTY)
 
@@ -186,7 +195,7 @@ class _KernelGradients(torch.autograd.Function):
         out = []
         for grad, dtype in zip(grads, ctx.dtypes):
             if grad is not None:
-                grad = _scaled(grad, upstream, ctx.per_row).to(dtype)
+                grad = _as_dtype(_scaled(grad, upstream, ctx.per_row), dtype)
             out.append(grad)
         return (None, None, None, None, *out)
 
@@ -244,7 +253,7 @@ class _DeferredGradients(torch.autograd.Function):
             grads = [scores[0]]
         else:
             grads = _write_linear_gradients(pending, scores, ctx.wants, scale, row_scale)
-        out = [None if g is None or not want else g.to(dtype)
+        out = [None if g is None or not want else _as_dtype(g, dtype)
                for g, want, dtype in zip(grads, ctx.wants, ctx.dtypes)]
         return (None, None, None, None, None, *out)
 
