@@ -211,11 +211,15 @@ def check_fused_linear():
                                                       bf16_products=way).astype(jnp.float32)
         return jax.grad(f, argnums=(0, 1, 2))(h, w, b)
 
-    rounded_here = not os.environ.get("FLASHGRPO_BF16_PRODUCTS")
-    try:
-        grads_of("rounded", *bf)
-    except Exception:  # noqa: BLE001 - no rounded way here
-        rounded_here = False
+    def accepted(way):
+        try:
+            jax.block_until_ready(grads_of(way, *bf))  # the way is checked when the call runs
+            return True
+        except Exception:  # noqa: BLE001 - a way this machine lacks, refused naming the key
+            return False
+
+    wanted = os.environ.get("FLASHGRPO_BF16_PRODUCTS")  # naming a way this machine has: it decides
+    rounded_here = accepted("rounded") and not (wanted and accepted(wanted))
     mixed = (bf[0], weight, bias)
     for case, inputs, way in [("bf16", bf, "rounded" if rounded_here else "auto"), ("f32 lm_head", mixed, "auto")]:
         CHECKS[0] += 1

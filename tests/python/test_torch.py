@@ -507,11 +507,15 @@ def check_default_products():
         ft.fused_linear_grpo_loss(h, w, ids, adv, beta=0.0, **kw).loss.backward()
         return [g for g in (h.grad, w.grad) if g is not None]
 
-    try:
-        grads(weight.to(torch.bfloat16), True, bf16_products="rounded")
-        rounded_here = not os.environ.get("FLASHGRPO_BF16_PRODUCTS")
-    except ValueError:
-        rounded_here = False
+    def accepted(way):
+        try:
+            grads(weight.to(torch.bfloat16), True, bf16_products=way)
+            return True
+        except ValueError:
+            return False
+
+    wanted = os.environ.get("FLASHGRPO_BF16_PRODUCTS")  # naming a way this machine has: it decides
+    rounded_here = accepted("rounded") and not (wanted and accepted(wanted))
     expected = "rounded" if rounded_here else "auto"
     for case, w_in, w_grad, way in [("bf16 lm_head", weight.to(torch.bfloat16), True, expected),
                                     ("frozen bf16 lm_head", weight.to(torch.bfloat16), False, expected),

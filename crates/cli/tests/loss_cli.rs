@@ -386,7 +386,7 @@ fn fused_linear_inputs_give_the_linear_gradients() {
 /// naming none) and f32 inputs `auto`: the same bytes as naming that way.
 #[test]
 fn bf16_fused_linear_runs_rounded_unless_a_way_is_named() {
-    use flashgrpo_kernels::matmul_bf16::Bf16Choice;
+    use flashgrpo_kernels::matmul_bf16::{Bf16Choice, Bf16Products};
     use flashgrpo_kernels::synthetic::normal_matrix;
     let dir = Dir::new("linear-default-way");
     let (h, v) = (64, 300);
@@ -399,7 +399,8 @@ fn bf16_fused_linear_runs_rounded_unless_a_way_is_named() {
         }
         _ => f32s(name, shape, x),
     };
-    let named = std::env::var_os("FLASHGRPO_BF16_PRODUCTS").is_some_and(|v| !v.is_empty());
+    let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
+    let named = Bf16Products::available().iter().any(|p| p.setting() == wanted);
     let rounded_here = Bf16Choice::parse("rounded").is_ok() && !named;
     for (dtype, expected) in [(Dtype::BF16, if rounded_here { "rounded" } else { "auto" }), (Dtype::F32, "auto")] {
         let input = dir.path("in.safetensors");

@@ -17,9 +17,10 @@ use pyo3::{ffi, PyErr};
 static FREE: Mutex<Vec<Vec<u64>>> = Mutex::new(Vec::new());
 
 /// How many free buffers are kept (a training step frees its gradients before the next one
-/// asks: logits-level one, fused-linear up to three f32 ones and, with bf16 inputs, their bf16
-/// casts: hidden and weight's four with a bias below the pooled size, six with a large bias).
-const KEPT: usize = 6;
+/// asks: logits-level one; fused-linear the f32 gradients of hidden and weight and, with bf16
+/// inputs, their casts, four; a bias's is pooled only from V = 262144). Each one kept is memory
+/// held between steps, and a batch of another size leaves its buffers stale, so no more.
+const KEPT: usize = 4;
 
 /// Writable memory of `len` bytes (8-byte aligned), lent to Python.
 #[pyclass(frozen, module = "flashgrpo._native")]

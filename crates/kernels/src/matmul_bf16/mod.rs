@@ -44,13 +44,13 @@ pub enum Bf16Products {
     /// AMX-BF16 tiles, the logits' gradient split into two bf16 numbers (f32-grade gradients).
     Amx,
     /// AMX-BF16 tiles, the logits' gradient rounded to bf16 as PyTorch and Liger take it: the
-    /// gradient products at half the flops, with bf16-grade gradients (opt-in:
-    /// `FLASHGRPO_BF16_PRODUCTS=amx-rounded`).
+    /// gradient products at half the flops, with bf16-grade gradients (named, or the default of the
+    /// front ends that hand bf16 gradients back: [`Bf16Choice::default_for`]).
     AmxRounded,
     /// AVX512-BF16 (`vdpbf16ps`), the gradient split as [`Bf16Products::Amx`].
     Avx512Bf16,
-    /// AVX512-BF16, the gradient rounded as [`Bf16Products::AmxRounded`] (opt-in:
-    /// `FLASHGRPO_BF16_PRODUCTS=avx512-bf16-rounded`).
+    /// AVX512-BF16, the gradient rounded as [`Bf16Products::AmxRounded`] (named, or as
+    /// [`Bf16Products::AmxRounded`] by default).
     Avx512Bf16Rounded,
 }
 
@@ -194,12 +194,14 @@ impl Bf16Choice {
     /// below PyTorch eager's own bf16 error, for half the gradient products' flops
     /// (docs/BENCHMARKS.md, "The front ends' bf16 default"), while the library's f32 gradients
     /// and the trainer's f32 master weights keep f32-grade products.
-    /// `FLASHGRPO_BF16_PRODUCTS`, or a way this thread runs under ([`with_bf16_products`]), still
-    /// decides (`auto`); so does a CPU with no rounded way.
+    /// `FLASHGRPO_BF16_PRODUCTS` naming a way this machine has, or a way this thread runs under
+    /// ([`with_bf16_products`]), still decides (`auto`); so does a CPU with no rounded way.
     pub fn default_for(bf16_gradients: bool) -> Self {
-        let named = OVERRIDE.with(Cell::get).is_some()
-            || std::env::var_os("FLASHGRPO_BF16_PRODUCTS").is_some_and(|v| !v.is_empty());
-        let rounded_here = Bf16Products::available().iter().any(|p| p.rounded());
+        let available = Bf16Products::available();
+        // A value naming no way of this machine is ignored, as `Bf16Products::detected` does.
+        let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
+        let named = OVERRIDE.with(Cell::get).is_some() || available.iter().any(|p| p.setting() == wanted);
+        let rounded_here = available.iter().any(|p| p.rounded());
         if bf16_gradients && rounded_here && !named {
             Bf16Choice::Rounded
         } else {

@@ -78,7 +78,7 @@ class LossOutputs(NamedTuple):
 
 
 def release_cached_memory():
-    """Frees the gradient buffers kept for reuse (at most three, each the size of a gradient
+    """Frees the gradient buffers kept for reuse (at most four, each the size of a gradient
     this process asked for)."""
     _native.release_cached_buffers()
 
@@ -445,9 +445,11 @@ def fused_linear_grpo_loss(hidden, weight, targets, advantages, mask=None, *, bi
     """``grpo_loss`` of ``hidden [B, T, H] @ weight[V, H]^T (+ bias [V])``, streamed over the
     vocabulary in chunks of at most ``chunk_memory_mb`` (the ``[B, T, V]`` logits are never built).
     Gradients flow to ``hidden``, ``weight`` and ``bias``, those that require one. With bf16
-    inputs, ``bf16_products`` picks the products' way: ``"auto"`` (default, f32-grade gradients),
+    inputs, ``bf16_products`` picks the products' way: ``"auto"`` (f32-grade gradients),
     ``"rounded"`` (the logits' gradient rounded to bf16 as PyTorch takes it: faster, bf16-grade
-    ``hidden`` / ``weight`` gradients), or a way's name (``"widened"``, ``"amx"``, ...)."""
+    ``hidden`` / ``weight`` gradients), or a way's name (``"widened"``, ``"amx"``, ...); ``None``
+    (default): ``"rounded"`` where every gradient handed back is bf16 (they carry bf16's rounding
+    anyway; docs/PYTHON.md), else ``"auto"``."""
     if hidden.dim() != 3:
         raise ValueError(f"`hidden` must be [B, T, H], got shape {list(hidden.shape)}")
     value, per_token = _linear_call("grpo", hidden, weight, bias, options, chunk_memory_mb=chunk_memory_mb,
