@@ -49,8 +49,8 @@ pub enum Bf16Products {
     AmxRounded,
     /// AVX512-BF16 (`vdpbf16ps`), the gradient split as [`Bf16Products::Amx`].
     Avx512Bf16,
-    /// AVX512-BF16, the gradient rounded as [`Bf16Products::AmxRounded`] (named, or as
-    /// [`Bf16Products::AmxRounded`] by default).
+    /// AVX512-BF16, the gradient rounded as [`Bf16Products::AmxRounded`] (named, or the same
+    /// front ends' default on a CPU without AMX).
     Avx512Bf16Rounded,
 }
 
@@ -61,10 +61,10 @@ impl Bf16Products {
     pub fn detected() -> Self {
         static DETECTED: OnceLock<Bf16Products> = OnceLock::new();
         *DETECTED.get_or_init(|| {
-            let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
             let available = Self::available();
-            let named = available.iter().copied().find(|p| p.setting() == wanted);
             let default = *available.iter().find(|p| !p.rounded()).expect("one way at least");
+            let named = Self::named_by_environment();
+            let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
             if named.is_none() && !wanted.is_empty() {
                 let ways: Vec<&str> = available.iter().map(|p| p.setting()).collect();
                 eprintln!(
@@ -75,6 +75,13 @@ impl Bf16Products {
             }
             named.unwrap_or(default)
         })
+    }
+
+    /// The way `FLASHGRPO_BF16_PRODUCTS` names, if this machine has it (a value naming none is
+    /// ignored).
+    fn named_by_environment() -> Option<Self> {
+        let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
+        Self::available().into_iter().find(|p| p.setting() == wanted)
     }
 
     /// Whether the products run on the packed bf16 kernels (AMX or AVX512-BF16).
@@ -197,11 +204,8 @@ impl Bf16Choice {
     /// `FLASHGRPO_BF16_PRODUCTS` naming a way this machine has, or a way this thread runs under
     /// ([`with_bf16_products`]), still decides (`auto`); so does a CPU with no rounded way.
     pub fn default_for(bf16_gradients: bool) -> Self {
-        let available = Bf16Products::available();
-        // A value naming no way of this machine is ignored, as `Bf16Products::detected` does.
-        let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
-        let named = OVERRIDE.with(Cell::get).is_some() || available.iter().any(|p| p.setting() == wanted);
-        let rounded_here = available.iter().any(|p| p.rounded());
+        let named = OVERRIDE.with(Cell::get).is_some() || Bf16Products::named_by_environment().is_some();
+        let rounded_here = Bf16Products::available().iter().any(|p| p.rounded());
         if bf16_gradients && rounded_here && !named {
             Bf16Choice::Rounded
         } else {

@@ -318,8 +318,7 @@ fn layer_products_are_the_same_bits_for_any_thread_count_and_batch() {
 #[test]
 fn the_front_ends_default_rounds_only_gradients_handed_back_in_bf16() {
     assert_eq!(Bf16Choice::default_for(false), Bf16Choice::Auto);
-    let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
-    let named = Bf16Products::available().iter().any(|p| p.setting() == wanted);
+    let named = Bf16Products::named_by_environment().is_some();
     let rounded_here = Bf16Products::available().iter().any(|p| p.rounded());
     let expected = if rounded_here && !named { Bf16Choice::Rounded } else { Bf16Choice::Auto };
     assert_eq!(Bf16Choice::default_for(true), expected);
