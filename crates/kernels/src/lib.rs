@@ -43,6 +43,7 @@ pub mod cuda;
 pub mod element;
 mod engine;
 pub mod error;
+pub mod huge_pages;
 pub mod inputs;
 pub mod linear;
 pub mod matmul;

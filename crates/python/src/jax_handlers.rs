@@ -138,7 +138,7 @@ fn logits_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
     let in_place = grad.is_some_and(|g| g.data == logits.data);
     let grad = match grad {
         Some(g) if !in_place => {
-            crate::huge_pages::advise(g.data as usize, g.len() * grad_element_size(g)?);
+            flashgrpo_kernels::huge_pages::advise(g.data as usize, g.len() * grad_element_size(g)?);
             address(g)
         }
         _ => 0,
@@ -169,7 +169,7 @@ fn linear_call<'c>(call: &'c Call<'_>, first_grad: Option<usize>, widened: &mut 
         Some(first) => {
             let grad = |i: usize| {
                 call.ret(first + i).map(|b| {
-                    crate::huge_pages::advise(b.data as usize, 4 * b.len());
+                    flashgrpo_kernels::huge_pages::advise(b.data as usize, 4 * b.len());
                     address(b)
                 })
             };

@@ -9,7 +9,6 @@
 mod buffers;
 mod call;
 mod deferred;
-mod huge_pages;
 mod jax_handlers;
 mod pool;
 mod result;

@@ -40,7 +40,7 @@ pub fn gradient_buffer(len: usize) -> GradientBuffer {
     drop(free);
     let words = reused.unwrap_or_else(|| {
         let fresh = vec![0; words];
-        crate::huge_pages::advise(fresh.as_ptr() as usize, 8 * fresh.len());
+        flashgrpo_kernels::huge_pages::advise(fresh.as_ptr() as usize, 8 * fresh.len());
         fresh
     });
     GradientBuffer { words: Mutex::new(words), len }

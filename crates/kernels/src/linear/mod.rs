@@ -365,7 +365,9 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         let (h, v) = (self.inputs.hidden_size, self.width());
         let n = chunk.len();
         let plan = self.plan();
-        self.z.resize(plan.rows * v, 0.0);
+        if self.z.len() < plan.rows * v {
+            self.z = crate::huge_pages::zeroed_f32(plan.rows * v);
+        }
         let tiles = self.tiles();
         let z = &mut self.z[..n * v];
         if let Some(bias) = self.inputs.bias {
