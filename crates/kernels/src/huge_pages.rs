@@ -1,11 +1,11 @@
 //! Fresh large buffers backed by 2 MiB pages. A buffer just allocated (the fused-linear chunk's
 //! logits, XLA's result buffers, a new PyTorch tensor) is untouched memory: the first write
 //! faults in every 4 KiB page of it, which for an `[N, V]` gradient at N=1024, V=151936 costs
-//! about as much as the kernels' whole sweep, and a sweep over 4 KiB pages misses the TLB every
-//! 4 KiB. Where transparent huge pages are on `madvise` (the Linux default), asking for them turns
-//! 512 faults into one (docs/BENCHMARKS.md, "Again on cpu-2c (2026-11-27)": the in-place sweeps
-//! 6-7% faster with every buffer on huge pages; the fused-linear chunk's logits alone advised, the
-//! bf16 step at N=1024 3% faster).
+//! 2-4x the kernels' whole sweep on the machine measured, and a sweep over 4 KiB pages misses the
+//! TLB every 4 KiB. Where transparent huge pages are on `madvise` (Debian's and Ubuntu's default),
+//! asking for them turns 512 faults into one (docs/BENCHMARKS.md, "Again on cpu-2c (2026-11-27)":
+//! the in-place sweeps 6-12% faster with every buffer on huge pages; the fused-linear chunk's
+//! logits alone advised, the bf16 step at N=1024 3% faster).
 
 /// Advises the kernel to back `[address, address + bytes)` with huge pages (the whole 2 MiB pages
 /// inside it). A hint: errors are ignored, and memory already faulted in is not changed.
