@@ -399,9 +399,7 @@ fn bf16_fused_linear_runs_rounded_unless_a_way_is_named() {
         }
         _ => f32s(name, shape, x),
     };
-    let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
-    let named = Bf16Products::available().iter().any(|p| p.setting() == wanted);
-    let rounded_here = Bf16Choice::parse("rounded").is_ok() && !named;
+    let rounded_here = Bf16Choice::parse("rounded").is_ok() && Bf16Products::named_by_environment().is_none();
     for (dtype, expected) in [(Dtype::BF16, if rounded_here { "rounded" } else { "auto" }), (Dtype::F32, "auto")] {
         let input = dir.path("in.safetensors");
         let targets = T {

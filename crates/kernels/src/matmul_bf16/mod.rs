@@ -78,8 +78,8 @@ impl Bf16Products {
     }
 
     /// The way `FLASHGRPO_BF16_PRODUCTS` names, if this machine has it (a value naming none is
-    /// ignored).
-    fn named_by_environment() -> Option<Self> {
+    /// ignored). Public so that tests outside the crate follow the same rule.
+    pub fn named_by_environment() -> Option<Self> {
         let wanted = std::env::var("FLASHGRPO_BF16_PRODUCTS").unwrap_or_default();
         Self::available().into_iter().find(|p| p.setting() == wanted)
     }
