@@ -8,7 +8,10 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use flashgrpo_candle::{loss_from_hidden, loss_from_logits, LossInputs, LossKind};
 use flashgrpo_kernels::linear::reference as linear_reference;
 use flashgrpo_kernels::synthetic::{normal_matrix, SyntheticSpec};
-use flashgrpo_kernels::{reference, ChunkBudget, Loss, LossOptions, LossSpec, PolicyInputs, RolloutCorrection, Rows};
+use flashgrpo_kernels::{
+    forward_backward, linear_forward_backward, reference, ChunkBudget, Element, LinearGradients, LinearInputs, Loss,
+    LossOptions, LossSpec, PolicyInputs, RolloutCorrection, Rows,
+};
 
 const B: usize = 2;
 const T: usize = 5;
@@ -175,4 +178,88 @@ fn fused_linear_agrees_with_candle_matmul_and_log_softmax() {
         let (a, b) = (to_vec(g_ours.get(v).unwrap()), to_vec(g_slow.get(v).unwrap()));
         assert!(rel_norm(&a, &b) < 1e-5, "{}", rel_norm(&a, &b));
     }
+}
+
+/// The 16-bit ops' gradients are the kernels' own, rounded once: the logits-level op's is what
+/// the kernel writes into a buffer of the logits' dtype, the fused-linear op's the kernel's f32
+/// gradients rounded to nearest even (on every thread: the weight's gradient here is 210,003
+/// values, several of the conversion's chunks and a partial one).
+#[test]
+fn sixteen_bit_ops_return_the_kernels_gradients_rounded_once() {
+    fn check<T: Element + candle_core::WithDType>() {
+        const B2: usize = 2;
+        const T2: usize = 3;
+        const V2: usize = 70_001;
+        const H2: usize = 3;
+        let data = SyntheticSpec {
+            batch: B2,
+            seq_len: T2,
+            vocab: V2,
+            seed: 5,
+            logit_std: 2.0,
+            logp_noise: 0.3,
+            mask_fraction: 0.2,
+        }
+        .generate();
+        let inputs = Arc::new(LossInputs {
+            kind: LossKind::Grpo {
+                advantages: data.advantages.clone(),
+                old_logp: Some(data.old_logp.clone()),
+                ref_logp: None,
+                is_ratio: None,
+                sampling_logp: None,
+            },
+            batch: B2,
+            seq_len: T2,
+            targets: Some(data.targets.clone()),
+            mask: Some(data.mask.clone()),
+            options: LossOptions::default(),
+            // Two rows a chunk: the weight's gradient accumulates over three chunks.
+            budget: ChunkBudget::from_bytes(4 * V2 * 2),
+            batch_shard: None,
+        });
+        let dev = Device::Cpu;
+        let dtype = <T as candle_core::WithDType>::DTYPE;
+        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<T>().unwrap();
+        let same = |got: &[T], want: &[T], what: &str| {
+            assert_eq!(got.len(), want.len());
+            let first = got.iter().zip(want).position(|(g, w)| g.to_f32() != w.to_f32());
+            assert!(first.is_none(), "{dtype:?} {what}: element {first:?} differs");
+        };
+
+        let logits = Var::from_tensor(
+            &Tensor::from_vec(data.logits.clone(), (B2, T2, V2), &dev).unwrap().to_dtype(dtype).unwrap(),
+        )
+        .unwrap();
+        let out = loss_from_logits(logits.as_tensor(), &inputs).unwrap();
+        let grads = out.loss.backward().unwrap();
+        let rounded = values(logits.as_tensor());
+        let mut want = vec![T::from_f32(1.0); rounded.len()];
+        forward_backward(inputs.spec(V2), &rounded, &mut want).unwrap();
+        same(&values(grads.get(&logits).unwrap()), &want, "logits' gradient");
+
+        let h = Var::from_tensor(
+            &Tensor::from_vec(normal_matrix(B2 * T2, H2, 1.0, 41), (B2, T2, H2), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let w = Var::from_tensor(
+            &Tensor::from_vec(normal_matrix(V2, H2, 0.5, 42), (V2, H2), &dev).unwrap().to_dtype(dtype).unwrap(),
+        )
+        .unwrap();
+        let out = loss_from_hidden(h.as_tensor(), w.as_tensor(), None, &inputs).unwrap();
+        let grads = out.loss.backward().unwrap();
+        let (hv, wv) = (values(h.as_tensor()), values(w.as_tensor()));
+        let (mut gh, mut gw) = (vec![0.0f32; hv.len()], vec![0.0f32; wv.len()]);
+        let target = LinearGradients { hidden: &mut gh, weight: Some(&mut gw), bias: None, accumulate: false };
+        let linear = LinearInputs { hidden: &hv, weight: &wv, bias: None, hidden_size: H2 };
+        linear_forward_backward(inputs.spec(V2), linear, target, inputs.budget).unwrap();
+        let round = |v: &[f32]| v.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>();
+        same(&values(grads.get(&h).unwrap()), &round(&gh), "hidden's gradient");
+        same(&values(grads.get(&w).unwrap()), &round(&gw), "weight's gradient");
+    }
+    check::<half::bf16>();
+    check::<half::f16>();
 }
