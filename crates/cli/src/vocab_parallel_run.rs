@@ -81,7 +81,7 @@ impl FloatVisitor for LogitsSlice<'_> {
         if !spec.loss.has_gradient() {
             return Ok(Results { output: logits_loss(self.comm, spec, &local, None)?, grads: Vec::new() });
         }
-        let mut grad = vec![T::default(); local.len()];
+        let mut grad = flashgrpo_kernels::huge_pages::zeroed::<T>(local.len());
         let output = logits_loss(self.comm, spec, &local, Some(&mut grad))?;
         let grad: Vec<f32> = grad.iter().map(|x| x.to_f32()).collect();
         let full = gather_columns(self.comm, &grad, b * t, v)?;

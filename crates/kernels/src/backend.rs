@@ -122,8 +122,10 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    /// Zeroed pages from the allocator, advised for huge pages (`vec![T::default(); len]` would
+    /// write a 16-bit buffer element by element on one thread).
     fn zeros<T: Element>(&self, len: usize) -> Result<Vec<T>, LossError> {
-        Ok(vec![T::default(); len])
+        Ok(crate::huge_pages::zeroed(len))
     }
 
     fn download<T: Element>(&self, buffer: Vec<T>) -> Result<Vec<T>, LossError> {
