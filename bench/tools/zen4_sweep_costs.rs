@@ -15,7 +15,8 @@
 //! 3. a replica of the in-place sweep over one row of V=151936 bf16 logits held in L2 (4.: over
 //!    16 rows in turn, from L3, as `flashgrpo bench`'s in-cache run reads them): the
 //!    statistics loop keeping `2^t` (f32, as `cpu::row` does, or f16), the gradient loop
-//!    rescaling the kept values into bf16 over the logits, and both; with and without prefetches;
+//!    rescaling the kept values into bf16 over the logits, and both; with and without prefetches,
+//!    and with the gradient loop rounding 32 values a conversion (`vcvtne2ps2bf16`);
 //! 5. the same with the entropy's multiply-add moved from the statistics loop (bound by the FMA
 //!    pipes) to the gradient loop, which reads the logits still in place for it.
 //!
@@ -203,6 +204,41 @@ unsafe fn gradient<const HALF: bool, const PREFETCH_OUT: bool, const ENTROPY: bo
     _mm512_reduce_add_ps(dv)
 }
 
+/// Part 3's gradient loop with 32 values a conversion: two rescaled vectors rounded by one
+/// `vcvtne2ps2bf16` and stored as one 64-byte vector.
+#[inline(always)]
+unsafe fn gradient_pairs(kept: *const u8, out: &mut [u16], scale: f32) -> f32 {
+    let scale = _mm512_set1_ps(scale);
+    for j in (0..V).step_by(32) {
+        let k0 = _mm512_loadu_ps(kept.add(j * 4).cast());
+        let k1 = _mm512_loadu_ps(kept.add(j * 4 + 64).cast());
+        let g: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(_mm512_mul_ps(k1, scale), _mm512_mul_ps(k0, scale)));
+        _mm512_storeu_si512(out.as_mut_ptr().add(j).cast(), g);
+    }
+    0.0
+}
+
+/// Part 3 with [`gradient_pairs`] for the gradient loop (the statistics loop kept f32).
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+unsafe fn sweep_pairs(what: &str, base: &[u16], rows: usize, stats: bool) {
+    let reps = 400 / rows;
+    let mut all: Vec<Vec<u16>> = vec![base.to_vec(); rows];
+    let mut kept = vec![0u8; V * 4];
+    let mut total = 0.0;
+    let start = Instant::now();
+    for _ in 0..reps {
+        for row in all.iter_mut() {
+            if stats {
+                total += statistics::<false, false, false>(black_box(row), black_box(kept.as_mut_ptr()));
+            }
+            total += gradient_pairs(black_box(kept.as_ptr()), black_box(row), 1e-30);
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    black_box((total, &all, &kept));
+    report(what, seconds, (reps * rows * V / 16) as f64);
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
 unsafe fn sweep<const HALF: bool, const STATS: bool, const GRAD: bool, const PREFETCH: bool, const MOVED: bool>(
     what: &str,
@@ -254,6 +290,9 @@ fn main() {
         throughput("vcvtneps2bf16 (the gradient's rounding)", |x, _| {
             _mm512_castsi512_ps(_mm512_castsi256_si512(std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x))))
         });
+        throughput("vcvtne2ps2bf16 (32 values)", |x, c| {
+            _mm512_castsi512_ps(std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(x, c)))
+        });
         throughput("vcvtps2ph + vcvtph2ps", |x, _| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)));
 
         println!("2. the statistics loop's arithmetic per 16 bf16 logits (logits in L1, nothing stored)");
@@ -270,6 +309,8 @@ fn main() {
         sweep::<false, false, true, false, false>("gradient loop, kept f32", &logits, 1);
         sweep::<false, true, true, false, false>("both, kept f32 (as cpu::row)", &logits, 1);
         sweep::<false, true, true, true, false>("both, kept f32, prefetchw ahead", &logits, 1);
+        sweep_pairs("gradient loop, 32 a conversion (vcvtne2ps2bf16)", &logits, 1, false);
+        sweep_pairs("both, 32 a conversion", &logits, 1, true);
         sweep::<true, true, false, false, false>("statistics loop, kept f16", &logits, 1);
         sweep::<true, false, true, false, false>("gradient loop, kept f16", &logits, 1);
         sweep::<true, true, true, false, false>("both, kept f16", &logits, 1);

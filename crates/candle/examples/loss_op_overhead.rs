@@ -1,9 +1,11 @@
 //! What the candle loss ops cost beyond the kernels they call: one op call with its backward
 //! (`loss_from_logits`, `loss_from_hidden`) against the same kernel writing into a buffer it
 //! reuses, GRPO at N=1024 rows (B=8, T=128), V=151936, H=896, f32 and bf16, median of the
-//! rounds. The difference is the op's own buffers: a fresh gradient each call (its pages faulted
-//! in by the first write) and, for the fused-linear op's 16-bit dtypes, the f32 gradients rounded
-//! into tensors of the inputs' dtype. docs/BENCHMARKS.md ("The candle ops' own buffers").
+//! rounds, and the op's forward alone. The forward's excess is the op's own buffers: a fresh
+//! gradient each call (its pages faulted in by the first write) and, for the fused-linear op's
+//! 16-bit dtypes, the f32 gradients rounded into tensors of the inputs' dtype; the backward is
+//! candle's (it adds each gradient to a new zeros tensor). Gradients are freed outside the timed
+//! span. docs/BENCHMARKS.md ("The candle ops' own buffers").
 //!
 //! ```sh
 //! cargo run --release -p flashgrpo-candle --example loss_op_overhead [ROUNDS]
@@ -38,6 +40,7 @@ fn seconds(f: impl FnOnce()) -> f64 {
 
 fn main() -> candle_core::Result<()> {
     let rounds: usize = std::env::args().nth(1).map_or(5, |a| a.parse().expect("ROUNDS is a number"));
+    assert!(rounds >= 1, "ROUNDS must be at least 1");
     let data =
         SyntheticSpec { batch: B, seq_len: T, vocab: V, seed: 1, logit_std: 2.0, logp_noise: 0.3, mask_fraction: 0.1 }
             .generate();
@@ -68,8 +71,10 @@ fn main() -> candle_core::Result<()> {
             let start = Instant::now();
             let out = loss_from_logits(logits.as_tensor(), &inputs)?;
             fwd.push(start.elapsed().as_secs_f64());
-            std::hint::black_box(out.loss.backward()?);
+            let grads = out.loss.backward()?;
             op.push(start.elapsed().as_secs_f64());
+            // Freed outside the timed span, as the kernel's reused buffers are never freed.
+            drop(grads);
             kernel.push(match dtype {
                 DType::F32 => kernel_logits::<f32>(&inputs, logits.as_tensor()),
                 _ => kernel_logits::<bf16>(&inputs, logits.as_tensor()),
@@ -90,8 +95,10 @@ fn main() -> candle_core::Result<()> {
             let start = Instant::now();
             let out = loss_from_hidden(h.as_tensor(), w.as_tensor(), None, &inputs)?;
             fwd.push(start.elapsed().as_secs_f64());
-            std::hint::black_box(out.loss.backward()?);
+            let grads = out.loss.backward()?;
             op.push(start.elapsed().as_secs_f64());
+            // Freed outside the timed span, as the kernel's reused buffers are never freed.
+            drop(grads);
             kernel.push(match dtype {
                 DType::F32 => kernel_linear::<f32>(&inputs, h.as_tensor(), w.as_tensor()),
                 _ => kernel_linear::<bf16>(&inputs, h.as_tensor(), w.as_tensor()),

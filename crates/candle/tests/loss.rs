@@ -214,15 +214,18 @@ fn sixteen_bit_ops_return_the_kernels_gradients_rounded_once() {
             targets: Some(data.targets.clone()),
             mask: Some(data.mask.clone()),
             options: LossOptions::default(),
-            // Two rows a chunk: the weight's gradient accumulates over three chunks.
+            // One row a chunk: the weight's gradient accumulates over every row taking part.
             budget: ChunkBudget::from_bytes(4 * V2 * 2),
             batch_shard: None,
         });
+        // Masked rows too (their gradient rows must come back as zeros).
+        assert!(data.mask.contains(&0.0) && data.mask.contains(&1.0));
         let dev = Device::Cpu;
         let dtype = <T as candle_core::WithDType>::DTYPE;
         let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<T>().unwrap();
         let same = |got: &[T], want: &[T], what: &str| {
             assert_eq!(got.len(), want.len());
+            assert!(want.iter().any(|w| w.to_f32() != 0.0), "{dtype:?} {what}: all zeros");
             let first = got.iter().zip(want).position(|(g, w)| g.to_f32() != w.to_f32());
             assert!(first.is_none(), "{dtype:?} {what}: element {first:?} differs");
         };
