@@ -218,29 +218,15 @@ unsafe fn gradient_pairs(kept: *const u8, out: &mut [u16], scale: f32) -> f32 {
     0.0
 }
 
-/// Part 3 with [`gradient_pairs`] for the gradient loop (the statistics loop kept f32).
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
-unsafe fn sweep_pairs(what: &str, base: &[u16], rows: usize, stats: bool) {
-    let reps = 400 / rows;
-    let mut all: Vec<Vec<u16>> = vec![base.to_vec(); rows];
-    let mut kept = vec![0u8; V * 4];
-    let mut total = 0.0;
-    let start = Instant::now();
-    for _ in 0..reps {
-        for row in all.iter_mut() {
-            if stats {
-                total += statistics::<false, false, false>(black_box(row), black_box(kept.as_mut_ptr()));
-            }
-            total += gradient_pairs(black_box(kept.as_ptr()), black_box(row), 1e-30);
-        }
-    }
-    let seconds = start.elapsed().as_secs_f64();
-    black_box((total, &all, &kept));
-    report(what, seconds, (reps * rows * V / 16) as f64);
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
-unsafe fn sweep<const HALF: bool, const STATS: bool, const GRAD: bool, const PREFETCH: bool, const MOVED: bool>(
+unsafe fn sweep<
+    const HALF: bool,
+    const STATS: bool,
+    const GRAD: bool,
+    const PREFETCH: bool,
+    const MOVED: bool,
+    const PAIRS: bool,
+>(
     what: &str,
     base: &[u16],
     rows: usize,
@@ -257,7 +243,11 @@ unsafe fn sweep<const HALF: bool, const STATS: bool, const GRAD: bool, const PRE
             }
             if GRAD {
                 // A scale so small that the logits stay finite from one repetition to the next.
-                total += gradient::<HALF, PREFETCH, MOVED>(black_box(kept.as_ptr()), black_box(row), 1e-30);
+                total += if PAIRS {
+                    gradient_pairs(black_box(kept.as_ptr()), black_box(row), 1e-30)
+                } else {
+                    gradient::<HALF, PREFETCH, MOVED>(black_box(kept.as_ptr()), black_box(row), 1e-30)
+                };
             }
         }
     }
@@ -304,25 +294,25 @@ fn main() {
         statistics_arithmetic("no exp2 (widening, t, the two sums)", in_l1, |t| t);
 
         println!("3. the in-place sweep per 16 logits, one row of V=151936 in L2");
-        sweep::<false, true, false, false, false>("statistics loop, kept f32", &logits, 1);
+        sweep::<false, true, false, false, false, false>("statistics loop, kept f32", &logits, 1);
         sweep_checked("statistics loop, kept f32 by a checked index", &logits);
-        sweep::<false, false, true, false, false>("gradient loop, kept f32", &logits, 1);
-        sweep::<false, true, true, false, false>("both, kept f32 (as cpu::row)", &logits, 1);
-        sweep::<false, true, true, true, false>("both, kept f32, prefetchw ahead", &logits, 1);
-        sweep_pairs("gradient loop, 32 a conversion (vcvtne2ps2bf16)", &logits, 1, false);
-        sweep_pairs("both, 32 a conversion", &logits, 1, true);
-        sweep::<true, true, false, false, false>("statistics loop, kept f16", &logits, 1);
-        sweep::<true, false, true, false, false>("gradient loop, kept f16", &logits, 1);
-        sweep::<true, true, true, false, false>("both, kept f16", &logits, 1);
+        sweep::<false, false, true, false, false, false>("gradient loop, kept f32", &logits, 1);
+        sweep::<false, true, true, false, false, false>("both, kept f32 (as cpu::row)", &logits, 1);
+        sweep::<false, true, true, true, false, false>("both, kept f32, prefetchw ahead", &logits, 1);
+        sweep::<false, false, true, false, false, true>("gradient loop, 32 a conversion (vcvtne2ps2bf16)", &logits, 1);
+        sweep::<false, true, true, false, false, true>("both, 32 a conversion", &logits, 1);
+        sweep::<true, true, false, false, false, false>("statistics loop, kept f16", &logits, 1);
+        sweep::<true, false, true, false, false, false>("gradient loop, kept f16", &logits, 1);
+        sweep::<true, true, true, false, false, false>("both, kept f16", &logits, 1);
         println!("4. the same over 16 rows in turn (4.6 MiB of logits, from L3, as the bench's in-cache run)");
-        sweep::<false, true, true, false, false>("both, kept f32 (as cpu::row)", &logits, 16);
-        sweep::<true, true, true, false, false>("both, kept f16", &logits, 16);
+        sweep::<false, true, true, false, false, false>("both, kept f32 (as cpu::row)", &logits, 16);
+        sweep::<true, true, true, false, false, false>("both, kept f16", &logits, 16);
         println!(
             "5. the entropy's multiply-add moved from the statistics loop to the gradient loop (logits read in place)"
         );
-        sweep::<false, true, false, false, true>("statistics loop without it", &logits, 1);
-        sweep::<false, false, true, false, true>("gradient loop with it", &logits, 1);
-        sweep::<false, true, true, false, true>("both, moved", &logits, 1);
-        sweep::<false, true, true, false, true>("both, moved, 16 rows in turn", &logits, 16);
+        sweep::<false, true, false, false, true, false>("statistics loop without it", &logits, 1);
+        sweep::<false, false, true, false, true, false>("gradient loop with it", &logits, 1);
+        sweep::<false, true, true, false, true, false>("both, moved", &logits, 1);
+        sweep::<false, true, true, false, true, false>("both, moved, 16 rows in turn", &logits, 16);
     }
 }

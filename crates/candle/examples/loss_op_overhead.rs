@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
-use flashgrpo_candle::{loss_from_hidden, loss_from_logits, LossInputs, LossKind};
+use flashgrpo_candle::{loss_from_hidden, loss_from_logits, LossInputs};
 use flashgrpo_kernels::synthetic::{normal_matrix, SyntheticSpec};
 use flashgrpo_kernels::{
     forward_backward, linear_forward_backward, ChunkBudget, Element, LinearGradients, LinearInputs, LossOptions,
@@ -41,25 +41,11 @@ fn seconds(f: impl FnOnce()) -> f64 {
 fn main() -> candle_core::Result<()> {
     let rounds: usize = std::env::args().nth(1).map_or(5, |a| a.parse().expect("ROUNDS is a number"));
     assert!(rounds >= 1, "ROUNDS must be at least 1");
-    let data =
-        SyntheticSpec { batch: B, seq_len: T, vocab: V, seed: 1, logit_std: 2.0, logp_noise: 0.3, mask_fraction: 0.1 }
-            .generate();
-    let inputs = Arc::new(LossInputs {
-        kind: LossKind::Grpo {
-            advantages: data.advantages.clone(),
-            old_logp: Some(data.old_logp.clone()),
-            ref_logp: None,
-            is_ratio: None,
-            sampling_logp: None,
-        },
-        batch: B,
-        seq_len: T,
-        targets: Some(data.targets.clone()),
-        mask: Some(data.mask.clone()),
-        options: LossOptions::default(),
-        budget: ChunkBudget::from_mb(ChunkBudget::DEFAULT_MB),
-        batch_shard: None,
-    });
+    let synthetic =
+        SyntheticSpec { batch: B, seq_len: T, vocab: V, seed: 1, logit_std: 2.0, logp_noise: 0.3, mask_fraction: 0.1 };
+    let data = synthetic.generate();
+    let budget = ChunkBudget::from_mb(ChunkBudget::DEFAULT_MB);
+    let inputs = Arc::new(data.grpo_inputs(&synthetic, LossOptions::default(), budget));
     let hidden = normal_matrix(B * T, H, 1.0, 2);
     let weight = normal_matrix(V, H, 0.05, 3);
     println!("GRPO, N={} V={V} H={H}, {rounds} rounds, median s (op call + backward / kernel alone)", B * T);

@@ -191,7 +191,7 @@ fn sixteen_bit_ops_return_the_kernels_gradients_rounded_once() {
         const T2: usize = 3;
         const V2: usize = 70_001;
         const H2: usize = 3;
-        let data = SyntheticSpec {
+        let synthetic = SyntheticSpec {
             batch: B2,
             seq_len: T2,
             vocab: V2,
@@ -199,25 +199,11 @@ fn sixteen_bit_ops_return_the_kernels_gradients_rounded_once() {
             logit_std: 2.0,
             logp_noise: 0.3,
             mask_fraction: 0.2,
-        }
-        .generate();
-        let inputs = Arc::new(LossInputs {
-            kind: LossKind::Grpo {
-                advantages: data.advantages.clone(),
-                old_logp: Some(data.old_logp.clone()),
-                ref_logp: None,
-                is_ratio: None,
-                sampling_logp: None,
-            },
-            batch: B2,
-            seq_len: T2,
-            targets: Some(data.targets.clone()),
-            mask: Some(data.mask.clone()),
-            options: LossOptions::default(),
-            // One row a chunk: the weight's gradient accumulates over every row taking part.
-            budget: ChunkBudget::from_bytes(4 * V2 * 2),
-            batch_shard: None,
-        });
+        };
+        let data = synthetic.generate();
+        // One row a chunk: the weight's gradient accumulates over every row taking part.
+        let budget = ChunkBudget::from_bytes(4 * V2 * 2);
+        let inputs = Arc::new(data.grpo_inputs(&synthetic, LossOptions::default(), budget));
         // Masked rows too (their gradient rows must come back as zeros).
         assert!(data.mask.contains(&0.0) && data.mask.contains(&1.0));
         let dev = Device::Cpu;

@@ -5,6 +5,10 @@
 
 use rayon::prelude::*;
 
+use crate::linear::ChunkBudget;
+use crate::options::LossOptions;
+use crate::owned::{LossInputs, LossKind};
+
 /// SplitMix64: tiny, fast, and good enough for test data.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
@@ -154,6 +158,30 @@ impl SyntheticSpec {
             (0..n).into_par_iter().map(|i| true_logp(&logits[i * v..(i + 1) * v], targets[i] as usize)).collect();
         let (old_logp, ref_logp) = self.near(&logp, rng);
         SyntheticBatch { logits, targets, mask, advantages, old_logp, ref_logp }
+    }
+}
+
+impl SyntheticBatch {
+    /// GRPO over this batch as a front end holds it: the generated advantages, targets, mask and
+    /// old log-probabilities (no reference model, no sampler's log-probabilities), `options`,
+    /// and the fused-linear `budget`. `spec` is the one that generated the batch.
+    pub fn grpo_inputs(&self, spec: &SyntheticSpec, options: LossOptions, budget: ChunkBudget) -> LossInputs {
+        LossInputs {
+            kind: LossKind::Grpo {
+                advantages: self.advantages.clone(),
+                old_logp: Some(self.old_logp.clone()),
+                ref_logp: None,
+                is_ratio: None,
+                sampling_logp: None,
+            },
+            batch: spec.batch,
+            seq_len: spec.seq_len,
+            targets: Some(self.targets.clone()),
+            mask: Some(self.mask.clone()),
+            options,
+            budget,
+            batch_shard: None,
+        }
     }
 }
 
