@@ -21,6 +21,20 @@ pub fn parallel_copy<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
     dst.par_chunks_mut(chunk).zip(src.par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
 }
 
+/// `src` rounded to `T` (to nearest even, as [`Element::from_f32`]) into a fresh buffer, a share
+/// on each of the pool's threads: the f32 gradients of the fused-linear products handed back in a
+/// 16-bit dtype (`V x H` values for the weight: 136 M at Qwen2.5-0.5B's head).
+pub fn parallel_round<T: Element>(src: &[f32]) -> Vec<T> {
+    // Fixed shares that idle threads can steal; one share a thread (`parallel_copy`'s rule)
+    // measured no faster and spread more (docs/BENCHMARKS.md, "The candle ops' own buffers").
+    const CHUNK: usize = 1 << 16;
+    let mut dst = crate::huge_pages::zeroed::<T>(src.len());
+    dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| {
+        d.iter_mut().zip(s).for_each(|(d, &s)| *d = T::from_f32(s));
+    });
+    dst
+}
+
 /// Where the kernels run: its buffers, copies to and from the host, and the loss calls on them.
 pub trait Backend {
     /// A buffer of `T`s the kernels read and write: a `Vec` on the CPU, device memory on a GPU.

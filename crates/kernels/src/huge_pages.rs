@@ -29,15 +29,11 @@ pub fn advise(address: usize, bytes: usize) {
     }
 }
 
-/// `len` zeros on fresh pages, advised as above before anything touches them (`vec![0.0; len]`
-/// takes zeroed pages from the allocator without writing them).
-pub fn zeroed_f32(len: usize) -> Vec<f32> {
-    zeroed::<f32>(len)
-}
-
-/// [`zeroed_f32`] for any [`Element`]. `vec![bf16::ZERO; len]` would write every element on one
-/// thread (the standard library asks the allocator for zeroed memory only for its own primitive
-/// types), faulting in the pages as it goes: for an `[N, V]` bf16 gradient at N=1024, V=151936
+/// `len` zeros of any [`Element`] on fresh pages, advised as above before anything touches them.
+/// `vec![0.0f32; len]` takes zeroed pages from the allocator without writing them, but
+/// `vec![bf16::ZERO; len]` would write every element on one thread (the standard library asks
+/// the allocator for zeroed memory only for its own primitive types), faulting in the pages as it
+/// goes: for an `[N, V]` bf16 gradient at N=1024, V=151936
 /// that is 311 MB written before the kernels start. Buffers that large come from their own
 /// `mmap` (glibc maps anything above its threshold, at most 32 MiB), so their zeros are fresh
 /// pages nobody has written; a smaller one may be recycled heap memory, which the allocator
@@ -86,7 +82,7 @@ mod tests {
         // Below, at and above the 4 MiB where the advice starts (a hint whatever the system's
         // setting, never an error).
         for len in [0, 1, 1 << 20, (1 << 20) + 3, 3 << 20] {
-            let mut v = zeroed_f32(len);
+            let mut v = zeroed::<f32>(len);
             assert_eq!(v.len(), len);
             assert!(v.iter().all(|&x| x == 0.0));
             v.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32);

@@ -366,7 +366,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         let n = chunk.len();
         let plan = self.plan();
         if self.z.len() < plan.rows * v {
-            self.z = crate::huge_pages::zeroed_f32(plan.rows * v);
+            self.z = crate::huge_pages::zeroed(plan.rows * v);
         }
         let tiles = self.tiles();
         let z = &mut self.z[..n * v];

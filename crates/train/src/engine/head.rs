@@ -13,6 +13,7 @@
 use candle_core::{Device, Tensor, Var};
 use flashgrpo_candle::composed::ComposedLoss;
 use flashgrpo_candle::LossInputs;
+use flashgrpo_kernels::backend::parallel_round;
 use flashgrpo_kernels::matmul::{matmul_nn, matmul_nt, matmul_tn, Mat, MatMut};
 use flashgrpo_kernels::{
     forward, forward_backward_in_place, linear_forward, linear_forward_backward, ChunkBudget, Element, LinearGradients,
@@ -20,7 +21,6 @@ use flashgrpo_kernels::{
 };
 
 use half::bf16;
-use rayon::prelude::*;
 
 use super::ops::Weight;
 use super::weights::Weights;
@@ -73,7 +73,7 @@ impl Head<'_, '_> {
                 // A bf16 head on the bf16 products: the rows rounded to bf16, as a bf16 model
                 // holds its hidden states.
                 Weight::Bf16(..) => {
-                    let rows: Vec<bf16> = rows.par_iter().map(|&x| <bf16 as Element>::from_f32(x)).collect();
+                    let rows = parallel_round::<bf16>(rows);
                     let weight = self.weights.lm_head().bf16().expect("a bf16 head");
                     fused_linear(spec, &rows, weight, h, gradients.map(|g| (g, head_index)), inputs.budget)
                 }
