@@ -4,7 +4,8 @@
 #   bash bench/gpu/run.sh bench B T   flashgrpo's bench and the peers (PyTorch eager, torch.compile,
 #                                 Liger's triton_grpo_loss) at one shape, V=151936 bf16: one call
 #                                 for B=1 T=4096, one for B=16 T=2048 (each well inside 10 minutes)
-#   bash bench/gpu/run.sh linear   the fused-linear bench on CUDA
+#   bash bench/gpu/run.sh linear   the fused-linear bench on CUDA, and its peers in bf16 (PyTorch
+#                                 eager, torch.compile, Liger's LigerFusedLinearGRPOLoss)
 #   bash bench/gpu/run.sh phases B T IMPL   a call's host-clock phases (FLASHGRPO_CUDA_PHASES=1)
 #   bash bench/gpu/run.sh tune "DEFINES" ...   kernel variants (rows.cu's switches) timed, and profiled
 #   bash bench/gpu/run.sh all      all of the above in one call, each stage under a time limit, the
@@ -25,6 +26,15 @@ FG=${FG:-gpu-carry/flashgrpo}
 { nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; $FG cuda-check; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
+# The liger-kernel wheel carried from the build machine (pure Python), installed once a machine.
+pip_site=/tmp/site
+install_liger() {
+    if [ ! -d "$pip_site/liger_kernel" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$pip_site" \
+            gpu-carry/wheels/*.whl
+    fi
+}
+
 case "$stage" in
 check)
     gpu-carry/cuda-tests --test-threads 1 2>&1 | tee "$OUT/cuda-tests.log"
@@ -44,11 +54,7 @@ bench)
             --set batch=$b --set seq_len=$t --set impl=$impl --set warmup=3 --set steps=10 \
             | tee "$OUT/flashgrpo-$impl-b$b-t$t.json"
     done
-    pip_site=/tmp/site
-    if [ ! -d "$pip_site/liger_kernel" ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$pip_site" \
-            gpu-carry/wheels/*.whl
-    fi
+    install_liger
     echo "== peers B=$b T=$t"
     PYTHONPATH="$pip_site" python3 bench/peers/gpu_grpo.py --batch "$b" --seq-len "$t" --vocab 151936 --dtype bf16 \
         2>&1 | tee "$OUT/peers-b$b-t$t.jsonl"
@@ -59,6 +65,11 @@ linear)
         $FG bench --config configs/bench-linear-original.yaml --device cuda --json --set dtype=$dtype \
             --set chunk_memory_mb=2048 --set warmup=2 --set steps=10 | tee "$OUT/flashgrpo-linear-$dtype.json"
     done
+    # The peers at the same shape, bf16 (in f32 ours already runs at cuBLAS's rate).
+    install_liger
+    echo "== fused-linear peers (bf16)"
+    PYTHONPATH="$pip_site" python3 bench/peers/gpu_linear_grpo.py --batch 1 --seq-len 2048 --hidden 1536 \
+        --vocab 151936 --dtype bf16 2>&1 | tee "$OUT/peers-linear-bf16.jsonl"
     ;;
 phases)
     # `run.sh phases B T IMPL`: the bench with FLASHGRPO_CUDA_PHASES=1, each call's host-clock phases
@@ -106,12 +117,13 @@ all)
     me="$0"
     run_stage() { local limit=$1; shift; echo "#### stage $* (limit ${limit}s)"; local t0=$SECONDS
         timeout --kill-after=5 "$limit" bash "$me" "$@"; echo "#### stage $* rc=$? in $((SECONDS - t0)) s"; }
-    run_stage "${CHECK_S:-200}" check 2>&1 | tee "$OUT/all.log" | grep --line-buffered -E "^####|test result|FAILED|panicked|failed|error|passed"
-    run_stage "${BENCH1_S:-110}" bench 1 4096 >> "$OUT/all.log" 2>&1
-    run_stage "${BENCH16_S:-300}" bench 16 2048 >> "$OUT/all.log" 2>&1
-    run_stage "${LINEAR_S:-80}" linear >> "$OUT/all.log" 2>&1
+    run_stage "${CHECK_S:-170}" check 2>&1 | tee "$OUT/all.log" | grep --line-buffered -E "^####|test result|FAILED|panicked|failed|error|passed"
+    run_stage "${BENCH1_S:-100}" bench 1 4096 >> "$OUT/all.log" 2>&1
+    run_stage "${BENCH16_S:-150}" bench 16 2048 >> "$OUT/all.log" 2>&1
+    run_stage "${LINEAR_S:-150}" linear >> "$OUT/all.log" 2>&1
     grep -E "^####" "$OUT/all.log"
     grep -hE '"(bench/step_s_p50|bench/moved_over_copy|bench/gflops_over_matmul|mem/peak_bytes)"' "$OUT"/flashgrpo-*.json 2>/dev/null | head -20
+    grep -h '"bench/gflops_over_matmul"\|"bench/gflops"' "$OUT"/flashgrpo-linear-*.json 2>/dev/null
     cat "$OUT"/peers-*.jsonl 2>/dev/null | cut -c1-400
     tar -czf "$RESULT/gpu-run.tar.gz" -C "$OUT" .
     ;;

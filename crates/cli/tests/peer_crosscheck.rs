@@ -166,6 +166,29 @@ fn gpu_peer_script_runs_on_the_cpu() {
     assert!(lines[2]["copy_gbps"].as_f64().is_some_and(|g| g > 0.0), "{stdout}");
 }
 
+/// The fused-linear GPU peer script (bench/peers/gpu_linear_grpo.py) runs end to end with
+/// `--device cpu`: every peer, Liger's chunked loss included, gives the materialised loss.
+#[test]
+fn gpu_linear_peer_script_runs_on_the_cpu() {
+    let script = root().join("bench/peers/gpu_linear_grpo.py").display().to_string();
+    let args = ["--device", "cpu", "--batch", "2", "--seq-len", "7", "--hidden", "24", "--vocab", "301"];
+    let stdout = python_stdout(
+        &[script.as_str()]
+            .into_iter()
+            .chain(args)
+            .chain(["--dtype", "f32", "--warmup", "1", "--steps", "2"])
+            .collect::<Vec<_>>(),
+    );
+    let lines: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).expect("JSON lines")).collect();
+    let peers = ["torch-eager", "torch-compile", "liger"];
+    assert_eq!(lines.len(), peers.len(), "{stdout}");
+    for (line, peer) in lines.iter().zip(peers) {
+        assert_eq!(line["peer"], peer, "{stdout}");
+        assert!(line["step_s_p50"].as_f64().is_some_and(|t| t > 0.0), "{stdout}");
+        assert!(line["loss_rel_to_first"].as_f64().is_some_and(|r| r <= 1e-5), "one loss: {stdout}");
+    }
+}
+
 /// `flashgrpo cuda-check` compiles the kernels to machine code for sm_80 and sm_90 through the
 /// binary's own NVRTC path (cudarc's dynamic loading, header discovery beside the library, CUBIN
 /// extraction), with the venv's NVRTC wheel and no GPU: what `--device cuda` does first on a GPU.
