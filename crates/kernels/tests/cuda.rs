@@ -192,9 +192,18 @@ fn linear_matches_the_reference_in_one_chunk_and_many() {
     };
     let mut ce = Case::new(Op::CrossEntropy, 2, 9, 2047).with(|o| o.label_smoothing = 0.1);
     ce.ignored = 0.2;
+    // Masked rows skip the products (gathered chunks, `d hidden` scattered back, skipped rows
+    // zeroed): with no row masked, with every row masked, at sequence level.
+    let mask = |mut case: Case, mask| {
+        case.mask = mask;
+        case
+    };
     let cases = [
         grpo(ImportanceSamplingLevel::Token),
         grpo(ImportanceSamplingLevel::Sequence),
+        mask(grpo(ImportanceSamplingLevel::Token), MaskKind::None),
+        mask(grpo(ImportanceSamplingLevel::Token), MaskKind::AllZero),
+        mask(grpo(ImportanceSamplingLevel::Sequence), MaskKind::AllZero),
         ce,
         Case::new(Op::Logprob, 2, 5, 1000),
         Case::new(Op::Entropy, 2, 5, 1000),

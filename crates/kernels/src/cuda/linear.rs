@@ -7,7 +7,11 @@
 //!
 //! As on the CPU ([`crate::linear`]): row-local objectives take three products per chunk in one
 //! pass; sequence-level GRPO needs every row's statistics first, so it recomputes the logits in a
-//! second pass (four products). Gradients are f32, overwritten.
+//! second pass (four products). Only active rows go through the products (a masked row's, or an
+//! ignored target's, logits are never read and its gradient rows are zero): the chunks hold the
+//! active rows alone, gathered by rows.cu's `gather_rows_*` where a masked row falls between them,
+//! their `d hidden` scattered back, and the skipped rows' `d hidden` zeroed. Gradients are f32,
+//! overwritten.
 
 use std::ops::Range;
 
@@ -15,12 +19,12 @@ use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 
 use super::blas::{gemm, Operand};
 use super::device::{cuda_error, optional_ptr, CudaDevice, CudaElement};
-use super::passes::{active_mask, vocab_i32, RowBlock};
+use super::passes::{vocab_i32, RowBlock};
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 use crate::linear::{shapes, ChunkBudget};
-use crate::objective::{LossOutput, RowGradient};
-use crate::stats::PartialRowStats;
+use crate::objective::{LossOutput, RowGradient, RowOutcome};
+use crate::stats::{PartialRowStats, RowStats};
 
 /// The inputs of a fused-linear loss on the GPU (one dtype for all three).
 #[derive(Debug, Clone, Copy)]
@@ -54,7 +58,21 @@ fn rows_per_chunk<T: CudaElement>(n: usize, vocab: usize, budget: ChunkBudget) -
     crate::linear::even_chunk_rows(n, budget.bytes / per_row)
 }
 
+/// The rows of `prepared`'s batch that go through the products, ascending: the active ones.
+fn computed_rows(prepared: &PreparedLoss<'_>) -> Vec<usize> {
+    (0..prepared.spec().rows.len()).filter(|&i| prepared.active_rows()[i]).collect()
+}
+
+/// The first of `rows` when they are consecutive (a chunk with no skipped row inside: its hidden
+/// states and `d hidden` are read and written in place).
+fn consecutive(rows: &[usize]) -> Option<usize> {
+    let first = *rows.first()?;
+    rows.iter().enumerate().all(|(k, &r)| r == first + k).then_some(first)
+}
+
 /// One fused-linear call's device state: the inputs' pointers, the chunk buffers, the O(N) inputs.
+/// Chunks are ranges of `computed`, and the row passes see the computed rows alone (their targets
+/// in that order, no mask: every one is active).
 struct Streamer<'d, 'p, 'a, T> {
     device: &'d CudaDevice,
     prepared: &'p PreparedLoss<'a>,
@@ -64,25 +82,46 @@ struct Streamer<'d, 'p, 'a, T> {
     z: CudaSlice<f32>,
     /// `dz` in the inputs' dtype (f16 / bf16 inputs only).
     dz: Option<CudaSlice<T>>,
+    /// The batch rows that go through the products, ascending (not empty).
+    computed: Vec<usize>,
+    /// The targets of the computed rows, in their order.
     targets: Option<CudaSlice<i64>>,
-    active: CudaSlice<f32>,
     stats: CudaSlice<f32>,
+    /// Where some row is skipped: `computed` on the device, and a chunk's gathered hidden states
+    /// `[chunk_rows, H]` and `d hidden` (f32) for chunks whose rows are not consecutive.
+    gathering: Option<Gathering<T>>,
+}
+
+/// The buffers of chunks whose rows are not consecutive.
+struct Gathering<T> {
+    index: CudaSlice<i64>,
+    hidden: CudaSlice<T>,
+    grad: CudaSlice<f32>,
 }
 
 impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
+    /// For the rows `computed` (not empty) of `prepared`'s batch, whose inputs the caller checked.
     fn new(
         device: &'d CudaDevice,
         prepared: &'p PreparedLoss<'a>,
         inputs: CudaLinearInputs<'p, T>,
+        computed: Vec<usize>,
         budget: ChunkBudget,
         gradient: bool,
     ) -> Result<Self, LossError> {
         let rows = &prepared.spec().rows;
-        let (n, h, v) = (rows.len(), inputs.hidden_size, rows.vocab);
-        let bias = inputs.bias.map(CudaSlice::len);
-        shapes::check_inputs(rows, h, v, inputs.hidden.len(), inputs.weight.len(), bias)?;
-        let chunk_rows = rows_per_chunk::<T>(n, v, budget);
+        let (h, v) = (inputs.hidden_size, rows.vocab);
+        let chunk_rows = rows_per_chunk::<T>(computed.len(), v, budget);
         let separate_dz = gradient && T::as_f32_slice(&[]).is_none();
+        let targets: Option<Vec<i64>> = rows.targets.map(|t| computed.iter().map(|&i| t[i]).collect());
+        let gathering = if computed.len() < rows.len() {
+            let index: Vec<i64> = computed.iter().map(|&i| i as i64).collect();
+            let hidden = device.zeros(chunk_rows * h)?;
+            let grad = if gradient { device.zeros(chunk_rows * h)? } else { device.zeros(1)? };
+            Some(Gathering { index: device.upload(&index)?, hidden, grad })
+        } else {
+            None
+        };
         Ok(Self {
             device,
             prepared,
@@ -90,15 +129,57 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
             chunk_rows,
             z: device.zeros(chunk_rows * v)?,
             dz: if separate_dz { Some(device.zeros(chunk_rows * v)?) } else { None },
-            targets: rows.targets.map(|t| device.upload(t)).transpose()?,
-            active: device.upload(&active_mask(prepared.active_rows()))?,
+            targets: targets.map(|t| device.upload(&t)).transpose()?,
             stats: device.zeros(chunk_rows * 5)?,
+            computed,
+            gathering,
         })
     }
 
+    /// Ranges of `computed`.
     fn chunks(&self) -> Vec<Range<usize>> {
-        let (n, step) = (self.prepared.spec().rows.len(), self.chunk_rows);
+        let (n, step) = (self.computed.len(), self.chunk_rows);
         (0..n).step_by(step).map(|r| r..(r + step).min(n)).collect()
+    }
+
+    /// The batch rows of a chunk.
+    fn rows(&self, chunk: &Range<usize>) -> &[usize] {
+        &self.computed[chunk.clone()]
+    }
+
+    /// The pointer to the chunk's hidden states `[chunk.len(), H]`: in place where its rows are
+    /// consecutive, else gathered (by the chunk's [`logits`](Self::logits), before the backward
+    /// products read them again).
+    fn chunk_hidden(&self, chunk: &Range<usize>) -> u64 {
+        let stream = self.device.stream();
+        if let Some(first) = consecutive(self.rows(chunk)) {
+            let (hidden, _h) = self.inputs.hidden.device_ptr(stream);
+            return hidden + (first * self.hidden_size() * std::mem::size_of::<T>()) as u64;
+        }
+        let gathering = self.gathering.as_ref().expect("rows are skipped only with a gathering");
+        let (hidden, _h) = gathering.hidden.device_ptr(stream);
+        hidden
+    }
+
+    /// `gather_rows_*` or `scatter_rows_f32` of the chunk's rows between `from` and `to`.
+    fn move_rows(&self, kernel: &str, chunk: &Range<usize>, from: u64, to: u64) -> Result<(), LossError> {
+        let stream = self.device.stream();
+        let gathering = self.gathering.as_ref().expect("rows are skipped only with a gathering");
+        let (index, _i) = gathering.index.device_ptr(stream);
+        let index = index + 8 * chunk.start as u64;
+        let h = self.hidden_size();
+        let width =
+            i32::try_from(h).map_err(|_| LossError::Cuda(format!("a hidden size of {h} exceeds the kernels' i32")))?;
+        let rows = chunk.len() as i64;
+        let function = self.device.function(kernel)?;
+        let mut launch = stream.launch_builder(&function);
+        launch.arg(&from).arg(&to).arg(&index).arg(&rows).arg(&width);
+        // SAFETY: matches `gather_rows_*` / `scatter_rows_f32`: `index` holds the chunk's rows'
+        // indices (each below the batch's rows), the gathered side `rows * width` elements, the
+        // batch side `[N, width]`.
+        unsafe { launch.launch(CudaDevice::per_item(chunk.len() * self.hidden_size(), 65_536)) }
+            .map_err(cuda_error("launching a row gather or scatter"))?;
+        Ok(())
     }
 
     fn hidden_size(&self) -> usize {
@@ -122,11 +203,12 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
             unsafe { launch.launch(CudaDevice::per_item(chunk.len() * v, 65_536)) }
                 .map_err(cuda_error("launching bias_rows"))?;
         }
-        let (hidden, _h) = self.inputs.hidden.device_ptr(&stream);
+        if consecutive(self.rows(chunk)).is_none() {
+            let (hidden, _h) = self.inputs.hidden.device_ptr(&stream);
+            self.move_rows(&format!("gather_rows_{}", T::SUFFIX), chunk, hidden, self.chunk_hidden(chunk))?;
+        }
         let (weight, _w) = self.inputs.weight.device_ptr(&stream);
-        let size = std::mem::size_of::<T>() as u64;
-        let hc =
-            Operand { ptr: hidden + (chunk.start * h) as u64 * size, ld: h, dtype: T::BLAS_TYPE, transposed: false };
+        let hc = Operand { ptr: self.chunk_hidden(chunk), ld: h, dtype: T::BLAS_TYPE, transposed: false };
         let wt = Operand { ptr: weight, ld: h, dtype: T::BLAS_TYPE, transposed: true };
         let beta = if self.inputs.bias.is_some() { 1.0 } else { 0.0 };
         gemm(self.device.blas()?, (chunk.len(), v, h), hc, wt, z, v, beta)
@@ -137,23 +219,23 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         let stream = self.device.stream();
         let (z, _z) = self.z.device_ptr(stream);
         let (targets, _t) = optional_ptr(self.targets.as_ref(), stream);
-        let (active, _a) = self.active.device_ptr(stream);
-        let all_rows = RowBlock {
+        let computed = RowBlock {
             logits: 0,
-            rows: self.prepared.spec().rows.len(),
+            rows: self.computed.len(),
             vocab: self.vocab(),
             inv_temperature: (1.0 / self.prepared.spec().options.temperature) as f32,
             targets,
-            active,
+            active: 0,
         };
-        // The chunk's targets and mask are the batch's rows; its logits are `z` from its first row.
-        RowBlock { logits: z, ..all_rows.rows_of(chunk, 0) }
+        // The chunk's targets are the computed rows'; its logits are `z` from its first row.
+        RowBlock { logits: z, ..computed.rows_of(chunk, 0) }
     }
 
     /// The chunk's partial statistics (after [`logits`](Self::logits)), checked for NaN / Inf.
     fn statistics(&mut self, chunk: &Range<usize>) -> Result<Vec<PartialRowStats>, LossError> {
         let block = self.block(chunk);
-        self.device.row_stats("f32", block, &mut self.stats, self.prepared, chunk.start)
+        let rows = &self.computed[chunk.clone()];
+        self.device.row_stats("f32", block, &mut self.stats, self.prepared, |k| rows[k])
     }
 
     /// `dz` of the chunk from its rows' gradient scalars, then `dh`, `dW` and `db`.
@@ -176,15 +258,21 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         };
         self.device.row_gradient(&kernel, block, dz, row_grads)?;
         let blas = self.device.blas()?;
-        let size = std::mem::size_of::<T>() as u64;
-        let (hidden, _h) = self.inputs.hidden.device_ptr(&stream);
         let (weight, _w) = self.inputs.weight.device_ptr(&stream);
-        let hc = hidden + (chunk.start * h) as u64 * size;
+        let hc = self.chunk_hidden(chunk);
         let dz_op = |transposed| Operand { ptr: dz, ld: v, dtype: dz_type, transposed };
         {
             let (dh, _g) = grads.hidden.device_ptr(&stream);
             let w = Operand { ptr: weight, ld: h, dtype: T::BLAS_TYPE, transposed: false };
-            gemm(blas, (n, h, v), dz_op(false), w, dh + 4 * (chunk.start * h) as u64, h, 0.0)?;
+            match consecutive(self.rows(chunk)) {
+                Some(first) => gemm(blas, (n, h, v), dz_op(false), w, dh + 4 * (first * h) as u64, h, 0.0)?,
+                None => {
+                    let gathering = self.gathering.as_ref().expect("rows are skipped only with a gathering");
+                    let (gathered, _g) = gathering.grad.device_ptr(&stream);
+                    gemm(blas, (n, h, v), dz_op(false), w, gathered, h, 0.0)?;
+                    self.move_rows("scatter_rows_f32", chunk, gathered, dh)?;
+                }
+            }
         }
         if let Some(dw) = grads.weight.as_deref() {
             let (dw, _g) = dw.device_ptr(&stream);
@@ -215,14 +303,21 @@ impl CudaDevice {
         budget: ChunkBudget,
     ) -> Result<LossOutput, LossError> {
         let prepared = PreparedLoss::new(spec)?;
-        if spec.rows.is_empty() {
-            return Ok(prepared.objective(&[])?.0);
-        }
-        let mut streamer = Streamer::new(self, &prepared, inputs, budget, false)?;
-        let mut stats = Vec::with_capacity(spec.rows.len());
-        for chunk in streamer.chunks() {
-            streamer.logits(&chunk)?;
-            stats.extend(streamer.statistics(&chunk)?);
+        let rows = &spec.rows;
+        let bias = inputs.bias.map(CudaSlice::len);
+        shapes::check_inputs(rows, inputs.hidden_size, rows.vocab, inputs.hidden.len(), inputs.weight.len(), bias)?;
+        let computed = computed_rows(&prepared);
+        // A skipped row's statistics, as the row passes give an inactive row.
+        let mut stats = vec![PartialRowStats::EMPTY; rows.len()];
+        if !computed.is_empty() {
+            let mut streamer = Streamer::new(self, &prepared, inputs, computed, budget, false)?;
+            for chunk in streamer.chunks() {
+                streamer.logits(&chunk)?;
+                let got = streamer.statistics(&chunk)?;
+                for (&row, s) in streamer.rows(&chunk).iter().zip(got) {
+                    stats[row] = s;
+                }
+            }
         }
         Ok(prepared.objective(&stats)?.0)
     }
@@ -240,39 +335,54 @@ impl CudaDevice {
         let rows = &spec.rows;
         let (weight, bias) = (grads.weight.as_deref().map(CudaSlice::len), grads.bias.as_deref().map(CudaSlice::len));
         shapes::check_gradients(rows, inputs.hidden_size, rows.vocab, grads.hidden.len(), weight, bias)?;
-        if rows.is_empty() {
-            // No rows: no logits, and zero gradients for the lm_head.
+        let bias = inputs.bias.map(CudaSlice::len);
+        shapes::check_inputs(rows, inputs.hidden_size, rows.vocab, inputs.hidden.len(), inputs.weight.len(), bias)?;
+        let computed = computed_rows(&prepared);
+        if computed.len() < rows.len() {
+            // The skipped rows' `d hidden` (the computed rows' is overwritten).
+            self.stream().memset_zeros(&mut *grads.hidden).map_err(cuda_error("zeroing a gradient"))?;
+        }
+        if computed.is_empty() {
+            // No row goes through the products: zero gradients for the lm_head too.
             for g in [grads.weight.as_deref_mut(), grads.bias.as_deref_mut()].into_iter().flatten() {
                 self.stream().memset_zeros(g).map_err(cuda_error("zeroing a gradient"))?;
             }
-            return Ok(prepared.objective(&[])?.0);
+            self.synchronize()?;
+            return Ok(prepared.objective(&vec![PartialRowStats::EMPTY; rows.len()])?.0);
         }
-        let mut streamer = Streamer::new(self, &prepared, inputs, budget, true)?;
+        let mut streamer = Streamer::new(self, &prepared, inputs, computed, budget, true)?;
         let active = prepared.active_rows();
         let chunks = streamer.chunks();
         let output = if let Some(objective) = prepared.row_local_objective() {
-            let (mut all_stats, mut outcomes) = (Vec::with_capacity(rows.len()), Vec::with_capacity(rows.len()));
+            // A skipped row's, as the row passes give an inactive row.
+            let mut results = vec![(RowStats::default(), RowOutcome::ZERO); rows.len()];
             for (i, chunk) in chunks.iter().enumerate() {
                 streamer.logits(chunk)?;
                 let partial = streamer.statistics(chunk)?;
-                let (stats, chunk_outcomes): (Vec<_>, Vec<_>) =
-                    objective.block(active, rows.vocab, chunk.start, &partial).into_iter().unzip();
-                let row_grads: Vec<RowGradient> = chunk_outcomes.iter().map(|o| o.grad).collect();
+                let chunk_rows = streamer.rows(chunk);
+                let done = objective.block(active, rows.vocab, |k| chunk_rows[k], &partial);
+                let row_grads: Vec<RowGradient> = done.iter().map(|(_, o)| o.grad).collect();
+                for (&row, r) in chunk_rows.iter().zip(done) {
+                    results[row] = r;
+                }
                 streamer.backward(chunk, &row_grads, &mut grads, i == 0)?;
-                all_stats.extend(stats);
-                outcomes.extend(chunk_outcomes);
             }
-            objective.output(rows, active, &all_stats, &outcomes)
+            let (stats, outcomes): (Vec<_>, Vec<_>) = results.into_iter().unzip();
+            objective.output(rows, active, &stats, &outcomes)
         } else {
-            let mut partial = Vec::with_capacity(rows.len());
+            let mut partial = vec![PartialRowStats::EMPTY; rows.len()];
             for chunk in &chunks {
                 streamer.logits(chunk)?;
-                partial.extend(streamer.statistics(chunk)?);
+                let got = streamer.statistics(chunk)?;
+                for (&row, s) in streamer.rows(chunk).iter().zip(got) {
+                    partial[row] = s;
+                }
             }
             let (output, row_grads) = prepared.objective(&partial)?;
             for (i, chunk) in chunks.iter().enumerate() {
                 streamer.logits(chunk)?;
-                streamer.backward(chunk, &row_grads[chunk.clone()], &mut grads, i == 0)?;
+                let chunk_grads: Vec<RowGradient> = streamer.rows(chunk).iter().map(|&row| row_grads[row]).collect();
+                streamer.backward(chunk, &chunk_grads, &mut grads, i == 0)?;
             }
             output
         };

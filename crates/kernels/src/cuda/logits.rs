@@ -80,7 +80,7 @@ impl CudaDevice {
         };
         clock.mark("inputs");
         let mut out = self.zeros::<f32>(inputs.block.rows * 5)?;
-        let stats = self.row_stats(T::SUFFIX, inputs.block, &mut out, prepared, 0)?;
+        let stats = self.row_stats(T::SUFFIX, inputs.block, &mut out, prepared, |k| k)?;
         clock.mark("statistics");
         let (output, grads) = prepared.objective(&stats)?;
         clock.mark("objective");

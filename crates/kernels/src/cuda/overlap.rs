@@ -89,8 +89,9 @@ impl CudaDevice {
         for (k, range) in ranges.iter().enumerate() {
             copied[k % 2].synchronize().map_err(cuda_error("waiting for the GPU"))?;
             let raw = staging[k % 2].as_slice().map_err(cuda_error("reading page-locked memory"))?;
-            let partial = self.checked_stats(&raw[..5 * range.len()], prepared, range.start)?;
-            let done = objective.block(active, rows.vocab, range.start, &partial);
+            let row_of = |k| range.start + k;
+            let partial = self.checked_stats(&raw[..5 * range.len()], prepared, row_of)?;
+            let done = objective.block(active, rows.vocab, row_of, &partial);
             let grads: Vec<RowGradient> = done.iter().map(|(_, o)| o.grad).collect();
             let target = RowBlock { logits: grad, ..whole }.rows_of(range, size).logits;
             self.row_gradient(&kernel, whole.rows_of(range, size), target, &grads)?;

@@ -48,23 +48,23 @@ pub(crate) fn vocab_i32(vocab: usize) -> Result<i32, LossError> {
 }
 
 impl CudaDevice {
-    /// Statistics pass: `row_stats_{suffix}` over the block of rows `first_row..` of `prepared`'s
-    /// batch (five floats per row through `out`, at least `5 * block.rows` long), copied back and
-    /// checked for NaN / Inf.
+    /// Statistics pass: `row_stats_{suffix}` over the block, whose `k`-th row is `prepared`'s
+    /// batch row `row_of(k)` (five floats per row through `out`, at least `5 * block.rows` long),
+    /// copied back and checked for NaN / Inf.
     pub(crate) fn row_stats(
         &self,
         suffix: &str,
         block: RowBlock,
         out: &mut CudaSlice<f32>,
         prepared: &PreparedLoss<'_>,
-        first_row: usize,
+        row_of: impl Fn(usize) -> usize,
     ) -> Result<Vec<PartialRowStats>, LossError> {
         self.launch_row_stats(suffix, block, out)?;
         if block.rows == 0 {
             return Ok(Vec::new());
         }
         let raw = self.stream().clone_dtoh(&out.slice(..5 * block.rows)).map_err(cuda_error("copying from the GPU"))?;
-        self.checked_stats(&raw, prepared, first_row)
+        self.checked_stats(&raw, prepared, row_of)
     }
 
     /// The statistics pass queued on the stream, not waited for.
@@ -96,16 +96,17 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Statistics copied back (five floats a row, of the rows `first_row..`), checked for NaN / Inf.
+    /// Statistics copied back (five floats a row, the `k`-th of batch row `row_of(k)`), checked
+    /// for NaN / Inf.
     pub(crate) fn checked_stats(
         &self,
         raw: &[f32],
         prepared: &PreparedLoss<'_>,
-        first_row: usize,
+        row_of: impl Fn(usize) -> usize,
     ) -> Result<Vec<PartialRowStats>, LossError> {
         let rows = &prepared.spec().rows;
         let stats = statistics_from(raw, rows.targets.is_some());
-        check_finite(rows, prepared.active_rows(), first_row, &stats)?;
+        check_finite(rows, prepared.active_rows(), row_of, &stats)?;
         Ok(stats)
     }
 
@@ -157,11 +158,16 @@ fn scalars_of(grads: &[RowGradient]) -> Vec<f32> {
     grads.iter().flat_map(|g| [g.lse, g.a, g.b, g.c, g.d]).collect()
 }
 
-/// The NaN / Inf check of the statistics of rows `first..first + stats.len()`: the lowest active
-/// row with non-finite logits, named.
-fn check_finite(rows: &Rows, active: &[bool], first: usize, stats: &[PartialRowStats]) -> Result<(), LossError> {
-    match stats.iter().enumerate().position(|(k, s)| active[first + k] && !s.is_finite()) {
-        Some(k) => Err(non_finite(rows, first + k)),
+/// The NaN / Inf check of the statistics of rows `row_of(0), row_of(1), ...` (ascending): the
+/// lowest active row with non-finite logits, named.
+fn check_finite(
+    rows: &Rows,
+    active: &[bool],
+    row_of: impl Fn(usize) -> usize,
+    stats: &[PartialRowStats],
+) -> Result<(), LossError> {
+    match stats.iter().enumerate().position(|(k, s)| active[row_of(k)] && !s.is_finite()) {
+        Some(k) => Err(non_finite(rows, row_of(k))),
         None => Ok(()),
     }
 }

@@ -12,7 +12,8 @@
 //    element is read before it is written, by the same thread). A row whose four scalars are
 //    all zero is written as zeros without reading its logits.
 // 3. fused-linear's helpers around cuBLAS's products: the bias broadcast into the f32 logits of a
-//    chunk of rows, and the bias gradient (column sums).
+//    chunk of rows, the bias gradient (column sums), and the gather / scatter of a chunk's active
+//    rows of hidden states and `d hidden` (masked rows skip the products).
 //
 // Deterministic: every thread walks a fixed strided slice of the row in order, and the block
 // combines the threads' partials by a fixed tree in shared memory; there are no atomics. Which
@@ -346,6 +347,29 @@ __device__ void bias_grad(const T *__restrict__ dz, float *db, int rows, int voc
     db[j] = sum;
 }
 
+// Fused-linear: the rows `index[0..rows]` of `src [*, width]` into `dst [rows, width]` (gather:
+// a chunk's active rows when masked rows fall between them), or `src [rows, width]` back to those
+// rows of `dst` (scatter: their `d hidden`). One element a thread, a grid-stride loop.
+template <typename T>
+__device__ void gather_rows(const T *__restrict__ src, T *__restrict__ dst, const long long *__restrict__ index,
+                            long long rows, int width) {
+    const long long total = rows * (long long)width;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        dst[i] = src[index[i / width] * width + i % width];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FLASHGRPO_THREADS)
+    scatter_rows_f32(const float *__restrict__ src, float *__restrict__ dst, const long long *__restrict__ index,
+                     long long rows, int width) {
+    const long long total = rows * (long long)width;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        dst[index[i / width] * width + i % width] = src[i];
+    }
+}
+
 #define FLASHGRPO_INSTANTIATE(NAME, T)                                                              \
     extern "C" __global__ void __launch_bounds__(FLASHGRPO_THREADS)                                 \
         row_stats_##NAME(const T *logits, int vocab, float inv_temperature,                          \
@@ -369,6 +393,10 @@ __device__ void bias_grad(const T *__restrict__ dz, float *db, int rows, int voc
     extern "C" __global__ void __launch_bounds__(FLASHGRPO_THREADS)                                 \
         bias_grad_##NAME(const T *dz, float *db, int rows, int vocab, int accumulate) {              \
         bias_grad<T>(dz, db, rows, vocab, accumulate);                                               \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(FLASHGRPO_THREADS)                                 \
+        gather_rows_##NAME(const T *src, T *dst, const long long *index, long long rows, int width) {   \
+        gather_rows<T>(src, dst, index, rows, width);                                                \
     }
 
 FLASHGRPO_INSTANTIATE(f32, float)

@@ -163,16 +163,16 @@ impl<'a> Objective<'a> {
         }
     }
 
-    /// The statistics and outcomes of the rows `first..first + partial.len()`, from their
-    /// statistics over the whole vocabulary (rows that take no part: zeros), in parallel. For a
-    /// backend that streams rows in blocks (fused-linear's chunks, the CUDA passes) and evaluates
-    /// a row-local objective one block at a time, in row order.
+    /// The statistics and outcomes of the rows `row_of(0), row_of(1), ...` (one a `partial`), from
+    /// their statistics over the whole vocabulary (rows that take no part: zeros), in parallel.
+    /// For a backend that streams rows in blocks (fused-linear's chunks of active rows, the CUDA
+    /// passes' consecutive rows) and evaluates a row-local objective one block at a time.
     #[cfg(feature = "cuda")]
     pub fn block(
         &self,
         active: &[bool],
         vocab: usize,
-        first: usize,
+        row_of: impl Fn(usize) -> usize + Sync,
         partial: &[PartialRowStats],
     ) -> Vec<(RowStats, RowOutcome)> {
         debug_assert!(self.is_row_local(), "a block at a time needs a row-local objective");
@@ -181,7 +181,7 @@ impl<'a> Objective<'a> {
             .enumerate()
             .with_min_len(ROWS_PER_TASK)
             .map(|(k, p)| {
-                let row = first + k;
+                let row = row_of(k);
                 if !active[row] {
                     return (RowStats::default(), RowOutcome::ZERO);
                 }
