@@ -212,13 +212,51 @@ fn linear_matches_the_reference_in_one_chunk_and_many() {
         let data = case.data();
         for (h, with_bias) in [(64, false), (96, true), (1, true)] {
             let lin = linear_for(&case, h, with_bias);
-            // One chunk, and chunks of two rows.
+            // One chunk, and chunks of two or three rows.
             for budget in [ChunkBudget::default(), ChunkBudget::from_bytes(2 * case.vocab * 8)] {
                 check_linear::<f32>(&gpu, &data, &lin, budget);
                 check_linear::<bf16>(&gpu, &data, &lin, budget);
             }
         }
     }
+}
+
+/// Fused-linear leaves masked rows out of the products, in chunks with and without a masked row
+/// between their rows: the results match the reference, a NaN in a masked row's hidden state
+/// (padding) changes no bit, and a NaN in an active row after masked ones names its batch row.
+#[test]
+fn linear_skips_masked_rows_and_names_bad_active_rows() {
+    let Some(gpu) = gpu() else { return };
+    let case = Case::new(Op::Grpo, 2, 6, 1000).with(|o| o.beta = 0.04);
+    let mut data = case.data();
+    // A masked prefix (rows 0, 1) and row 6: with f32 chunks of 3 computed rows (a row counts its
+    // f32 logits, gathered hidden state and d hidden), [2, 3, 4], [5, 7, 8] (gathered) and
+    // [9, 10, 11].
+    data.mask = Some(vec![0., 0., 1., 1., 1., 1., 0., 1., 1., 1., 1., 1.]);
+    let lin = linear_for(&case, 64, false);
+    let budget = ChunkBudget::from_bytes(3 * (case.vocab * 4 + lin.h * 8));
+    check_linear::<f32>(&gpu, &data, &lin, budget);
+    check_linear::<bf16>(&gpu, &data, &lin, budget);
+    let run = |hidden: &[f32]| {
+        let (hidden_d, weight_d) = (gpu.upload(hidden).unwrap(), gpu.upload(&lin.weight).unwrap());
+        let inputs = CudaLinearInputs { hidden: &hidden_d, weight: &weight_d, bias: None, hidden_size: lin.h };
+        let mut gh = gpu.upload(&vec![f32::NAN; hidden.len()]).unwrap();
+        let mut gw = gpu.upload(&vec![f32::NAN; lin.weight.len()]).unwrap();
+        let grads = CudaLinearGradients { hidden: &mut gh, weight: Some(&mut gw), bias: None };
+        let out = gpu.linear_forward_backward(data.spec(), inputs, grads, budget)?;
+        Ok::<_, flashgrpo_kernels::LossError>((out, gpu.download(&gh).unwrap(), gpu.download(&gw).unwrap()))
+    };
+    let clean = run(&lin.hidden).unwrap();
+    assert!(clean.1[..2 * lin.h].iter().all(|&g| g == 0.0), "the skipped rows' d hidden is zero");
+    let mut padded = lin.hidden.clone();
+    for row in [0, 6] {
+        padded[row * lin.h + 5] = f32::NAN;
+    }
+    assert!(run(&padded).unwrap() == clean, "a masked row's NaN hidden state changed the results");
+    let mut bad = lin.hidden.clone();
+    bad[8 * lin.h + 3] = f32::NAN;
+    let e = run(&bad).unwrap_err().to_string();
+    assert!(e.contains("row 8"), "{e}");
 }
 
 #[test]

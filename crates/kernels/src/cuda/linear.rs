@@ -22,8 +22,8 @@ use super::device::{cuda_error, optional_ptr, CudaDevice, CudaElement};
 use super::passes::{vocab_i32, RowBlock};
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
-use crate::linear::{shapes, ChunkBudget};
-use crate::objective::{LossOutput, RowGradient, RowOutcome};
+use crate::linear::{computed_rows, consecutive, shapes, ChunkBudget};
+use crate::objective::{LossOutput, Objective, RowGradient, RowOutcome};
 use crate::stats::{PartialRowStats, RowStats};
 
 /// The inputs of a fused-linear loss on the GPU (one dtype for all three).
@@ -50,29 +50,29 @@ pub struct CudaLinearGradients<'a> {
     pub bias: Option<&'a mut CudaSlice<f32>>,
 }
 
-/// Rows per chunk: as many as the budget holds (the chunk's f32 logits, and its `dz` when that is
-/// in another dtype), in chunks of equal size.
-fn rows_per_chunk<T: CudaElement>(n: usize, vocab: usize, budget: ChunkBudget) -> usize {
-    let separate_dz = if T::as_f32_slice(&[]).is_none() { std::mem::size_of::<T>() } else { 0 };
-    let per_row = vocab.max(1) * (4 + separate_dz);
+/// Rows per chunk: as many as the budget holds (the chunk's f32 logits, its `dz` when that is in
+/// another dtype, and, as on the CPU, its gathered hidden states and f32 `d hidden`), in chunks of
+/// equal size.
+fn rows_per_chunk<T: CudaElement>(n: usize, vocab: usize, hidden_size: usize, budget: ChunkBudget) -> usize {
+    let size = std::mem::size_of::<T>();
+    let separate_dz = if T::as_f32_slice(&[]).is_none() { size } else { 0 };
+    let per_row = vocab.max(1) * (4 + separate_dz) + hidden_size * (size + 4);
     crate::linear::even_chunk_rows(n, budget.bytes / per_row)
 }
 
-/// The rows of `prepared`'s batch that go through the products, ascending: the active ones.
-fn computed_rows(prepared: &PreparedLoss<'_>) -> Vec<usize> {
-    (0..prepared.spec().rows.len()).filter(|&i| prepared.active_rows()[i]).collect()
-}
-
-/// The first of `rows` when they are consecutive (a chunk with no skipped row inside: its hidden
-/// states and `d hidden` are read and written in place).
-fn consecutive(rows: &[usize]) -> Option<usize> {
-    let first = *rows.first()?;
-    rows.iter().enumerate().all(|(k, &r)| r == first + k).then_some(first)
+/// The inputs' shapes against the batch's.
+fn check_inputs<T: CudaElement>(
+    prepared: &PreparedLoss<'_>,
+    inputs: &CudaLinearInputs<'_, T>,
+) -> Result<(), LossError> {
+    let rows = &prepared.spec().rows;
+    let bias = inputs.bias.map(CudaSlice::len);
+    shapes::check_inputs(rows, inputs.hidden_size, rows.vocab, inputs.hidden.len(), inputs.weight.len(), bias)
 }
 
 /// One fused-linear call's device state: the inputs' pointers, the chunk buffers, the O(N) inputs.
-/// Chunks are ranges of `computed`, and the row passes see the computed rows alone (their targets
-/// in that order, no mask: every one is active).
+/// Chunks are ranges of `computed` ([`computed_rows`]), and the row passes see the computed rows
+/// alone (their targets in that order, no mask: every one is active).
 struct Streamer<'d, 'p, 'a, T> {
     device: &'d CudaDevice,
     prepared: &'p PreparedLoss<'a>,
@@ -87,12 +87,12 @@ struct Streamer<'d, 'p, 'a, T> {
     /// The targets of the computed rows, in their order.
     targets: Option<CudaSlice<i64>>,
     stats: CudaSlice<f32>,
-    /// Where some row is skipped: `computed` on the device, and a chunk's gathered hidden states
-    /// `[chunk_rows, H]` and `d hidden` (f32) for chunks whose rows are not consecutive.
+    /// Only where some chunk has a masked row between its rows.
     gathering: Option<Gathering<T>>,
 }
 
-/// The buffers of chunks whose rows are not consecutive.
+/// The buffers of chunks whose rows are not consecutive: `computed` on the device (the gathers'
+/// indices), a chunk's gathered hidden states `[chunk_rows, H]` and its `d hidden` (f32).
 struct Gathering<T> {
     index: CudaSlice<i64>,
     hidden: CudaSlice<T>,
@@ -111,13 +111,13 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
     ) -> Result<Self, LossError> {
         let rows = &prepared.spec().rows;
         let (h, v) = (inputs.hidden_size, rows.vocab);
-        let chunk_rows = rows_per_chunk::<T>(computed.len(), v, budget);
+        let chunk_rows = rows_per_chunk::<T>(computed.len(), v, h, budget);
         let separate_dz = gradient && T::as_f32_slice(&[]).is_none();
         let targets: Option<Vec<i64>> = rows.targets.map(|t| computed.iter().map(|&i| t[i]).collect());
-        let gathering = if computed.len() < rows.len() {
+        let gathering = if computed.chunks(chunk_rows).any(|rows| consecutive(rows).is_none()) {
             let index: Vec<i64> = computed.iter().map(|&i| i as i64).collect();
             let hidden = device.zeros(chunk_rows * h)?;
-            let grad = if gradient { device.zeros(chunk_rows * h)? } else { device.zeros(1)? };
+            let grad = device.zeros(if gradient { chunk_rows * h } else { 1 })?;
             Some(Gathering { index: device.upload(&index)?, hidden, grad })
         } else {
             None
@@ -136,7 +136,7 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         })
     }
 
-    /// Ranges of `computed`.
+    /// Ranges of `computed` (as `computed.chunks(chunk_rows)`, which `new` sized the gathering by).
     fn chunks(&self) -> Vec<Range<usize>> {
         let (n, step) = (self.computed.len(), self.chunk_rows);
         (0..n).step_by(step).map(|r| r..(r + step).min(n)).collect()
@@ -147,25 +147,36 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         &self.computed[chunk.clone()]
     }
 
-    /// The pointer to the chunk's hidden states `[chunk.len(), H]`: in place where its rows are
-    /// consecutive, else gathered (by the chunk's [`logits`](Self::logits), before the backward
-    /// products read them again).
-    fn chunk_hidden(&self, chunk: &Range<usize>) -> u64 {
+    fn gathering(&self) -> &Gathering<T> {
+        self.gathering.as_ref().expect("`new` made gather buffers for a chunk with a gap")
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.inputs.hidden_size
+    }
+
+    fn vocab(&self) -> usize {
+        self.prepared.spec().rows.vocab
+    }
+
+    /// The chunk's hidden states `[chunk.len(), H]` for its products: in place where its rows are
+    /// consecutive, else gathered into the gather buffer (queued now, before the products that
+    /// read them; the two-pass path gathers again for its second pass).
+    fn hidden_of(&self, chunk: &Range<usize>) -> Result<u64, LossError> {
         let stream = self.device.stream();
+        let (hidden, _h) = self.inputs.hidden.device_ptr(stream);
         if let Some(first) = consecutive(self.rows(chunk)) {
-            let (hidden, _h) = self.inputs.hidden.device_ptr(stream);
-            return hidden + (first * self.hidden_size() * std::mem::size_of::<T>()) as u64;
+            return Ok(hidden + (first * self.hidden_size() * std::mem::size_of::<T>()) as u64);
         }
-        let gathering = self.gathering.as_ref().expect("rows are skipped only with a gathering");
-        let (hidden, _h) = gathering.hidden.device_ptr(stream);
-        hidden
+        let (gathered, _g) = self.gathering().hidden.device_ptr(stream);
+        self.move_rows(&format!("gather_rows_{}", T::SUFFIX), chunk, hidden, gathered)?;
+        Ok(gathered)
     }
 
     /// `gather_rows_*` or `scatter_rows_f32` of the chunk's rows between `from` and `to`.
     fn move_rows(&self, kernel: &str, chunk: &Range<usize>, from: u64, to: u64) -> Result<(), LossError> {
         let stream = self.device.stream();
-        let gathering = self.gathering.as_ref().expect("rows are skipped only with a gathering");
-        let (index, _i) = gathering.index.device_ptr(stream);
+        let (index, _i) = self.gathering().index.device_ptr(stream);
         let index = index + 8 * chunk.start as u64;
         let h = self.hidden_size();
         let width =
@@ -177,21 +188,14 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         // SAFETY: matches `gather_rows_*` / `scatter_rows_f32`: `index` holds the chunk's rows'
         // indices (each below the batch's rows), the gathered side `rows * width` elements, the
         // batch side `[N, width]`.
-        unsafe { launch.launch(CudaDevice::per_item(chunk.len() * self.hidden_size(), 65_536)) }
+        unsafe { launch.launch(CudaDevice::per_item(chunk.len() * h, 65_536)) }
             .map_err(cuda_error("launching a row gather or scatter"))?;
         Ok(())
     }
 
-    fn hidden_size(&self) -> usize {
-        self.inputs.hidden_size
-    }
-
-    fn vocab(&self) -> usize {
-        self.prepared.spec().rows.vocab
-    }
-
-    /// The chunk's f32 logits into `self.z`: the bias broadcast, then `+= h_chunk @ W^T`.
-    fn logits(&mut self, chunk: &Range<usize>) -> Result<(), LossError> {
+    /// The chunk's f32 logits into `self.z`: the bias broadcast, then `+= h_chunk @ W^T`. Returns
+    /// the chunk's hidden states (for [`backward`](Self::backward)).
+    fn logits(&mut self, chunk: &Range<usize>) -> Result<u64, LossError> {
         let (h, v, stream) = (self.hidden_size(), self.vocab(), self.device.stream().clone());
         let (z, _z) = self.z.device_ptr(&stream);
         if let Some(bias) = self.inputs.bias {
@@ -203,15 +207,13 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
             unsafe { launch.launch(CudaDevice::per_item(chunk.len() * v, 65_536)) }
                 .map_err(cuda_error("launching bias_rows"))?;
         }
-        if consecutive(self.rows(chunk)).is_none() {
-            let (hidden, _h) = self.inputs.hidden.device_ptr(&stream);
-            self.move_rows(&format!("gather_rows_{}", T::SUFFIX), chunk, hidden, self.chunk_hidden(chunk))?;
-        }
+        let hidden = self.hidden_of(chunk)?;
         let (weight, _w) = self.inputs.weight.device_ptr(&stream);
-        let hc = Operand { ptr: self.chunk_hidden(chunk), ld: h, dtype: T::BLAS_TYPE, transposed: false };
+        let hc = Operand { ptr: hidden, ld: h, dtype: T::BLAS_TYPE, transposed: false };
         let wt = Operand { ptr: weight, ld: h, dtype: T::BLAS_TYPE, transposed: true };
         let beta = if self.inputs.bias.is_some() { 1.0 } else { 0.0 };
-        gemm(self.device.blas()?, (chunk.len(), v, h), hc, wt, z, v, beta)
+        gemm(self.device.blas()?, (chunk.len(), v, h), hc, wt, z, v, beta)?;
+        Ok(hidden)
     }
 
     /// The row block of the chunk's logits in `self.z`.
@@ -238,10 +240,65 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         self.device.row_stats("f32", block, &mut self.stats, self.prepared, |k| rows[k])
     }
 
-    /// `dz` of the chunk from its rows' gradient scalars, then `dh`, `dW` and `db`.
+    /// Every computed row's partial statistics, the skipped rows' as the row passes give an
+    /// inactive row (pass 1 of the two-pass path, and the forward).
+    fn statistics_of_all(&mut self) -> Result<Vec<PartialRowStats>, LossError> {
+        let mut partial = vec![PartialRowStats::EMPTY; self.prepared.spec().rows.len()];
+        for chunk in self.chunks() {
+            self.logits(&chunk)?;
+            let got = self.statistics(&chunk)?;
+            for (&row, s) in self.rows(&chunk).iter().zip(got) {
+                partial[row] = s;
+            }
+        }
+        Ok(partial)
+    }
+
+    /// The one-pass path of a row-local objective: per chunk, logits, statistics, the chunk's
+    /// objective on the host, then its gradient and products.
+    fn sweep(
+        &mut self,
+        objective: &Objective<'_>,
+        grads: &mut CudaLinearGradients<'_>,
+    ) -> Result<LossOutput, LossError> {
+        let prepared = self.prepared;
+        let (rows, active) = (&prepared.spec().rows, prepared.active_rows());
+        // A skipped row's, as the row passes give an inactive row.
+        let mut results = vec![(RowStats::default(), RowOutcome::ZERO); rows.len()];
+        for (i, chunk) in self.chunks().iter().enumerate() {
+            let hidden = self.logits(chunk)?;
+            let partial = self.statistics(chunk)?;
+            let chunk_rows = self.rows(chunk);
+            let done = objective.block(active, rows.vocab, |k| chunk_rows[k], &partial);
+            let row_grads: Vec<RowGradient> = done.iter().map(|(_, o)| o.grad).collect();
+            for (&row, r) in chunk_rows.iter().zip(done) {
+                results[row] = r;
+            }
+            self.backward(chunk, hidden, &row_grads, grads, i == 0)?;
+        }
+        let (stats, outcomes): (Vec<_>, Vec<_>) = results.into_iter().unzip();
+        Ok(objective.output(rows, active, &stats, &outcomes))
+    }
+
+    /// The two-pass path (sequence-level objectives): every row's statistics, the objective, then
+    /// the gradients with the logits recomputed.
+    fn two_passes(&mut self, grads: &mut CudaLinearGradients<'_>) -> Result<LossOutput, LossError> {
+        let partial = self.statistics_of_all()?;
+        let (output, row_grads) = self.prepared.objective(&partial)?;
+        for (i, chunk) in self.chunks().iter().enumerate() {
+            let hidden = self.logits(chunk)?;
+            let chunk_grads: Vec<RowGradient> = self.rows(chunk).iter().map(|&row| row_grads[row]).collect();
+            self.backward(chunk, hidden, &chunk_grads, grads, i == 0)?;
+        }
+        Ok(output)
+    }
+
+    /// `dz` of the chunk from its rows' gradient scalars, then `dh`, `dW` and `db` (`hidden`: the
+    /// chunk's hidden states, as [`logits`](Self::logits) returned them).
     fn backward(
         &mut self,
         chunk: &Range<usize>,
+        hidden: u64,
         row_grads: &[RowGradient],
         grads: &mut CudaLinearGradients<'_>,
         first_chunk: bool,
@@ -257,27 +314,12 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
             None => (block.logits, <f32 as CudaElement>::BLAS_TYPE, None, "row_gradient_f32".to_string()),
         };
         self.device.row_gradient(&kernel, block, dz, row_grads)?;
-        let blas = self.device.blas()?;
-        let (weight, _w) = self.inputs.weight.device_ptr(&stream);
-        let hc = self.chunk_hidden(chunk);
         let dz_op = |transposed| Operand { ptr: dz, ld: v, dtype: dz_type, transposed };
-        {
-            let (dh, _g) = grads.hidden.device_ptr(&stream);
-            let w = Operand { ptr: weight, ld: h, dtype: T::BLAS_TYPE, transposed: false };
-            match consecutive(self.rows(chunk)) {
-                Some(first) => gemm(blas, (n, h, v), dz_op(false), w, dh + 4 * (first * h) as u64, h, 0.0)?,
-                None => {
-                    let gathering = self.gathering.as_ref().expect("rows are skipped only with a gathering");
-                    let (gathered, _g) = gathering.grad.device_ptr(&stream);
-                    gemm(blas, (n, h, v), dz_op(false), w, gathered, h, 0.0)?;
-                    self.move_rows("scatter_rows_f32", chunk, gathered, dh)?;
-                }
-            }
-        }
+        self.hidden_gradient(chunk, dz_op(false), grads)?;
         if let Some(dw) = grads.weight.as_deref() {
             let (dw, _g) = dw.device_ptr(&stream);
-            let hc = Operand { ptr: hc, ld: h, dtype: T::BLAS_TYPE, transposed: false };
-            gemm(blas, (v, h, n), dz_op(true), hc, dw, h, if first_chunk { 0.0 } else { 1.0 })?;
+            let hc = Operand { ptr: hidden, ld: h, dtype: T::BLAS_TYPE, transposed: false };
+            gemm(self.device.blas()?, (v, h, n), dz_op(true), hc, dw, h, if first_chunk { 0.0 } else { 1.0 })?;
         }
         if let Some(db) = grads.bias.as_deref() {
             let (db, _g) = db.device_ptr(&stream);
@@ -292,6 +334,29 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         }
         Ok(())
     }
+
+    /// `dh = dz @ W` of the chunk into its rows of the `d hidden` gradient: directly where they are
+    /// consecutive, else into the gather buffer and scattered back.
+    fn hidden_gradient(
+        &self,
+        chunk: &Range<usize>,
+        dz: Operand,
+        grads: &mut CudaLinearGradients<'_>,
+    ) -> Result<(), LossError> {
+        let (h, v, n, stream) = (self.hidden_size(), self.vocab(), chunk.len(), self.device.stream());
+        let (weight, _w) = self.inputs.weight.device_ptr(stream);
+        let w = Operand { ptr: weight, ld: h, dtype: T::BLAS_TYPE, transposed: false };
+        let (dh, _g) = grads.hidden.device_ptr(stream);
+        let blas = self.device.blas()?;
+        match consecutive(self.rows(chunk)) {
+            Some(first) => gemm(blas, (n, h, v), dz, w, dh + 4 * (first * h) as u64, h, 0.0),
+            None => {
+                let (gathered, _b) = self.gathering().grad.device_ptr(stream);
+                gemm(blas, (n, h, v), dz, w, gathered, h, 0.0)?;
+                self.move_rows("scatter_rows_f32", chunk, gathered, dh)
+            }
+        }
+    }
 }
 
 impl CudaDevice {
@@ -303,23 +368,14 @@ impl CudaDevice {
         budget: ChunkBudget,
     ) -> Result<LossOutput, LossError> {
         let prepared = PreparedLoss::new(spec)?;
-        let rows = &spec.rows;
-        let bias = inputs.bias.map(CudaSlice::len);
-        shapes::check_inputs(rows, inputs.hidden_size, rows.vocab, inputs.hidden.len(), inputs.weight.len(), bias)?;
+        check_inputs(&prepared, &inputs)?;
         let computed = computed_rows(&prepared);
-        // A skipped row's statistics, as the row passes give an inactive row.
-        let mut stats = vec![PartialRowStats::EMPTY; rows.len()];
-        if !computed.is_empty() {
-            let mut streamer = Streamer::new(self, &prepared, inputs, computed, budget, false)?;
-            for chunk in streamer.chunks() {
-                streamer.logits(&chunk)?;
-                let got = streamer.statistics(&chunk)?;
-                for (&row, s) in streamer.rows(&chunk).iter().zip(got) {
-                    stats[row] = s;
-                }
-            }
-        }
-        Ok(prepared.objective(&stats)?.0)
+        let partial = if computed.is_empty() {
+            vec![PartialRowStats::EMPTY; spec.rows.len()]
+        } else {
+            Streamer::new(self, &prepared, inputs, computed, budget, false)?.statistics_of_all()?
+        };
+        Ok(prepared.objective(&partial)?.0)
     }
 
     /// The loss, per-token outputs, and the f32 gradients with respect to `hidden`, `weight` and
@@ -335,59 +391,40 @@ impl CudaDevice {
         let rows = &spec.rows;
         let (weight, bias) = (grads.weight.as_deref().map(CudaSlice::len), grads.bias.as_deref().map(CudaSlice::len));
         shapes::check_gradients(rows, inputs.hidden_size, rows.vocab, grads.hidden.len(), weight, bias)?;
-        let bias = inputs.bias.map(CudaSlice::len);
-        shapes::check_inputs(rows, inputs.hidden_size, rows.vocab, inputs.hidden.len(), inputs.weight.len(), bias)?;
+        check_inputs(&prepared, &inputs)?;
         let computed = computed_rows(&prepared);
-        if computed.len() < rows.len() {
-            // The skipped rows' `d hidden` (the computed rows' is overwritten).
-            self.stream().memset_zeros(&mut *grads.hidden).map_err(cuda_error("zeroing a gradient"))?;
-        }
+        self.zero_skipped_gradients(&mut grads, computed.len(), rows.len())?;
         if computed.is_empty() {
-            // No row goes through the products: zero gradients for the lm_head too.
-            for g in [grads.weight.as_deref_mut(), grads.bias.as_deref_mut()].into_iter().flatten() {
-                self.stream().memset_zeros(g).map_err(cuda_error("zeroing a gradient"))?;
-            }
-            self.synchronize()?;
             return Ok(prepared.objective(&vec![PartialRowStats::EMPTY; rows.len()])?.0);
         }
         let mut streamer = Streamer::new(self, &prepared, inputs, computed, budget, true)?;
-        let active = prepared.active_rows();
-        let chunks = streamer.chunks();
-        let output = if let Some(objective) = prepared.row_local_objective() {
-            // A skipped row's, as the row passes give an inactive row.
-            let mut results = vec![(RowStats::default(), RowOutcome::ZERO); rows.len()];
-            for (i, chunk) in chunks.iter().enumerate() {
-                streamer.logits(chunk)?;
-                let partial = streamer.statistics(chunk)?;
-                let chunk_rows = streamer.rows(chunk);
-                let done = objective.block(active, rows.vocab, |k| chunk_rows[k], &partial);
-                let row_grads: Vec<RowGradient> = done.iter().map(|(_, o)| o.grad).collect();
-                for (&row, r) in chunk_rows.iter().zip(done) {
-                    results[row] = r;
-                }
-                streamer.backward(chunk, &row_grads, &mut grads, i == 0)?;
-            }
-            let (stats, outcomes): (Vec<_>, Vec<_>) = results.into_iter().unzip();
-            objective.output(rows, active, &stats, &outcomes)
-        } else {
-            let mut partial = vec![PartialRowStats::EMPTY; rows.len()];
-            for chunk in &chunks {
-                streamer.logits(chunk)?;
-                let got = streamer.statistics(chunk)?;
-                for (&row, s) in streamer.rows(chunk).iter().zip(got) {
-                    partial[row] = s;
-                }
-            }
-            let (output, row_grads) = prepared.objective(&partial)?;
-            for (i, chunk) in chunks.iter().enumerate() {
-                streamer.logits(chunk)?;
-                let chunk_grads: Vec<RowGradient> = streamer.rows(chunk).iter().map(|&row| row_grads[row]).collect();
-                streamer.backward(chunk, &chunk_grads, &mut grads, i == 0)?;
-            }
-            output
+        let output = match prepared.row_local_objective() {
+            Some(objective) => streamer.sweep(&objective, &mut grads)?,
+            None => streamer.two_passes(&mut grads)?,
         };
         self.synchronize()?;
         Ok(output)
+    }
+
+    /// Zeros where no product writes: `d hidden` when some of the `rows` rows are skipped (the
+    /// `computed` ones' is overwritten), and the lm_head's gradients when none is computed.
+    fn zero_skipped_gradients(
+        &self,
+        grads: &mut CudaLinearGradients<'_>,
+        computed: usize,
+        rows: usize,
+    ) -> Result<(), LossError> {
+        let zero = |g: &mut CudaSlice<f32>| self.stream().memset_zeros(g).map_err(cuda_error("zeroing a gradient"));
+        if computed < rows {
+            zero(&mut *grads.hidden)?;
+        }
+        if computed == 0 {
+            for g in [grads.weight.as_deref_mut(), grads.bias.as_deref_mut()].into_iter().flatten() {
+                zero(g)?;
+            }
+            self.synchronize()?;
+        }
+        Ok(())
     }
 }
 
@@ -433,11 +470,12 @@ mod tests {
 
     #[test]
     fn chunks_fit_the_budget_and_are_even() {
-        // bf16 at V = 151936: 6 bytes a column per row (f32 logits + bf16 dz).
-        let rows = rows_per_chunk::<half::bf16>(4096, 151_936, ChunkBudget::from_mb(1024));
-        assert!(rows * 151_936 * 6 <= 1024 << 20, "{rows}");
+        // bf16 at V = 151936, H = 1536: 6 bytes a column (f32 logits + bf16 dz) and 6 a hidden
+        // unit (gathered bf16 hidden state + f32 d hidden) per row.
+        let rows = rows_per_chunk::<half::bf16>(4096, 151_936, 1536, ChunkBudget::from_mb(1024));
+        assert!(rows * (151_936 * 6 + 1536 * 6) <= 1024 << 20, "{rows}");
         assert!(4096usize.div_ceil(rows) * rows - 4096 < rows);
-        assert_eq!(rows_per_chunk::<f32>(10, 1000, ChunkBudget::from_mb(1024)), 10);
-        assert_eq!(rows_per_chunk::<f32>(10, 1000, ChunkBudget::from_bytes(1)), 1);
+        assert_eq!(rows_per_chunk::<f32>(10, 1000, 64, ChunkBudget::from_mb(1024)), 10);
+        assert_eq!(rows_per_chunk::<f32>(10, 1000, 64, ChunkBudget::from_bytes(1)), 1);
     }
 }

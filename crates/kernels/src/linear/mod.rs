@@ -161,9 +161,16 @@ fn whole_blocks(rows: usize, most: usize, n: usize) -> usize {
     }
 }
 
+/// The rows of `prepared`'s batch that go through the products, ascending: the active ones (a
+/// masked row's, or an ignored target's, logits are never read and its gradient is zero). The CPU
+/// and CUDA streamers both chunk these.
+pub(crate) fn computed_rows(prepared: &PreparedLoss<'_>) -> Vec<usize> {
+    (0..prepared.spec().rows.len()).filter(|&i| prepared.active_rows()[i]).collect()
+}
+
 /// The first of `rows` when they are consecutive and in order, as a chunk with no skipped row
 /// inside is: its hidden states and `d hidden` are then read and written in place.
-fn consecutive(rows: &[usize]) -> Option<usize> {
+pub(crate) fn consecutive(rows: &[usize]) -> Option<usize> {
     let first = *rows.first()?;
     rows.iter().enumerate().all(|(k, &r)| r == first + k).then_some(first)
 }
@@ -246,7 +253,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         budget: ChunkBudget,
     ) -> Result<Self, LossError> {
         let rows = &prepared.spec().rows;
-        let (n, h, v) = (rows.len(), inputs.hidden_size, columns.len());
+        let (h, v) = (inputs.hidden_size, columns.len());
         if columns.end > rows.vocab || columns.start > columns.end {
             return Err(LossError::Shard(format!(
                 "columns {columns:?} are not inside the vocabulary [0, {})",
@@ -268,7 +275,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         } else {
             Operands::F32 { hidden: Vec::new(), weight: Vec::new() }
         };
-        let computed: Vec<usize> = (0..n).filter(|&i| prepared.active_rows()[i]).collect();
+        let computed = computed_rows(prepared);
         Ok(Self {
             prepared,
             inputs,
