@@ -176,17 +176,21 @@ def copy_gbps():
     return 2 * n * 4 / statistics.median(times) / 1e9
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_arguments(p, seq_len):
+    """The options of both GPU peer scripts (this one and gpu_linear_grpo.py)."""
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=seq_len)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--dtype", choices=["f32", "bf16"], default="bf16")
     p.add_argument("--peers", default="torch-eager,torch-compile,liger")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    args = p.parse_args()
+
+
+def run_peers(time_peer, args):
+    """Each peer of `args.peers` timed by `time_peer(peer, args, dtype)` on `args.device`: one JSON
+    line each, with its loss against the first peer's, or the error that stopped it."""
     global DEVICE
     DEVICE = args.device
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -201,10 +205,16 @@ def main():
             result["loss_rel_to_first"] = abs(result["loss"] - first_loss) / max(abs(first_loss), 1e-6)
             print(json.dumps(result), flush=True)
         except Exception as e:  # noqa: BLE001 - one peer out of memory must not hide the others
-            print(json.dumps({"peer": peer, "batch": args.batch, "seq_len": args.seq_len, "error": repr(e)[:300]}),
-                  flush=True)
+            error = {"peer": peer, "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype}
+            print(json.dumps({**error, "error": repr(e)[:300]}), flush=True)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_arguments(p, seq_len=4096)
+    run_peers(time_peer, p.parse_args())
     print(json.dumps({"copy_gbps": copy_gbps()}), flush=True)
 
 

@@ -29,7 +29,6 @@ on a machine without a GPU (the test suite does).
 """
 
 import argparse
-import json
 import statistics
 
 import torch
@@ -121,29 +120,9 @@ def time_peer(peer, args, dtype):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=2048)
+    gpu_grpo.common_arguments(p, seq_len=2048)
     p.add_argument("--hidden", type=int, default=1536)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--dtype", choices=["f32", "bf16"], default="bf16")
-    p.add_argument("--peers", default="torch-eager,torch-compile,liger")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    args = p.parse_args()
-    gpu_grpo.DEVICE = args.device
-    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    first_loss = None
-    for peer in args.peers.split(","):
-        try:
-            result = time_peer(peer, args, dtype)
-            first_loss = result["loss"] if first_loss is None else first_loss
-            result["loss_rel_to_first"] = abs(result["loss"] - first_loss) / max(abs(first_loss), 1e-6)
-            print(json.dumps(result), flush=True)
-        except Exception as e:  # noqa: BLE001 - one peer out of memory must not hide the others
-            print(json.dumps({"peer": peer, "dtype": args.dtype, "error": repr(e)[:300]}), flush=True)
-        if gpu_grpo.DEVICE == "cuda":
-            torch.cuda.empty_cache()
+    gpu_grpo.run_peers(time_peer, p.parse_args())
 
 
 if __name__ == "__main__":
