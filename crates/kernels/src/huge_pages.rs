@@ -33,11 +33,10 @@ pub fn advise(address: usize, bytes: usize) {
 /// `vec![0.0f32; len]` takes zeroed pages from the allocator without writing them, but
 /// `vec![bf16::ZERO; len]` would write every element on one thread (the standard library asks
 /// the allocator for zeroed memory only for its own primitive types), faulting in the pages as it
-/// goes: for an `[N, V]` bf16 gradient at N=1024, V=151936
-/// that is 311 MB written before the kernels start. Buffers that large come from their own
-/// `mmap` (glibc maps anything above its threshold, at most 32 MiB), so their zeros are fresh
-/// pages nobody has written; a smaller one may be recycled heap memory, which the allocator
-/// clears itself.
+/// goes: for an `[N, V]` bf16 gradient at N=1024, V=151936 that is 311 MB written before the
+/// kernels start. Buffers that large come from their own `mmap` (glibc maps anything above its
+/// threshold, at most 32 MiB), so their zeros are fresh pages nobody has written; a smaller one
+/// may be recycled heap memory, which the allocator clears itself.
 pub fn zeroed<T: Element>(len: usize) -> Vec<T> {
     if len == 0 {
         return Vec::new();

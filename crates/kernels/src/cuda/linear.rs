@@ -22,7 +22,7 @@ use super::device::{cuda_error, optional_ptr, CudaDevice, CudaElement};
 use super::passes::{vocab_i32, RowBlock};
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
-use crate::linear::{computed_rows, consecutive, shapes, ChunkBudget};
+use crate::linear::{computed_rows, consecutive, ranges, shapes, ChunkBudget};
 use crate::objective::{LossOutput, Objective, RowGradient, RowOutcome};
 use crate::stats::{PartialRowStats, RowStats};
 
@@ -114,7 +114,7 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         let chunk_rows = rows_per_chunk::<T>(computed.len(), v, h, budget);
         let separate_dz = gradient && T::as_f32_slice(&[]).is_none();
         let targets: Option<Vec<i64>> = rows.targets.map(|t| computed.iter().map(|&i| t[i]).collect());
-        let gathering = if computed.chunks(chunk_rows).any(|rows| consecutive(rows).is_none()) {
+        let gathering = if ranges(computed.len(), chunk_rows).into_iter().any(|c| consecutive(&computed[c]).is_none()) {
             let index: Vec<i64> = computed.iter().map(|&i| i as i64).collect();
             let hidden = device.zeros(chunk_rows * h)?;
             let grad = device.zeros(if gradient { chunk_rows * h } else { 1 })?;
@@ -136,10 +136,9 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
         })
     }
 
-    /// Ranges of `computed` (as `computed.chunks(chunk_rows)`, which `new` sized the gathering by).
+    /// Ranges of `computed` (the ones `new` sized the gathering by).
     fn chunks(&self) -> Vec<Range<usize>> {
-        let (n, step) = (self.computed.len(), self.chunk_rows);
-        (0..n).step_by(step).map(|r| r..(r + step).min(n)).collect()
+        ranges(self.computed.len(), self.chunk_rows)
     }
 
     /// The batch rows of a chunk.

@@ -161,6 +161,13 @@ fn whole_blocks(rows: usize, most: usize, n: usize) -> usize {
     }
 }
 
+/// `0..n` in consecutive ranges of `step` (the last shorter): the chunks of rows, or the tiles of
+/// columns, of the CPU and CUDA streamers.
+pub(crate) fn ranges(n: usize, step: usize) -> Vec<Range<usize>> {
+    let step = step.max(1);
+    (0..n).step_by(step).map(|r| r..(r + step).min(n)).collect()
+}
+
 /// The rows of `prepared`'s batch that go through the products, ascending: the active ones (a
 /// masked row's, or an ignored target's, logits are never read and its gradient is zero). The CPU
 /// and CUDA streamers both chunk these.
@@ -301,8 +308,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
 
     /// Ranges of [`Self::computed`].
     fn chunks(&self) -> Vec<Range<usize>> {
-        let (n, step) = (self.computed.len(), self.plan().rows);
-        (0..n).step_by(step).map(move |r| r..(r + step).min(n)).collect()
+        ranges(self.computed.len(), self.plan().rows)
     }
 
     /// Before the chunks: `d hidden` of every row outside [`Self::computed`] is zero.
@@ -361,8 +367,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
     }
 
     fn tiles(&self) -> Vec<Range<usize>> {
-        let (v, step) = (self.width(), self.plan().tile);
-        (0..v).step_by(step).map(move |c| c..(c + step).min(v)).collect()
+        ranges(self.width(), self.plan().tile)
     }
 
     /// Computes the f32 logits of `chunk` into `self.z`: the chunk's hidden states gathered (and
