@@ -7,7 +7,7 @@
 //! /tmp/zen4_sweep_costs
 //! ```
 //!
-//! Five parts, each in ns (and cycles at an assumed clock, `GHZ`; this VM reports none):
+//! Six parts, each in ns (and cycles at an assumed clock, `GHZ`; this VM reports none):
 //! 1. one 512-bit instruction's reciprocal throughput, on 8 independent chains (enough to cover
 //!    every latency here, so that a figure is the issue rate, not a dependency);
 //! 2. `2^t` of 16 bf16 logits as the statistics loop computes it (widening, `t` FMA, `exp2`, the
@@ -18,7 +18,10 @@
 //!    rescaling the kept values into bf16 over the logits, and both; with and without prefetches,
 //!    and with the gradient loop rounding 32 values a conversion (`vcvtne2ps2bf16`);
 //! 5. the same with the entropy's multiply-add moved from the statistics loop (bound by the FMA
-//!    pipes) to the gradient loop, which reads the logits still in place for it.
+//!    pipes) to the gradient loop, which reads the logits still in place for it;
+//! 6. 32 logits widened at a time by one shift and one `and` (even and odd positions as two
+//!    vectors, kept in that order), the gradient put back in order by one `vpermw`; or the kept
+//!    values put back in order as they are stored (two `vpermt2ps`), the gradient loop unchanged.
 //!
 //! The polynomial is `math::EXP2_POLY_DEG5`'s (the costs, not the values, are the point).
 
@@ -218,6 +221,115 @@ unsafe fn gradient_pairs(kept: *const u8, out: &mut [u16], scale: f32) -> f32 {
     0.0
 }
 
+/// Part 6: 32 bf16 logits widened as two vectors by one shift and one `and` of a 64-byte load (the
+/// even positions' bits moved up, the odd ones' kept in place), where `widen` takes a
+/// `vpmovzxwd` and a shift per 16; the kept values stored even block, odd block.
+#[inline(always)]
+unsafe fn statistics_split(row: &[u16], kept: *mut u8) -> f32 {
+    let (a, r) = (_mm512_set1_ps(0.144_269_5), _mm512_set1_ps(3.0));
+    let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let (mut sv, mut dv) = ([_mm512_setzero_ps(); 2], [_mm512_setzero_ps(); 2]);
+    for j in (0..V).step_by(32) {
+        let x = _mm512_loadu_si512(row.as_ptr().add(j).cast());
+        let halves = [_mm512_castsi512_ps(_mm512_slli_epi32::<16>(x)), _mm512_castsi512_ps(_mm512_and_si512(x, high))];
+        for (h, w) in halves.into_iter().enumerate() {
+            let t = _mm512_fmsub_ps(w, a, r);
+            let e = exp2_reduce(t);
+            _mm512_storeu_ps(kept.add(j * 4 + 64 * h).cast(), e);
+            sv[h] = _mm512_add_ps(sv[h], e);
+            dv[h] = _mm512_fmadd_ps(e, t, dv[h]);
+        }
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(sv[0], sv[1])) + _mm512_reduce_add_ps(_mm512_add_ps(dv[0], dv[1]))
+}
+
+/// Part 6's statistics loop with the kept values put back in order as they are stored (two
+/// `vpermt2ps`), so that the gradient loop and every other reader of the kept row stay as they are.
+#[inline(always)]
+unsafe fn statistics_split_in_order(row: &[u16], kept: *mut u8) -> f32 {
+    let (a, r) = (_mm512_set1_ps(0.144_269_5), _mm512_set1_ps(3.0));
+    let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    let lo: [i32; 16] = std::array::from_fn(|i| ((i % 2) * 16 + i / 2) as i32);
+    let hi: [i32; 16] = std::array::from_fn(|i| ((i % 2) * 16 + 8 + i / 2) as i32);
+    let (lo, hi) = (_mm512_loadu_si512(lo.as_ptr().cast()), _mm512_loadu_si512(hi.as_ptr().cast()));
+    let (mut sv, mut dv) = ([_mm512_setzero_ps(); 2], [_mm512_setzero_ps(); 2]);
+    for j in (0..V).step_by(32) {
+        let x = _mm512_loadu_si512(row.as_ptr().add(j).cast());
+        let halves = [_mm512_castsi512_ps(_mm512_slli_epi32::<16>(x)), _mm512_castsi512_ps(_mm512_and_si512(x, high))];
+        let mut e = [_mm512_setzero_ps(); 2];
+        for (h, w) in halves.into_iter().enumerate() {
+            let t = _mm512_fmsub_ps(w, a, r);
+            e[h] = exp2_reduce(t);
+            sv[h] = _mm512_add_ps(sv[h], e[h]);
+            dv[h] = _mm512_fmadd_ps(e[h], t, dv[h]);
+        }
+        _mm512_storeu_ps(kept.add(j * 4).cast(), _mm512_permutex2var_ps(e[0], lo, e[1]));
+        _mm512_storeu_ps(kept.add(j * 4 + 64).cast(), _mm512_permutex2var_ps(e[0], hi, e[1]));
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(sv[0], sv[1])) + _mm512_reduce_add_ps(_mm512_add_ps(dv[0], dv[1]))
+}
+
+/// Part 6's gradient loop: the even and odd blocks rescaled, rounded by one `vcvtne2ps2bf16`
+/// (even positions in the low 16 words, odd in the high) and put back in order by one `vpermw`.
+#[inline(always)]
+unsafe fn gradient_split(kept: *const u8, out: &mut [u16], scale: f32) -> f32 {
+    let scale = _mm512_set1_ps(scale);
+    let order: [i16; 32] = std::array::from_fn(|i| ((i % 2) * 16 + i / 2) as i16);
+    let order = _mm512_loadu_si512(order.as_ptr().cast());
+    for j in (0..V).step_by(32) {
+        let even = _mm512_loadu_ps(kept.add(j * 4).cast());
+        let odd = _mm512_loadu_ps(kept.add(j * 4 + 64).cast());
+        let g: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(_mm512_mul_ps(odd, scale), _mm512_mul_ps(even, scale)));
+        _mm512_storeu_si512(out.as_mut_ptr().add(j).cast(), _mm512_permutexvar_epi16(order, g));
+    }
+    0.0
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+unsafe fn sweep_split<const STATS: bool, const GRAD: bool, const IN_ORDER: bool>(what: &str, base: &[u16], rows: usize) {
+    let reps = 400 / rows;
+    let mut all: Vec<Vec<u16>> = vec![base.to_vec(); rows];
+    let mut kept = vec![0u8; V * 4];
+    let mut total = 0.0;
+    let start = Instant::now();
+    for _ in 0..reps {
+        for row in all.iter_mut() {
+            if STATS {
+                total += if IN_ORDER {
+                    statistics_split_in_order(black_box(row), black_box(kept.as_mut_ptr()))
+                } else {
+                    statistics_split(black_box(row), black_box(kept.as_mut_ptr()))
+                };
+            }
+            if GRAD {
+                total += if IN_ORDER {
+                    gradient::<false, false, false>(black_box(kept.as_ptr()), black_box(row), 1e-30)
+                } else {
+                    gradient_split(black_box(kept.as_ptr()), black_box(row), 1e-30)
+                };
+            }
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    black_box((total, &all, &kept));
+    report(what, seconds, (reps * rows * V / 16) as f64);
+}
+
+/// Checks part 6's order: the split sweep's gradient equals the plain one's, bit for bit.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+unsafe fn split_matches(base: &[u16]) -> bool {
+    let (mut plain, mut split) = (base.to_vec(), base.to_vec());
+    let mut kept = vec![0u8; V * 4];
+    let s1 = statistics::<false, false, false>(&plain, kept.as_mut_ptr());
+    gradient::<false, false, false>(kept.as_ptr(), &mut plain, 0.5);
+    let s2 = statistics_split(&split, kept.as_mut_ptr());
+    gradient_split(kept.as_ptr(), &mut split, 0.5);
+    let mut in_order = base.to_vec();
+    let s3 = statistics_split_in_order(&in_order, kept.as_mut_ptr());
+    gradient::<false, false, false>(kept.as_ptr(), &mut in_order, 0.5);
+    (s1 - s2).abs() <= 1e-3 * s1.abs() && (s1 - s3).abs() <= 1e-3 * s1.abs() && plain == split && plain == in_order
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
 unsafe fn sweep<
     const HALF: bool,
@@ -283,6 +395,19 @@ fn main() {
         throughput("vcvtne2ps2bf16 (32 values)", |x, c| {
             _mm512_castsi512_ps(std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(x, c)))
         });
+        throughput("vpermw (one source)", |x, c| {
+            _mm512_castsi512_ps(_mm512_permutexvar_epi16(_mm512_castps_si512(c), _mm512_castps_si512(x)))
+        });
+        throughput("vpermt2w (two sources)", |x, c| {
+            _mm512_castsi512_ps(_mm512_permutex2var_epi16(
+                _mm512_castps_si512(x),
+                _mm512_castps_si512(c),
+                _mm512_castps_si512(x),
+            ))
+        });
+        throughput("vpermt2ps", |x, c| {
+            _mm512_permutex2var_ps(x, _mm512_castps_si512(c), x)
+        });
         throughput("vcvtps2ph + vcvtph2ps", |x, _| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)));
 
         println!("2. the statistics loop's arithmetic per 16 bf16 logits (logits in L1, nothing stored)");
@@ -314,5 +439,18 @@ fn main() {
         sweep::<false, false, true, false, true, false>("gradient loop with it", &logits, 1);
         sweep::<false, true, true, false, true, false>("both, moved", &logits, 1);
         sweep::<false, true, true, false, true, false>("both, moved, 16 rows in turn", &logits, 16);
+        println!("6. 32 logits widened by one shift and one and (even / odd blocks), put back in order by vpermw");
+        println!("  the same gradient bits as part 3: {}", split_matches(&logits));
+        sweep::<false, true, false, false, false, false>("statistics loop, kept f32 (as part 3)", &logits, 1);
+        sweep_split::<true, false, false>("statistics loop, split", &logits, 1);
+        sweep_split::<true, false, true>("statistics loop, split, kept in order", &logits, 1);
+        sweep::<false, false, true, false, false, false>("gradient loop (as part 3)", &logits, 1);
+        sweep_split::<false, true, false>("gradient loop, split", &logits, 1);
+        sweep::<false, true, true, false, false, false>("both (as part 3)", &logits, 1);
+        sweep_split::<true, true, false>("both, split", &logits, 1);
+        sweep_split::<true, true, true>("both, split, kept in order", &logits, 1);
+        sweep::<false, true, true, false, false, false>("both, 16 rows (as part 4)", &logits, 16);
+        sweep_split::<true, true, false>("both, split, 16 rows", &logits, 16);
+        sweep_split::<true, true, true>("both, split, kept in order, 16 rows", &logits, 16);
     }
 }

@@ -77,6 +77,45 @@ fn ahead<T>(x: &[T]) -> *const T {
     x.as_ptr().wrapping_add(PREFETCH_AHEAD / std::mem::size_of::<T>())
 }
 
+/// The end of a tile's whole 32-value pairs ([`tile_sums`] reads them with
+/// [`Simd::load_pair_t`], then 16 at a time, then one at a time).
+#[inline(always)]
+fn pair_end(len: usize) -> usize {
+    len / (2 * LANES) * (2 * LANES)
+}
+
+/// Where a tile's element `q` lies among the values [`tile_sums`] kept (of `len`): in a whole
+/// pair, where [`Simd::load_pair_t`] put it; after them, in place.
+#[inline(always)]
+fn kept_index<S: Simd, T: Element>(s: S, q: usize, len: usize) -> usize {
+    if q < pair_end(len) {
+        q / (2 * LANES) * (2 * LANES) + s.pair_lane::<T>(q % (2 * LANES))
+    } else {
+        q
+    }
+}
+
+/// Writes `kept * kb + d` ([`Rescaled`]) over a tile kept in [`Simd::load_pair_t`]'s layout:
+/// each pair rescaled and stored in order by [`Simd::store_pair_t`] (where [`Simd::splits`] `T`:
+/// one rounding of 32 values and one interleave), or with `stream` by
+/// [`Simd::stream_rescaled_pairs`]; the values after the pairs as [`plain_stores`].
+#[inline(always)]
+fn write_rescaled_pairs<S: Simd, T: Element>(s: S, kept: &[f32], kb: f32, d: f32, dst: &mut [T], stream: bool) {
+    let pairs = pair_end(dst.len());
+    if stream {
+        s.stream_rescaled_pairs(&kept[..pairs], kb, d, &mut dst[..pairs]);
+    } else {
+        let (kbv, dv) = (s.splat(kb), s.splat(d));
+        for (k, out) in kept[..pairs].chunks_exact(2 * LANES).zip(dst[..pairs].chunks_exact_mut(2 * LANES)) {
+            let a = s.mul_add(s.load(&k[..LANES]), kbv, dv);
+            let b = s.mul_add(s.load(&k[LANES..]), kbv, dv);
+            s.prefetch(ahead(out));
+            s.store_pair_t(a, b, out);
+        }
+    }
+    plain_stores(s, &Rescaled { kept: &kept[pairs..], kb, d }, &mut dst[pairs..], 0);
+}
+
 /// Pairwise sum of 16 lanes.
 #[inline(always)]
 fn pairwise(mut acc: [f32; LANES]) -> f32 {
@@ -217,7 +256,28 @@ impl<S: Simd> VectorSums<S> {
     #[inline(always)]
     fn add<T: Element, E: Exponent<S>, const SUM_U: bool, const MAX: bool>(&mut self, s: S, c: &[T], e: E) -> S::V {
         s.prefetch(ahead(c));
-        let (v, d) = e.split(s, s.load_t(c));
+        self.add_widened::<E, SUM_U, MAX>(s, s.load_t(c), e)
+    }
+
+    /// Adds 32 logits (`c`, exactly 32) as [`Simd::load_pair_t`] widens them; returns their
+    /// `e^d` in its layout.
+    #[inline(always)]
+    fn add_pair<T: Element, E: Exponent<S>, const SUM_U: bool, const MAX: bool>(
+        &mut self,
+        s: S,
+        c: &[T],
+        e: E,
+    ) -> (S::V, S::V) {
+        s.prefetch(ahead(c));
+        s.prefetch(ahead(&c[LANES..]));
+        let (a, b) = s.load_pair_t(c);
+        (self.add_widened::<E, SUM_U, MAX>(s, a, e), self.add_widened::<E, SUM_U, MAX>(s, b, e))
+    }
+
+    /// Adds 16 widened logits `x`; returns their `e^d`.
+    #[inline(always)]
+    fn add_widened<E: Exponent<S>, const SUM_U: bool, const MAX: bool>(&mut self, s: S, x: S::V, e: E) -> S::V {
+        let (v, d) = e.split(s, x);
         if MAX {
             self.maxv = s.max(self.maxv, v);
         }
@@ -244,20 +304,31 @@ fn tile_sums<S: Simd, T: Element, E: Exponent<S>, const STORE: bool, const SUM_U
     e: E,
     scratch: &mut [f32],
 ) -> TileSums {
-    let full = tile.len() / LANES * LANES;
+    let (pairs, full) = (pair_end(tile.len()), tile.len() / LANES * LANES);
     let mut sums = VectorSums::new(s);
-    // The kept values go to whole 16-value chunks of `scratch` zipped with the logits' (the
-    // same bits as indexing it): with an index checked in the loop, the in-place bf16 sweep ran
-    // ~5% slower in cache on cpu-2c, and a replica of the loop alone ~27%
-    // (`bench/tools/zen4_sweep_costs.rs`; docs/BENCHMARKS.md, "Where the in-place sweep's time
-    // goes").
+    // The logits 32 at a time (in the layout of `Simd::load_pair_t`, which the kept values keep:
+    // `kept_index`), then 16, then one at a time. The kept values go to whole chunks of
+    // `scratch` zipped with the logits' (the same bits as indexing it): with an index checked in
+    // the loop, the in-place bf16 sweep ran ~5% slower in cache on cpu-2c, and a replica of the
+    // loop alone ~27% (`bench/tools/zen4_sweep_costs.rs`; docs/BENCHMARKS.md, "Where the
+    // in-place sweep's time goes").
     if STORE {
-        for (c, kept) in tile[..full].chunks_exact(LANES).zip(scratch[..full].chunks_exact_mut(LANES)) {
+        let chunks = tile[..pairs].chunks_exact(2 * LANES).zip(scratch[..pairs].chunks_exact_mut(2 * LANES));
+        for (c, kept) in chunks {
+            let (a, b) = sums.add_pair::<T, E, SUM_U, MAX>(s, c, e);
+            let (ka, kb) = kept.split_at_mut(LANES);
+            s.store(a, ka);
+            s.store(b, kb);
+        }
+        for (c, kept) in tile[pairs..full].chunks_exact(LANES).zip(scratch[pairs..full].chunks_exact_mut(LANES)) {
             let p = sums.add::<T, E, SUM_U, MAX>(s, c, e);
             s.store(p, kept);
         }
     } else {
-        for c in tile[..full].chunks_exact(LANES) {
+        for c in tile[..pairs].chunks_exact(2 * LANES) {
+            sums.add_pair::<T, E, SUM_U, MAX>(s, c, e);
+        }
+        for c in tile[pairs..full].chunks_exact(LANES) {
             sums.add::<T, E, SUM_U, MAX>(s, c, e);
         }
     }
@@ -719,21 +790,37 @@ fn plain_stores<S: Simd, T: Element, V: TileValues<S>>(s: S, values: &V, dst: &m
 /// (in natural units; in base 2 for 16-bit outputs).
 /// (No closure here: closures are not compiled with the kernels' target features.)
 #[inline(always)]
-fn combine_tile<S: Simd>(s: S, g: &RowGradient, u: &mut [f32], kept: &[f32], k: f32) {
-    let full = u.len() / LANES * LANES;
-    let (lse, b, c, d) = (s.splat(g.lse), s.splat(g.b), s.splat(g.c), s.splat(g.d));
-    // Zipped chunks, not indices checked in the loop (as `tile_sums`).
-    for (uc, kc) in u[..full].chunks_exact_mut(LANES).zip(kept[..full].chunks_exact(LANES)) {
-        let log_p = s.sub(s.load(uc), lse);
-        let p = s.mul(s.load(kc), s.splat(k));
-        let out = if g.c == 0.0 { s.mul_add(p, b, d) } else { s.mul_add(p, s.mul_add(c, log_p, b), d) };
-        s.store(out, uc);
+fn combine_tile<S: Simd, T: Element>(s: S, g: &RowGradient, u: &mut [f32], kept: &[f32], k: f32) {
+    let (pairs, full) = (pair_end(u.len()), u.len() / LANES * LANES);
+    let splats = [s.splat(g.lse), s.splat(g.b), s.splat(g.c), s.splat(g.d), s.splat(k)];
+    // Zipped chunks, not indices checked in the loop (as `tile_sums`); the whole pairs' kept
+    // values put in order in registers (`tile_sums` kept their even and odd positions apart where
+    // `Simd::splits`).
+    for (uc, kc) in u[..pairs].chunks_exact_mut(2 * LANES).zip(kept[..pairs].chunks_exact(2 * LANES)) {
+        let (ka, kb) = s.pair_in_order::<T>(s.load(&kc[..LANES]), s.load(&kc[LANES..]));
+        let (ua, ub) = uc.split_at_mut(LANES);
+        combine_vector(s, g, &splats, ua, ka);
+        combine_vector(s, g, &splats, ub, kb);
+    }
+    for (uc, kc) in u[pairs..full].chunks_exact_mut(LANES).zip(kept[pairs..full].chunks_exact(LANES)) {
+        combine_vector(s, g, &splats, uc, s.load(kc));
     }
     for (uj, &kj) in u[full..].iter_mut().zip(&kept[full..]) {
         let log_p = *uj - g.lse;
         let p = kj * k;
         *uj = s.scalar_mul_add(p, s.scalar_mul_add(g.c, log_p, g.b), g.d);
     }
+}
+
+/// [`combine_tile`] on 16 values of `u` and their kept values; `splats` are `lse, b, c, d, k`.
+/// (A function, not a closure: closures are not compiled with the kernels' target features.)
+#[inline(always)]
+fn combine_vector<S: Simd>(s: S, g: &RowGradient, splats: &[S::V; 5], u: &mut [f32], kept: S::V) {
+    let [lse, b, c, d, k] = *splats;
+    let log_p = s.sub(s.load(u), lse);
+    let p = s.mul(kept, k);
+    let out = if g.c == 0.0 { s.mul_add(p, b, d) } else { s.mul_add(p, s.mul_add(c, log_p, b), d) };
+    s.store(out, u);
 }
 
 /// Step 3 on one row part, recomputing `p` from the logits:
@@ -998,20 +1085,27 @@ pub(crate) fn sweep<S: Simd, T: Element>(
             let k = (tile_ref[t] - g.lse as f64).exp() as f32;
             let kept = &scratch[start..end];
             if g.c == 0.0 {
-                // No log p needed: out = kept * (k b) + d, rounded straight into the output.
+                // No log p needed: out = kept * (k b) + d, rounded straight into the output;
+                // where the statistics kept even and odd positions apart, put in order as 32
+                // values are rounded at once.
                 let (kb, d) = (k * g.b, g.d);
                 let dst = &mut out[start..end];
-                write_tile(s, &Rescaled { kept, kb, d }, dst, stream);
+                if s.splits::<T>() {
+                    write_rescaled_pairs(s, kept, kb, d, dst, stream);
+                } else {
+                    write_tile(s, &Rescaled { kept, kb, d }, dst, stream);
+                }
                 if let Some(y) = target.filter(|y| (start..end).contains(y)) {
                     if stream {
                         s.stream_fence(); // the streamed line before the store over it
                     }
-                    dst[y - start] = s.round_t(s.scalar_mul_add(kept[y - start], kb, d) + g.a);
+                    let kept_y = kept[kept_index::<S, T>(s, y - start, end - start)];
+                    dst[y - start] = s.round_t(s.scalar_mul_add(kept_y, kb, d) + g.a);
                 }
                 continue;
             }
             load(s, src.map_or(&out[start..end], |l| &l[start..end]), u, inv_t);
-            combine_tile(s, &g, u, kept, k);
+            combine_tile::<S, T>(s, &g, u, kept, k);
             if let Some(y) = target.filter(|y| (start..end).contains(y)) {
                 u[y - start] += g.a;
             }
@@ -1229,22 +1323,30 @@ mod tests {
     /// [`super::sweep`] into another buffer with streaming stores writes the same bits as with
     /// plain ones, wherever the output starts (every offset of a 64-byte line), on rows shorter
     /// than a line, of a few tiles with a ragged tail, with the target in a tile's head, body and
-    /// tail, with and without the `c log p` term, for a zero gradient and for subnormal outputs.
+    /// tail, with and without the `c log p` term, for a zero gradient and for subnormal outputs;
+    /// and the values against f64 (`p (b + c log p) + d + a [j = y]` from the same `lse`), on
+    /// lengths around the 32-value pairs of [`super::tile_sums`] (their kept layout, the target
+    /// in a pair's even or odd position or after the pairs).
     fn streamed_sweep<T: Element>(isa: Isa) {
         let k = with_isa(isa, Kernels::<T>::select);
-        for len in [7, 40, 2 * super::TILE + 77] {
+        let tile = super::TILE;
+        for len in [7, 32, 40, 63, 2 * tile + 77, tile + 48] {
             let row: Vec<T> = normal_matrix(1, len, 2.0, len as u64).iter().map(|&x| T::from_f32(x)).collect();
-            for (c, target) in [(0.0f32, Some(3)), (0.0, Some(len - 1)), (-0.3, Some(len / 2)), (0.0, None)] {
+            let cases =
+                [(0.0f32, Some(3)), (0.0, Some(len - 1)), (-0.3, Some(len / 2)), (0.0, None), (0.0, Some(len / 2 + 1))];
+            for (c, target) in cases {
                 // The last: outputs in f32's subnormal range, which AVX512-BF16's vector
                 // conversion flushes to zero (and so must the scalar heads and tails).
                 let tiny = |b: f32| RowGradient { lse: 0.0, a: 0.0, b, c, d: 0.0 };
                 let normal = RowGradient { lse: 0.0, a: -0.8, b: 0.6, c, d: 0.01 };
                 for g in [normal, RowGradient::ZERO, tiny(1e-38), tiny(-1e-38)] {
+                    let lse_used = std::cell::Cell::new(0.0f32);
                     let swept = |stream: bool, offset: usize| {
                         let mut buffer = vec![T::from_f32(f32::NAN); len + 64];
                         let out = &mut buffer[offset..offset + len];
                         let mut finish = |stats: PartialRowStats| {
                             let lse = stats.finish(len).lse as f32;
+                            lse_used.set(lse);
                             Some(if g.is_zero() { g } else { RowGradient { lse, ..g } })
                         };
                         let into = GradientTarget::Into { logits: &row, out };
@@ -1255,6 +1357,21 @@ mod tests {
                     };
                     let plain = swept(false, 0);
                     assert!(plain.iter().all(|x| x.to_f32().is_finite()), "every element written");
+                    if g.b == normal.b {
+                        let lse = lse_used.get() as f64;
+                        for (j, (x, got)) in row.iter().zip(&plain).enumerate() {
+                            let log_p = x.to_f32() as f64 - lse;
+                            let hit = if target == Some(j) { g.a as f64 } else { 0.0 };
+                            let want = log_p.exp() * (g.b as f64 + g.c as f64 * log_p) + g.d as f64 + hit;
+                            let err = (got.to_f32() as f64 - want).abs();
+                            assert!(
+                                err <= 1e-2 * want.abs() + 1e-6,
+                                "{isa:?} {} len {len} c {c} target {target:?}: element {j} {} against f64 {want}",
+                                std::any::type_name::<T>(),
+                                got.to_f32()
+                            );
+                        }
+                    }
                     for offset in 0..64 / std::mem::size_of::<T>() {
                         let what = format!(
                             "{isa:?} {} len {len} c {c} target {target:?} offset {offset}",

@@ -51,6 +51,56 @@ pub(crate) trait Simd: Copy {
     /// Stores exactly 16 values rounded to `T` (to nearest even; with AVX512-BF16's conversion, bf16
     /// values below 2^-126 in magnitude become zero, as in [`Avx512`]).
     fn store_t<T: Element>(self, v: Self::V, dst: &mut [T]);
+    /// Whether [`Simd::load_pair_t`] splits 32 logits of `T` into their even and odd positions:
+    /// AVX-512 with bf16, where one shift and one `and` of a 64-byte load widen 32 logits and
+    /// `vpmovzxwd` plus a shift per 16 competed with the statistics loop's FMAs (the loop 12-13%
+    /// faster on AMD Zen 4: docs/BENCHMARKS.md, "Even and odd positions"). Elsewhere a pair is
+    /// two vectors in order, and every `*_pair` method below is the two 16-value ones.
+    #[inline(always)]
+    fn splits<T: Element>(self) -> bool {
+        false
+    }
+    /// Loads exactly 32 logits widened, as two vectors: positions 0..16 and 16..32, or, where
+    /// [`Simd::splits`], the even positions and the odd ones.
+    #[inline(always)]
+    fn load_pair_t<T: Element>(self, src: &[T]) -> (Self::V, Self::V) {
+        (self.load_t(&src[..LANES]), self.load_t(&src[LANES..2 * LANES]))
+    }
+    /// Where element `q` (< 32) of a pair lies in [`Simd::load_pair_t`]'s two vectors, read as
+    /// one 32-value array.
+    #[inline(always)]
+    fn pair_lane<T: Element>(self, q: usize) -> usize {
+        q
+    }
+    /// Two vectors laid out as [`Simd::load_pair_t`] lays them out, put in order.
+    #[inline(always)]
+    fn pair_in_order<T: Element>(self, a: Self::V, b: Self::V) -> (Self::V, Self::V) {
+        (a, b)
+    }
+    /// Stores exactly 32 values, given as [`Simd::load_pair_t`] lays them out, rounded to `T` in
+    /// order (the same bits as [`Simd::store_t`] of the ordered vectors).
+    #[inline(always)]
+    fn store_pair_t<T: Element>(self, a: Self::V, b: Self::V, dst: &mut [T]) {
+        let (a, b) = self.pair_in_order::<T>(a, b);
+        self.store_t(a, &mut dst[..LANES]);
+        self.store_t(b, &mut dst[LANES..2 * LANES]);
+    }
+    /// `kept * kb + d` over whole pairs of values kept in [`Simd::load_pair_t`]'s layout
+    /// (`kept` and `dst` whole pairs long), rounded to `T` and written in order. Where
+    /// [`Simd::splits`] `T`, by non-temporal stores of whole 64-byte lines wherever `dst` starts
+    /// (each line from two pairs where `dst` does not start on one; the partial lines at its two
+    /// ends by plain stores, as [`Simd::stream_t`]'s callers write them); by default by plain
+    /// stores (the sweep streams the other outputs through [`Simd::stream_t`]). The caller owes
+    /// the [`Simd::stream_fence`].
+    #[inline(always)]
+    fn stream_rescaled_pairs<T: Element>(self, kept: &[f32], kb: f32, d: f32, dst: &mut [T]) {
+        let (kb, d) = (self.splat(kb), self.splat(d));
+        for (k, out) in kept.chunks_exact(2 * LANES).zip(dst.chunks_exact_mut(2 * LANES)) {
+            let a = self.mul_add(self.load(&k[..LANES]), kb, d);
+            let b = self.mul_add(self.load(&k[LANES..]), kb, d);
+            self.store_pair_t(a, b, out);
+        }
+    }
     /// Whether [`Simd::stream_t`] bypasses the caches for `T` (AVX-512, 16-bit outputs).
     #[inline(always)]
     fn streams<T: Element>(self) -> bool {
@@ -248,7 +298,10 @@ mod tests {
         worst
     }
 
-    /// `store_t(load_t(x))` is the identity, and `store_t` rounds as `Element::from_f32`.
+    /// `store_t(load_t(x))` is the identity, and `store_t` rounds as `Element::from_f32`; the
+    /// same of the 32-value pairs (`load_pair_t` puts element `q` at `pair_lane(q)`,
+    /// `pair_in_order` undoes it, `store_pair_t` and `stream_pair_t` store in order, aligned or
+    /// not).
     fn conversions<S: Simd, T: Element>(s: S) {
         let values: Vec<f32> = (0..4096).map(|i| ((i as f32 * 0.731).sin() * 1e3) / (1 + i % 7) as f32).collect();
         for chunk in values.chunks_exact(LANES) {
@@ -258,6 +311,49 @@ mod tests {
             assert_eq!(out, t);
             s.store_t(s.load(chunk), &mut out);
             assert_eq!(out, t);
+        }
+        let bits = |v: S::V| s.to_array(v).map(f32::to_bits);
+        for chunk in values.chunks_exact(2 * LANES) {
+            let t: Vec<T> = chunk.iter().map(|&x| T::from_f32(x)).collect();
+            let (a, b) = s.load_pair_t(&t);
+            let laid: Vec<f32> = s.to_array(a).into_iter().chain(s.to_array(b)).collect();
+            for (q, x) in t.iter().enumerate() {
+                assert_eq!(laid[s.pair_lane::<T>(q)].to_bits(), x.to_f32().to_bits(), "pair lane of {q}");
+            }
+            let (first, second) = s.pair_in_order::<T>(a, b);
+            assert_eq!((bits(first), bits(second)), (bits(s.load_t(&t[..LANES])), bits(s.load_t(&t[LANES..]))));
+            // f32 values in the pair layout are rounded as `from_f32` and stored in order.
+            let mut f32_laid = [0.0f32; 2 * LANES];
+            for (q, &x) in chunk.iter().enumerate() {
+                f32_laid[s.pair_lane::<T>(q)] = x;
+            }
+            let (fa, fb) = (s.load(&f32_laid[..LANES]), s.load(&f32_laid[LANES..]));
+            let mut out = [T::default(); 2 * LANES];
+            s.store_pair_t(a, b, &mut out);
+            assert_eq!(&out[..], &t[..]);
+            s.store_pair_t(fa, fb, &mut out);
+            assert_eq!(&out[..], &t[..]);
+        }
+        // `stream_rescaled_pairs` over 1 to 5 pairs kept in the pair layout, at every offset of a
+        // 64-byte line (one of them starts on it): `kept * kb + d` rounded in order, nothing
+        // written outside.
+        for pairs in 1..=5 {
+            let n = pairs * 2 * LANES;
+            let (kb, d) = (0.75f32, 0.125f32);
+            let want: Vec<T> = values[..n].iter().map(|&x| T::from_f32(x.mul_add(kb, d))).collect();
+            let mut kept = vec![0.0f32; n];
+            for (q, &x) in values[..n].iter().enumerate() {
+                kept[q / (2 * LANES) * (2 * LANES) + s.pair_lane::<T>(q % (2 * LANES))] = x;
+            }
+            let sentinel = T::from_f32(-7.0);
+            for offset in 0..64 / std::mem::size_of::<T>() {
+                let mut buffer = vec![sentinel; n + 64];
+                s.stream_rescaled_pairs(&kept, kb, d, &mut buffer[offset..offset + n]);
+                s.stream_fence();
+                assert_eq!(&buffer[offset..offset + n], &want[..], "{pairs} pairs at offset {offset}");
+                let outside = buffer[..offset].iter().chain(&buffer[offset + n..]);
+                assert!(outside.into_iter().all(|&x| x == sentinel), "a store outside, offset {offset}");
+            }
         }
     }
 
@@ -466,6 +562,21 @@ mod avx512 {
     use super::{Avx512, Simd, LANES};
     use crate::element::{DType, Element};
 
+    /// Where element `k` of 32 in order lies in a pair's two vectors (even positions, then odd):
+    /// `vpermw`'s and `vpermt2ps`'s index (16 + i names the second vector's lane i).
+    const fn pair_order<const N: usize>(first: usize) -> [u16; N] {
+        let mut order = [0; N];
+        let mut k = 0;
+        while k < N {
+            order[k] = ((first + k) % 2 * LANES + (first + k) / 2) as u16;
+            k += 1;
+        }
+        order
+    }
+    const WORDS_IN_ORDER: [u16; 2 * LANES] = pair_order(0);
+    const LOW_IN_ORDER: [u16; LANES] = pair_order(0);
+    const HIGH_IN_ORDER: [u16; LANES] = pair_order(LANES);
+
     // SAFETY (every method): `Avx512` values exist only inside functions compiled with
     // AVX-512F enabled and called after detection, so the intrinsics are supported; loads and
     // stores index slices of at least 16 elements (checked by the slice indexing).
@@ -564,6 +675,104 @@ mod avx512 {
             }
         }
         #[inline(always)]
+        fn splits<T: Element>(self) -> bool {
+            T::DTYPE == DType::BF16
+        }
+        /// bf16: the 64 bytes as 16 lanes of two logits each, the even one in the low half (its
+        /// bits shifted up into an f32) and the odd one in the high half (the low half cleared).
+        #[inline(always)]
+        fn load_pair_t<T: Element>(self, src: &[T]) -> (__m512, __m512) {
+            if T::DTYPE != DType::BF16 {
+                return (self.load_t(&src[..LANES]), self.load_t(&src[LANES..2 * LANES]));
+            }
+            let p = src[..2 * LANES].as_ptr();
+            // SAFETY: 32 two-byte elements are readable at `p`.
+            unsafe {
+                let x = _mm512_loadu_si512(p.cast());
+                let odd = _mm512_and_si512(x, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
+                (_mm512_castsi512_ps(_mm512_slli_epi32::<16>(x)), _mm512_castsi512_ps(odd))
+            }
+        }
+        #[inline(always)]
+        fn pair_lane<T: Element>(self, q: usize) -> usize {
+            if T::DTYPE == DType::BF16 {
+                q % 2 * LANES + q / 2
+            } else {
+                q
+            }
+        }
+        #[inline(always)]
+        fn pair_in_order<T: Element>(self, a: __m512, b: __m512) -> (__m512, __m512) {
+            if T::DTYPE != DType::BF16 {
+                return (a, b);
+            }
+            // Element k of the first vector out is a[k / 2] (k even) or b[k / 2] (k odd).
+            unsafe {
+                let low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(LOW_IN_ORDER.as_ptr().cast()));
+                let high = _mm512_cvtepu16_epi32(_mm256_loadu_si256(HIGH_IN_ORDER.as_ptr().cast()));
+                (_mm512_permutex2var_ps(a, low, b), _mm512_permutex2var_ps(a, high, b))
+            }
+        }
+        #[inline(always)]
+        fn store_pair_t<T: Element>(self, a: __m512, b: __m512, dst: &mut [T]) {
+            if T::DTYPE != DType::BF16 {
+                let (a, b) = self.pair_in_order::<T>(a, b);
+                self.store_t(a, &mut dst[..LANES]);
+                return self.store_t(b, &mut dst[LANES..2 * LANES]);
+            }
+            let p = dst[..2 * LANES].as_mut_ptr();
+            // SAFETY: 32 two-byte elements are writable at `p`.
+            unsafe { _mm512_storeu_si512(p.cast(), self.pair_bf16(a, b)) }
+        }
+        #[inline(always)]
+        fn stream_rescaled_pairs<T: Element>(self, kept: &[f32], kb: f32, d: f32, dst: &mut [T]) {
+            let pairs = dst.len() / (2 * LANES);
+            if T::DTYPE != DType::BF16 || pairs == 0 {
+                let (kbv, dv) = (self.splat(kb), self.splat(d));
+                for (k, out) in kept.chunks_exact(2 * LANES).zip(dst.chunks_exact_mut(2 * LANES)) {
+                    let (a, b) = (self.load(&k[..LANES]), self.load(&k[LANES..]));
+                    self.store_pair_t(self.mul_add(a, kbv, dv), self.mul_add(b, kbv, dv), out);
+                }
+                return;
+            }
+            let kept = &kept[..pairs * 2 * LANES];
+            let (kbv, dv) = (self.splat(kb), self.splat(d));
+            // SAFETY: `T` is bf16 here, two-byte elements with `u16`'s layout.
+            let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u16>(), kept.len()) };
+            // Elements before the first line boundary (`out` is 2-byte aligned).
+            let head = (64 - out.as_ptr() as usize % 64) % 64 / 2;
+            let mut chunks = kept.chunks_exact(2 * LANES);
+            // SAFETY: the streamed stores write whole lines of `out`: at `head + 32 k` for
+            // k < pairs (head 0) or k < pairs - 1 (head > 0), 64-byte aligned.
+            unsafe {
+                if head == 0 {
+                    for (k, chunk) in chunks.enumerate() {
+                        let line = self.rescaled_pair_bf16(chunk, kbv, dv);
+                        _mm512_stream_si512(out.as_mut_ptr().add(k * 2 * LANES).cast(), line);
+                    }
+                    return;
+                }
+                // Line `k` holds elements head + 32 k .. head + 32 (k + 1): the end of pair k
+                // (its lanes head..32) and the start of pair k + 1 (index 32 + i: its lane i).
+                // The partial lines at the two ends are copied from the pair: by masked stores
+                // (`vmovdqu16` with a mask) the `fused` bf16 step ran 1.6x slower on Zen 4.
+                let order: [u16; 2 * LANES] = std::array::from_fn(|i| (head + i) as u16);
+                let order = _mm512_loadu_si512(order.as_ptr().cast());
+                let mut ends = [0u16; 2 * LANES];
+                let mut previous = self.rescaled_pair_bf16(chunks.next().expect("a whole pair"), kbv, dv);
+                _mm512_storeu_si512(ends.as_mut_ptr().cast(), previous);
+                out[..head].copy_from_slice(&ends[..head]);
+                for (k, chunk) in chunks.enumerate() {
+                    let current = self.rescaled_pair_bf16(chunk, kbv, dv);
+                    let line = _mm512_permutex2var_epi16(previous, order, current);
+                    _mm512_stream_si512(out.as_mut_ptr().add(head + k * 2 * LANES).cast(), line);
+                    previous = current;
+                }
+                _mm512_storeu_si512(ends.as_mut_ptr().cast(), previous);
+                out[(pairs - 1) * 2 * LANES + head..].copy_from_slice(&ends[head..]);
+            }
+        }
+        #[inline(always)]
         fn store_t<T: Element>(self, v: __m512, dst: &mut [T]) {
             let p = dst[..LANES].as_mut_ptr();
             // SAFETY: 16 elements of `T` are writable at `p`; the dtype tells their layout.
@@ -608,24 +817,50 @@ mod avx512 {
     }
 
     impl<const BF16: bool> Avx512<BF16> {
+        /// 16 values rounded to bf16 without AVX512-BF16: to nearest even on the bits, quiet NaNs
+        /// kept (as `Element`), each in the low half of its 32-bit lane (the high half zero).
+        #[inline(always)]
+        fn bf16_lanes(self, v: __m512) -> __m512i {
+            unsafe {
+                let bits = _mm512_castps_si512(v);
+                let high = _mm512_srli_epi32::<16>(bits);
+                let odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+                let bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+                let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+                let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+                _mm512_mask_blend_epi32(nan, rounded, quiet)
+            }
+        }
+        /// The even positions `a` and the odd ones `b` rounded to bf16 and put in order, 64
+        /// bytes: AVX512-BF16 rounds all 32 in one `vcvtne2ps2bf16` (`a` in the low 16 words, `b`
+        /// in the high) and one `vpermw` interleaves them; without it, each lane of `b`'s
+        /// rounding goes above the same lane of `a`'s.
+        #[inline(always)]
+        fn pair_bf16(self, a: __m512, b: __m512) -> __m512i {
+            unsafe {
+                if BF16 {
+                    let rounded = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(b, a));
+                    _mm512_permutexvar_epi16(_mm512_loadu_si512(WORDS_IN_ORDER.as_ptr().cast()), rounded)
+                } else {
+                    _mm512_or_si512(self.bf16_lanes(a), _mm512_slli_epi32::<16>(self.bf16_lanes(b)))
+                }
+            }
+        }
+        /// The 32 kept values `k` (even positions, then odd) times `kb` plus `d`, as
+        /// [`Self::pair_bf16`] rounds and orders them.
+        #[inline(always)]
+        fn rescaled_pair_bf16(self, k: &[f32], kb: __m512, d: __m512) -> __m512i {
+            let a = self.mul_add(self.load(&k[..LANES]), kb, d);
+            self.pair_bf16(a, self.mul_add(self.load(&k[LANES..2 * LANES]), kb, d))
+        }
         /// 16 values rounded to a 16-bit `T` (to nearest even), packed in 32 bytes.
         #[inline(always)]
         fn packed16<T: Element>(self, v: __m512) -> __m256i {
             unsafe {
                 match T::DTYPE {
                     DType::BF16 if BF16 => std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)),
-                    DType::BF16 => {
-                        // Round to nearest even on the bits, quiet NaNs kept (as `Element`).
-                        let bits = _mm512_castps_si512(v);
-                        let high = _mm512_srli_epi32::<16>(bits);
-                        let odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
-                        let bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
-                        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
-                        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-                        let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
-                        let out = _mm512_mask_blend_epi32(nan, rounded, quiet);
-                        _mm512_cvtepi32_epi16(out)
-                    }
+                    DType::BF16 => _mm512_cvtepi32_epi16(self.bf16_lanes(v)),
                     DType::F16 => _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v),
                     DType::F32 => unreachable!("packed16 is for 16-bit dtypes"),
                 }
