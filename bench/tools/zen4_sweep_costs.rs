@@ -285,36 +285,6 @@ unsafe fn gradient_split(kept: *const u8, out: &mut [u16], scale: f32) -> f32 {
     0.0
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
-unsafe fn sweep_split<const STATS: bool, const GRAD: bool, const IN_ORDER: bool>(what: &str, base: &[u16], rows: usize) {
-    let reps = 400 / rows;
-    let mut all: Vec<Vec<u16>> = vec![base.to_vec(); rows];
-    let mut kept = vec![0u8; V * 4];
-    let mut total = 0.0;
-    let start = Instant::now();
-    for _ in 0..reps {
-        for row in all.iter_mut() {
-            if STATS {
-                total += if IN_ORDER {
-                    statistics_split_in_order(black_box(row), black_box(kept.as_mut_ptr()))
-                } else {
-                    statistics_split(black_box(row), black_box(kept.as_mut_ptr()))
-                };
-            }
-            if GRAD {
-                total += if IN_ORDER {
-                    gradient::<false, false, false>(black_box(kept.as_ptr()), black_box(row), 1e-30)
-                } else {
-                    gradient_split(black_box(kept.as_ptr()), black_box(row), 1e-30)
-                };
-            }
-        }
-    }
-    let seconds = start.elapsed().as_secs_f64();
-    black_box((total, &all, &kept));
-    report(what, seconds, (reps * rows * V / 16) as f64);
-}
-
 /// Checks part 6's order: the split sweep's gradient equals the plain one's, bit for bit.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
 unsafe fn split_matches(base: &[u16]) -> bool {
@@ -330,6 +300,14 @@ unsafe fn split_matches(base: &[u16]) -> bool {
     (s1 - s2).abs() <= 1e-3 * s1.abs() && (s1 - s3).abs() <= 1e-3 * s1.abs() && plain == split && plain == in_order
 }
 
+/// [`sweep`]'s ways: 16 logits at a time; the gradient rounding 32 a conversion; 32 logits as
+/// even / odd positions (part 6), kept in that layout or put back in order as stored.
+const SIXTEEN: u8 = 0;
+const PAIRS: u8 = 1;
+const SPLIT: u8 = 2;
+const SPLIT_IN_ORDER: u8 = 3;
+
+/// Parts 3 to 6: the statistics and / or gradient loops of `WAY` over `rows` rows in turn.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
 unsafe fn sweep<
     const HALF: bool,
@@ -337,7 +315,7 @@ unsafe fn sweep<
     const GRAD: bool,
     const PREFETCH: bool,
     const MOVED: bool,
-    const PAIRS: bool,
+    const WAY: u8,
 >(
     what: &str,
     base: &[u16],
@@ -350,15 +328,20 @@ unsafe fn sweep<
     let start = Instant::now();
     for _ in 0..reps {
         for row in all.iter_mut() {
+            let (row, kept) = (black_box(&mut *row), black_box(&mut kept));
             if STATS {
-                total += statistics::<HALF, PREFETCH, MOVED>(black_box(row), black_box(kept.as_mut_ptr()));
+                total += match WAY {
+                    SPLIT => statistics_split(row, kept.as_mut_ptr()),
+                    SPLIT_IN_ORDER => statistics_split_in_order(row, kept.as_mut_ptr()),
+                    _ => statistics::<HALF, PREFETCH, MOVED>(row, kept.as_mut_ptr()),
+                };
             }
             if GRAD {
                 // A scale so small that the logits stay finite from one repetition to the next.
-                total += if PAIRS {
-                    gradient_pairs(black_box(kept.as_ptr()), black_box(row), 1e-30)
-                } else {
-                    gradient::<HALF, PREFETCH, MOVED>(black_box(kept.as_ptr()), black_box(row), 1e-30)
+                total += match WAY {
+                    PAIRS => gradient_pairs(kept.as_ptr(), row, 1e-30),
+                    SPLIT => gradient_split(kept.as_ptr(), row, 1e-30),
+                    _ => gradient::<HALF, PREFETCH, MOVED>(kept.as_ptr(), row, 1e-30),
                 };
             }
         }
@@ -419,38 +402,38 @@ fn main() {
         statistics_arithmetic("no exp2 (widening, t, the two sums)", in_l1, |t| t);
 
         println!("3. the in-place sweep per 16 logits, one row of V=151936 in L2");
-        sweep::<false, true, false, false, false, false>("statistics loop, kept f32", &logits, 1);
+        sweep::<false, true, false, false, false, SIXTEEN>("statistics loop, kept f32", &logits, 1);
         sweep_checked("statistics loop, kept f32 by a checked index", &logits);
-        sweep::<false, false, true, false, false, false>("gradient loop, kept f32", &logits, 1);
-        sweep::<false, true, true, false, false, false>("both, kept f32 (as cpu::row)", &logits, 1);
-        sweep::<false, true, true, true, false, false>("both, kept f32, prefetchw ahead", &logits, 1);
-        sweep::<false, false, true, false, false, true>("gradient loop, 32 a conversion (vcvtne2ps2bf16)", &logits, 1);
-        sweep::<false, true, true, false, false, true>("both, 32 a conversion", &logits, 1);
-        sweep::<true, true, false, false, false, false>("statistics loop, kept f16", &logits, 1);
-        sweep::<true, false, true, false, false, false>("gradient loop, kept f16", &logits, 1);
-        sweep::<true, true, true, false, false, false>("both, kept f16", &logits, 1);
+        sweep::<false, false, true, false, false, SIXTEEN>("gradient loop, kept f32", &logits, 1);
+        sweep::<false, true, true, false, false, SIXTEEN>("both, kept f32 (as cpu::row)", &logits, 1);
+        sweep::<false, true, true, true, false, SIXTEEN>("both, kept f32, prefetchw ahead", &logits, 1);
+        sweep::<false, false, true, false, false, PAIRS>("gradient loop, 32 a conversion (vcvtne2ps2bf16)", &logits, 1);
+        sweep::<false, true, true, false, false, PAIRS>("both, 32 a conversion", &logits, 1);
+        sweep::<true, true, false, false, false, SIXTEEN>("statistics loop, kept f16", &logits, 1);
+        sweep::<true, false, true, false, false, SIXTEEN>("gradient loop, kept f16", &logits, 1);
+        sweep::<true, true, true, false, false, SIXTEEN>("both, kept f16", &logits, 1);
         println!("4. the same over 16 rows in turn (4.6 MiB of logits, from L3, as the bench's in-cache run)");
-        sweep::<false, true, true, false, false, false>("both, kept f32 (as cpu::row)", &logits, 16);
-        sweep::<true, true, true, false, false, false>("both, kept f16", &logits, 16);
+        sweep::<false, true, true, false, false, SIXTEEN>("both, kept f32 (as cpu::row)", &logits, 16);
+        sweep::<true, true, true, false, false, SIXTEEN>("both, kept f16", &logits, 16);
         println!(
             "5. the entropy's multiply-add moved from the statistics loop to the gradient loop (logits read in place)"
         );
-        sweep::<false, true, false, false, true, false>("statistics loop without it", &logits, 1);
-        sweep::<false, false, true, false, true, false>("gradient loop with it", &logits, 1);
-        sweep::<false, true, true, false, true, false>("both, moved", &logits, 1);
-        sweep::<false, true, true, false, true, false>("both, moved, 16 rows in turn", &logits, 16);
+        sweep::<false, true, false, false, true, SIXTEEN>("statistics loop without it", &logits, 1);
+        sweep::<false, false, true, false, true, SIXTEEN>("gradient loop with it", &logits, 1);
+        sweep::<false, true, true, false, true, SIXTEEN>("both, moved", &logits, 1);
+        sweep::<false, true, true, false, true, SIXTEEN>("both, moved, 16 rows in turn", &logits, 16);
         println!("6. 32 logits widened by one shift and one and (even / odd blocks), put back in order by vpermw");
         println!("  the same gradient bits as part 3: {}", split_matches(&logits));
-        sweep::<false, true, false, false, false, false>("statistics loop, kept f32 (as part 3)", &logits, 1);
-        sweep_split::<true, false, false>("statistics loop, split", &logits, 1);
-        sweep_split::<true, false, true>("statistics loop, split, kept in order", &logits, 1);
-        sweep::<false, false, true, false, false, false>("gradient loop (as part 3)", &logits, 1);
-        sweep_split::<false, true, false>("gradient loop, split", &logits, 1);
-        sweep::<false, true, true, false, false, false>("both (as part 3)", &logits, 1);
-        sweep_split::<true, true, false>("both, split", &logits, 1);
-        sweep_split::<true, true, true>("both, split, kept in order", &logits, 1);
-        sweep::<false, true, true, false, false, false>("both, 16 rows (as part 4)", &logits, 16);
-        sweep_split::<true, true, false>("both, split, 16 rows", &logits, 16);
-        sweep_split::<true, true, true>("both, split, kept in order, 16 rows", &logits, 16);
+        sweep::<false, true, false, false, false, SIXTEEN>("statistics loop, kept f32 (as part 3)", &logits, 1);
+        sweep::<false, true, false, false, false, SPLIT>("statistics loop, split", &logits, 1);
+        sweep::<false, true, false, false, false, SPLIT_IN_ORDER>("statistics loop, split, kept in order", &logits, 1);
+        sweep::<false, false, true, false, false, SIXTEEN>("gradient loop (as part 3)", &logits, 1);
+        sweep::<false, false, true, false, false, SPLIT>("gradient loop, split", &logits, 1);
+        sweep::<false, true, true, false, false, SIXTEEN>("both (as part 3)", &logits, 1);
+        sweep::<false, true, true, false, false, SPLIT>("both, split", &logits, 1);
+        sweep::<false, true, true, false, false, SPLIT_IN_ORDER>("both, split, kept in order", &logits, 1);
+        sweep::<false, true, true, false, false, SIXTEEN>("both, 16 rows (as part 4)", &logits, 16);
+        sweep::<false, true, true, false, false, SPLIT>("both, split, 16 rows", &logits, 16);
+        sweep::<false, true, true, false, false, SPLIT_IN_ORDER>("both, split, kept in order, 16 rows", &logits, 16);
     }
 }
