@@ -300,8 +300,8 @@ mod tests {
 
     /// `store_t(load_t(x))` is the identity, and `store_t` rounds as `Element::from_f32`; the
     /// same of the 32-value pairs (`load_pair_t` puts element `q` at `pair_lane(q)`,
-    /// `pair_in_order` undoes it, `store_pair_t` and `stream_pair_t` store in order, aligned or
-    /// not).
+    /// `pair_in_order` undoes it, `store_pair_t` stores in order, and `stream_rescaled_pairs`
+    /// over whole pairs at every offset of a line, nothing written outside).
     fn conversions<S: Simd, T: Element>(s: S) {
         let values: Vec<f32> = (0..4096).map(|i| ((i as f32 * 0.731).sin() * 1e3) / (1 + i % 7) as f32).collect();
         for chunk in values.chunks_exact(LANES) {
@@ -574,6 +574,16 @@ mod avx512 {
         order
     }
     const WORDS_IN_ORDER: [u16; 2 * LANES] = pair_order(0);
+    /// 0, 1, ..., 31: `vpermt2w`'s index of 32 consecutive words, before the offset is added.
+    const WORDS_FROM: [u16; 2 * LANES] = {
+        let mut words = [0; 2 * LANES];
+        let mut i = 0;
+        while i < 2 * LANES {
+            words[i] = i as u16;
+            i += 1;
+        }
+        words
+    };
     const LOW_IN_ORDER: [u16; LANES] = pair_order(0);
     const HIGH_IN_ORDER: [u16; LANES] = pair_order(LANES);
 
@@ -756,8 +766,8 @@ mod avx512 {
                 // (its lanes head..32) and the start of pair k + 1 (index 32 + i: its lane i).
                 // The partial lines at the two ends are copied from the pair: by masked stores
                 // (`vmovdqu16` with a mask) the `fused` bf16 step ran 1.6x slower on Zen 4.
-                let order: [u16; 2 * LANES] = std::array::from_fn(|i| (head + i) as u16);
-                let order = _mm512_loadu_si512(order.as_ptr().cast());
+                let order = _mm512_loadu_si512(WORDS_FROM.as_ptr().cast());
+                let order = _mm512_add_epi16(order, _mm512_set1_epi16(head as i16));
                 let mut ends = [0u16; 2 * LANES];
                 let mut previous = self.rescaled_pair_bf16(chunks.next().expect("a whole pair"), kbv, dv);
                 _mm512_storeu_si512(ends.as_mut_ptr().cast(), previous);
