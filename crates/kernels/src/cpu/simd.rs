@@ -94,12 +94,7 @@ pub(crate) trait Simd: Copy {
     /// the [`Simd::stream_fence`].
     #[inline(always)]
     fn stream_rescaled_pairs<T: Element>(self, kept: &[f32], kb: f32, d: f32, dst: &mut [T]) {
-        let (kb, d) = (self.splat(kb), self.splat(d));
-        for (k, out) in kept.chunks_exact(2 * LANES).zip(dst.chunks_exact_mut(2 * LANES)) {
-            let a = self.mul_add(self.load(&k[..LANES]), kb, d);
-            let b = self.mul_add(self.load(&k[LANES..]), kb, d);
-            self.store_pair_t(a, b, out);
-        }
+        plain_rescaled_pairs(self, kept, kb, d, dst)
     }
     /// Whether [`Simd::stream_t`] bypasses the caches for `T` (AVX-512, 16-bit outputs).
     #[inline(always)]
@@ -151,6 +146,18 @@ pub(crate) trait Simd: Copy {
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = p;
+    }
+}
+
+/// [`Simd::stream_rescaled_pairs`] by plain stores ([`Simd::store_pair_t`]): its default, and
+/// AVX-512's for the dtypes it does not split.
+#[inline(always)]
+fn plain_rescaled_pairs<S: Simd, T: Element>(s: S, kept: &[f32], kb: f32, d: f32, dst: &mut [T]) {
+    let (kb, d) = (s.splat(kb), s.splat(d));
+    for (k, out) in kept.chunks_exact(2 * LANES).zip(dst.chunks_exact_mut(2 * LANES)) {
+        let a = s.mul_add(s.load(&k[..LANES]), kb, d);
+        let b = s.mul_add(s.load(&k[LANES..]), kb, d);
+        s.store_pair_t(a, b, out);
     }
 }
 
@@ -559,7 +566,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::super::math::{EXP2_POLY_DEG5, EXP_POLY_DEG5, ROUND_MAGIC};
-    use super::{Avx512, Simd, LANES};
+    use super::{plain_rescaled_pairs, Avx512, Simd, LANES};
     use crate::element::{DType, Element};
 
     /// Where element `k` of 32 in order lies in a pair's two vectors (even positions, then odd):
@@ -738,12 +745,7 @@ mod avx512 {
         fn stream_rescaled_pairs<T: Element>(self, kept: &[f32], kb: f32, d: f32, dst: &mut [T]) {
             let pairs = dst.len() / (2 * LANES);
             if T::DTYPE != DType::BF16 || pairs == 0 {
-                let (kbv, dv) = (self.splat(kb), self.splat(d));
-                for (k, out) in kept.chunks_exact(2 * LANES).zip(dst.chunks_exact_mut(2 * LANES)) {
-                    let (a, b) = (self.load(&k[..LANES]), self.load(&k[LANES..]));
-                    self.store_pair_t(self.mul_add(a, kbv, dv), self.mul_add(b, kbv, dv), out);
-                }
-                return;
+                return plain_rescaled_pairs(self, kept, kb, d, dst);
             }
             let kept = &kept[..pairs * 2 * LANES];
             let (kbv, dv) = (self.splat(kb), self.splat(d));
