@@ -96,17 +96,19 @@ pub(crate) trait Simd: Copy {
     fn stream_rescaled_pairs<T: Element>(self, kept: &[f32], kb: f32, d: f32, dst: &mut [T]) {
         plain_rescaled_pairs(self, kept, kb, d, dst)
     }
-    /// Whether [`Simd::stream_t`] bypasses the caches for `T` (AVX-512, 16-bit outputs).
+    /// Whether the sweeps write a large new buffer of `T` through [`Simd::stream_t`], bypassing
+    /// the caches (AVX-512: 16-bit outputs, and f32 on AMD CPUs).
     #[inline(always)]
     fn streams<T: Element>(self) -> bool {
         false
     }
-    /// [`Simd::store_t`] as a non-temporal store where [`Simd::streams`] (the same bits): for a
-    /// buffer too large to stay in cache whose lines are not read first (a new gradient buffer,
-    /// or a row's zeros in place), which a plain store would first read (read-for-ownership).
-    /// Where `dst` does not start on a 32-byte boundary it falls back to a plain store; the caller
-    /// ends the row's streaming stores with [`Simd::stream_fence`] before anything else writes or
-    /// reads them.
+    /// [`Simd::store_t`] as a non-temporal store (the same bits), for callers that
+    /// [`Simd::streams`] `T`: a buffer too large to stay in cache whose lines are not read first
+    /// (a new gradient buffer, or a row's zeros in place), which a plain store would first read
+    /// (read-for-ownership). Where `dst` does not start on a boundary of the store's width (32
+    /// bytes for 16-bit outputs, 64 for f32) it falls back to a plain store; the caller ends the
+    /// row's streaming stores with [`Simd::stream_fence`] before anything else writes or reads
+    /// them.
     #[inline(always)]
     fn stream_t<T: Element>(self, v: Self::V, dst: &mut [T]) {
         self.store_t(v, dst)
@@ -308,7 +310,8 @@ mod tests {
     /// `store_t(load_t(x))` is the identity, and `store_t` rounds as `Element::from_f32`; the
     /// same of the 32-value pairs (`load_pair_t` puts element `q` at `pair_lane(q)`,
     /// `pair_in_order` undoes it, `store_pair_t` stores in order, and `stream_rescaled_pairs`
-    /// over whole pairs at every offset of a line, nothing written outside).
+    /// over whole pairs at every offset of a line, nothing written outside); `stream_t` stores
+    /// what `store_t` does at every offset of a line, streamed or not, whatever `streams` says.
     fn conversions<S: Simd, T: Element>(s: S) {
         let values: Vec<f32> = (0..4096).map(|i| ((i as f32 * 0.731).sin() * 1e3) / (1 + i % 7) as f32).collect();
         for chunk in values.chunks_exact(LANES) {
@@ -361,6 +364,17 @@ mod tests {
                 let outside = buffer[..offset].iter().chain(&buffer[offset + n..]);
                 assert!(outside.into_iter().all(|&x| x == sentinel), "a store outside, offset {offset}");
             }
+        }
+        let v = s.load(&values[..LANES]);
+        let want: Vec<T> = values[..LANES].iter().map(|&x| T::from_f32(x)).collect();
+        let sentinel = T::from_f32(-7.0);
+        for offset in 0..64 / std::mem::size_of::<T>() {
+            let mut buffer = vec![sentinel; LANES + 64];
+            s.stream_t(v, &mut buffer[offset..offset + LANES]);
+            s.stream_fence();
+            assert_eq!(&buffer[offset..offset + LANES], &want[..], "stream_t at offset {offset}");
+            let outside = buffer[..offset].iter().chain(&buffer[offset + LANES..]);
+            assert!(outside.into_iter().all(|&x| x == sentinel), "stream_t: a store outside, offset {offset}");
         }
     }
 
@@ -565,6 +579,7 @@ mod tests {
 mod avx512 {
     use std::arch::x86_64::*;
 
+    use super::super::isa;
     use super::super::math::{EXP2_POLY_DEG5, EXP_POLY_DEG5, ROUND_MAGIC};
     use super::{plain_rescaled_pairs, Avx512, Simd, LANES};
     use crate::element::{DType, Element};
@@ -796,20 +811,27 @@ mod avx512 {
             }
         }
         /// 16-bit dtypes on every AVX-512 CPU: on AMD Zen 4 streaming took 19-25% off the bf16
-        /// `fused` step, on an Intel server CPU it measured the same as plain stores. Not f32: no
-        /// faster on Zen 4, slower on the Intel CPU (docs/BENCHMARKS.md).
+        /// `fused` step, on an Intel server CPU it measured the same as plain stores. f32 on AMD
+        /// CPUs only ([`isa::streams_f32`]): 11-17% off the f32 `fused` step on Zen 4, 6% slower
+        /// on the Intel CPU (docs/BENCHMARKS.md).
         #[inline(always)]
         fn streams<T: Element>(self) -> bool {
-            T::DTYPE != DType::F32
+            T::DTYPE != DType::F32 || isa::streams_f32()
         }
         #[inline(always)]
         fn stream_t<T: Element>(self, v: __m512, dst: &mut [T]) {
             let p = dst[..LANES].as_mut_ptr();
-            if !self.streams::<T>() || !(p as usize).is_multiple_of(32) {
-                return self.store_t(v, dst);
+            let address = p as usize;
+            // SAFETY: 16 elements of `T` are writable at `p`, aligned as each stream needs.
+            unsafe {
+                match T::DTYPE {
+                    DType::F32 if address.is_multiple_of(64) => _mm512_stream_ps(p.cast(), v),
+                    DType::BF16 | DType::F16 if address.is_multiple_of(32) => {
+                        _mm256_stream_si256(p.cast(), self.packed16::<T>(v))
+                    }
+                    _ => self.store_t(v, dst),
+                }
             }
-            // SAFETY: 16 two-byte elements are writable at `p`, which is 32-byte aligned.
-            unsafe { _mm256_stream_si256(p.cast(), self.packed16::<T>(v)) }
         }
         /// AVX512-BF16's conversion treats an f32 subnormal as zero (and bf16 has no subnormal
         /// that a normal f32 rounds to): the scalar rounding does the same, so that an element's
