@@ -93,6 +93,72 @@ unsafe fn exp2_degree4(t: __m512) -> __m512 {
     _mm512_scalef_ps(poly(f, 4), t)
 }
 
+/// `2^k/32` for k < 32: the table of [`exp2_table32`] (two registers, one `vpermt2ps`).
+const TABLE32: [f32; 32] = [
+    1.0,
+    1.0218971967697144,
+    1.0442737340927124,
+    1.0671404600143433,
+    1.0905077457427979,
+    1.114386796951294,
+    1.1387885808944702,
+    1.1637248992919922,
+    1.1892070770263672,
+    1.215247392654419,
+    1.2418577671051025,
+    1.2690509557724,
+    1.2968395948410034,
+    1.3252366781234741,
+    1.3542555570602417,
+    1.3839099407196045,
+    1.4142135381698608,
+    1.4451807737350464,
+    1.4768261909484863,
+    1.5091644525527954,
+    1.5422108173370361,
+    1.5759809017181396,
+    1.610490322113037,
+    1.6457555294036865,
+    1.6817928552627563,
+    1.7186193466186523,
+    1.7562521696090698,
+    1.7947090864181519,
+    1.8340080976486206,
+    1.8741676807403564,
+    1.9152065515518188,
+    1.9571441411972046,
+];
+/// `2^f` on `[0, 1/32)`, `1 + f (P2[1] + f P2[0])`, fitted for the least relative error (6.5e-8).
+const P2: [f32; 2] = [0.242_652_5, 0.693_123_76];
+
+/// Part 2's alternative with a table: `2^t = 2^floor(t) 2^(k/32) 2^f`, `k / 32 + f` the fraction
+/// of `t` (`vreduceps` keeping 5 bits), `k` from the low bits of `t + 1.5 2^18` rounded down, the
+/// table by one `vpermt2ps`, a degree-2 polynomial. Three multiply-adds where `exp2_reduce`
+/// takes five, but a permute and an add more (worst relative error 1.8e-7; not made: no faster).
+#[inline(always)]
+unsafe fn exp2_table32(t: __m512) -> __m512 {
+    let f = _mm512_reduce_ps::<{ (5 << 4) | _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+    let j = _mm512_add_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t, _mm512_set1_ps(786_432.0));
+    let low = _mm512_loadu_ps(TABLE32.as_ptr());
+    let high = _mm512_loadu_ps(TABLE32.as_ptr().add(16));
+    let table = _mm512_permutex2var_ps(low, _mm512_castps_si512(j), high);
+    let q = _mm512_fmadd_ps(_mm512_set1_ps(P2[0]), f, _mm512_set1_ps(P2[1]));
+    _mm512_scalef_ps(_mm512_fmadd_ps(_mm512_mul_ps(table, f), q, table), t)
+}
+
+/// [`exp2_table32`] without `vreduceps`: `f = t - (j - 1.5 2^18)`, two subtractions.
+#[inline(always)]
+unsafe fn exp2_table32_sub(t: __m512) -> __m512 {
+    let magic = _mm512_set1_ps(786_432.0);
+    let j = _mm512_add_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t, magic);
+    let f = _mm512_sub_ps(t, _mm512_sub_ps(j, magic));
+    let low = _mm512_loadu_ps(TABLE32.as_ptr());
+    let high = _mm512_loadu_ps(TABLE32.as_ptr().add(16));
+    let table = _mm512_permutex2var_ps(low, _mm512_castps_si512(j), high);
+    let q = _mm512_fmadd_ps(_mm512_set1_ps(P2[0]), f, _mm512_set1_ps(P2[1]));
+    _mm512_scalef_ps(_mm512_fmadd_ps(_mm512_mul_ps(table, f), q, table), t)
+}
+
 #[inline(always)]
 unsafe fn widen(src: *const u16) -> __m512 {
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src.cast()))))
@@ -279,7 +345,8 @@ unsafe fn gradient_split(kept: *const u8, out: &mut [u16], scale: f32) -> f32 {
     for j in (0..V).step_by(32) {
         let even = _mm512_loadu_ps(kept.add(j * 4).cast());
         let odd = _mm512_loadu_ps(kept.add(j * 4 + 64).cast());
-        let g: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(_mm512_mul_ps(odd, scale), _mm512_mul_ps(even, scale)));
+        let g: __m512i =
+            std::mem::transmute(_mm512_cvtne2ps_pbh(_mm512_mul_ps(odd, scale), _mm512_mul_ps(even, scale)));
         _mm512_storeu_si512(out.as_mut_ptr().add(j).cast(), _mm512_permutexvar_epi16(order, g));
     }
     0.0
@@ -388,8 +455,13 @@ fn main() {
                 _mm512_castps_si512(x),
             ))
         });
-        throughput("vpermt2ps", |x, c| {
-            _mm512_permutex2var_ps(x, _mm512_castps_si512(c), x)
+        throughput("vpermt2ps", |x, c| _mm512_permutex2var_ps(x, _mm512_castps_si512(c), x));
+        throughput("vfmadd231ps + vpermt2ps", |x, c| {
+            _mm512_permutex2var_ps(_mm512_fmadd_ps(x, c, c), _mm512_castps_si512(c), c)
+        });
+        throughput("vaddps + vscalefps", |x, c| _mm512_scalef_ps(_mm512_add_ps(x, c), c));
+        throughput("vreduceps + vscalefps", |x, c| {
+            _mm512_scalef_ps(_mm512_reduce_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x), c)
         });
         throughput("vcvtps2ph + vcvtph2ps", |x, _| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)));
 
@@ -399,6 +471,8 @@ fn main() {
         statistics_arithmetic("vrndscaleps and a subtraction", in_l1, exp2_roundscale);
         statistics_arithmetic("integer exponent instead of vscalefps", in_l1, exp2_integer);
         statistics_arithmetic("degree-4 polynomial (2.6e-6 relative)", in_l1, exp2_degree4);
+        statistics_arithmetic("32-entry table, degree 2 (vpermt2ps)", in_l1, exp2_table32);
+        statistics_arithmetic("32-entry table, degree 2, no vreduceps", in_l1, exp2_table32_sub);
         statistics_arithmetic("no exp2 (widening, t, the two sums)", in_l1, |t| t);
 
         println!("3. the in-place sweep per 16 logits, one row of V=151936 in L2");
