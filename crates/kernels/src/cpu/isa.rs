@@ -95,22 +95,18 @@ impl Isa {
 
 /// Whether a large new f32 gradient buffer is written by non-temporal stores on AVX-512
 /// (`Simd::streams`): on AMD CPUs. A plain store first reads each line it writes; on AMD Zen 4
-/// streaming took 11-17% off the f32 `fused` step, where on the Intel server CPU of
+/// streaming took 12-21% off the f32 `fused` step, where on the Intel server CPU of
 /// docs/BENCHMARKS.md it had measured 6% slower, so f32 keeps plain stores there (16-bit outputs
 /// stream on both). Read once, from the CPU's vendor string.
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn streams_f32() -> bool {
     static AMD: OnceLock<bool> = OnceLock::new();
     *AMD.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            // `__cpuid` is a safe function in recent Rust, an unsafe one in older (rust-version 1.89).
-            #[allow(unused_unsafe)]
-            // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
-            let id = unsafe { std::arch::x86_64::__cpuid(0) };
-            [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat() == b"AuthenticAMD"
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        false
+        // `__cpuid` is a safe function in recent Rust, an unsafe one in older (rust-version 1.89).
+        #[allow(unused_unsafe)]
+        // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
+        let id = unsafe { std::arch::x86_64::__cpuid(0) };
+        [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat() == b"AuthenticAMD"
     })
 }
 

@@ -19,7 +19,7 @@
 //! [`sweep`] or by [`gradient`]'s recomputing pass; `cpu::STREAM_MIN_BYTES`) goes there by
 //! non-temporal stores on AVX-512 ([`write_tile`]): a plain store first reads each line it writes.
 //! On AMD Zen 4 that took 19-25% off the bf16 `fused` step (7% off sequence-level GSPO's, which
-//! computes more per byte) and 11-17% off the f32 one; on an Intel server CPU it had measured
+//! computes more per byte) and 12-21% off the f32 one; on an Intel server CPU it had measured
 //! neither faster nor slower in bf16, slower in f32, so f32 streams on AMD CPUs only
 //! (`isa::streams_f32`; docs/BENCHMARKS.md). The zeros of a row without a gradient
 //! ([`zero_row`]) stream in such a buffer in place too: its logits are never read.

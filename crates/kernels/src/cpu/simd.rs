@@ -812,7 +812,7 @@ mod avx512 {
         }
         /// 16-bit dtypes on every AVX-512 CPU: on AMD Zen 4 streaming took 19-25% off the bf16
         /// `fused` step, on an Intel server CPU it measured the same as plain stores. f32 on AMD
-        /// CPUs only ([`isa::streams_f32`]): 11-17% off the f32 `fused` step on Zen 4, 6% slower
+        /// CPUs only ([`isa::streams_f32`]): 12-21% off the f32 `fused` step on Zen 4, 6% slower
         /// on the Intel CPU (docs/BENCHMARKS.md).
         #[inline(always)]
         fn streams<T: Element>(self) -> bool {
