@@ -15,15 +15,18 @@
 //! round with the copy that gives the floor:
 //! - `inplace`: over the logits (plain stores; the lines are in L2);
 //! - `nt`: into a second buffer by non-temporal stores (the kernel's `fused`);
-//! - `plain`: into a second buffer by plain stores (each line read first);
+//! - `plain`: into a second buffer by plain stores (each line read first; without the kernel's
+//!   prefetch of the lines ahead, so not the kernel's plain-store time);
 //! - `staged`: into an L2-resident row by plain stores, streamed out by the *next* row's
 //!   statistics loop (one 64-byte line per 32 logits), so that the write overlaps compute;
 //! - `nt-moved` / `inplace-moved`: the entropy's multiply-add moved from the statistics loop into
 //!   the gradient loop (which reads the logits again from L2 for it);
 //! - `next-quarter`: in place, the gradient loop also asking for the first quarter of the next
 //!   row's logits;
-//! - `clwb-half`: in place, every other gradient line written back (`clwb`) as soon as it is
-//!   written.
+//! - `clwb-half`: in place, every other gradient line written back (`clwb`) eight lines after
+//!   it is written.
+//!
+//! The streaming ways end each row with an `sfence`, as the kernel does.
 //!
 //! (`clzero` before each plain store, to spare the read of a line, took a whole second a step
 //! on cpu-2c: not listed.)
@@ -152,12 +155,16 @@ unsafe fn gradient(kept: *const f32, row: *const u16, out: *mut u16, way: Way) -
     _mm512_reduce_add_ps(_mm512_add_ps(dv[0], dv[1]))
 }
 
-/// One thread's rows, in turn.
+/// One thread's rows, in turn, with its kept row and staging row.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
-unsafe fn rows(logits: *mut u16, grad: *mut u16, range: std::ops::Range<usize>, way: Way) -> f32 {
-    let mut kept = Buffer::<f32>::new(V);
-    let mut staged = Buffer::<u16>::new(V);
-    let (kept, staged) = (kept.ptr(), staged.ptr());
+unsafe fn rows(
+    logits: *mut u16,
+    grad: *mut u16,
+    range: std::ops::Range<usize>,
+    way: Way,
+    kept: *mut f32,
+    staged: *mut u16,
+) -> f32 {
     let mut total = 0.0;
     let mut previous: Option<usize> = None;
     for i in range {
@@ -173,14 +180,17 @@ unsafe fn rows(logits: *mut u16, grad: *mut u16, range: std::ops::Range<usize>, 
             _ => grad.add(i * V),
         };
         total += gradient(kept, row, out, way);
+        if matches!(way, Way::Nt | Way::NtMoved | Way::Staged) {
+            _mm_sfence();
+        }
         previous = Some(i);
     }
     if let (Way::Staged, Some(p)) = (way, previous) {
         for j in (0..V).step_by(32) {
             _mm512_stream_si512(grad.add(p * V + j).cast(), _mm512_load_si512(staged.add(j).cast()));
         }
+        _mm_sfence();
     }
-    _mm_sfence();
     total
 }
 
@@ -209,18 +219,31 @@ impl<T: Copy + Default> Buffer<T> {
     }
 }
 
-struct Shared(*mut u16);
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
+struct Shared<T>(*mut T);
+unsafe impl<T> Send for Shared<T> {}
+unsafe impl<T> Sync for Shared<T> {}
 
-fn step(logits: &mut Buffer<u16>, grad: &mut Buffer<u16>, way: Way) -> f64 {
-    let (l, g) = (Shared(logits.ptr()), Shared(grad.ptr()));
+/// The buffers of a step: the logits, the new gradient, and each thread's kept and staging rows
+/// (allocated once, outside the timed steps).
+struct Buffers {
+    logits: Buffer<u16>,
+    grad: Buffer<u16>,
+    kept: [Buffer<f32>; 2],
+    staged: [Buffer<u16>; 2],
+}
+
+fn step(b: &mut Buffers, way: Way) -> f64 {
+    let (l, g) = (Shared(b.logits.ptr()), Shared(b.grad.ptr()));
+    let kept = [Shared(b.kept[0].ptr()), Shared(b.kept[1].ptr())];
+    let staged = [Shared(b.staged[0].ptr()), Shared(b.staged[1].ptr())];
     let start = Instant::now();
     std::thread::scope(|scope| {
         for t in 0..2 {
-            let (l, g) = (&l, &g);
-            // SAFETY: the features are checked in `main`; each thread writes its own rows.
-            scope.spawn(move || black_box(unsafe { rows(l.0, g.0, t * ROWS / 2..(t + 1) * ROWS / 2, way) }));
+            let (l, g, k, st) = (&l, &g, &kept[t], &staged[t]);
+            let range = t * ROWS / 2..(t + 1) * ROWS / 2;
+            // SAFETY: the features are checked in `main`; each thread writes its own rows and
+            // its own kept and staging rows.
+            scope.spawn(move || black_box(unsafe { rows(l.0, g.0, range, way, k.0, st.0) }));
         }
     });
     start.elapsed().as_secs_f64()
@@ -262,13 +285,16 @@ fn main() {
     }
     let mut grad = Buffer::<u16>::new(ROWS * V);
     grad.0.iter_mut().for_each(|x| *x = 1);
+    let kept = [Buffer::<f32>::new(V), Buffer::<f32>::new(V)];
+    let staged = [Buffer::<u16>::new(V), Buffer::<u16>::new(V)];
+    let mut buffers = Buffers { logits, grad, kept, staged };
     println!("seconds a step (N={ROWS}, V={V}, bf16, two threads), x the floor of the round's copy");
     for round in 1..=6 {
         let copy = copy_rate();
         let floor = 2.0 * (ROWS * V * 2) as f64 / copy;
         print!("{round}: copy {:.1} GB/s, floor {floor:.4} |", copy / 1e9);
         for (name, &way) in names.iter().zip(&ways) {
-            let s = step(&mut logits, &mut grad, way);
+            let s = step(&mut buffers, way);
             print!(" {name} {s:.4} ({:.2}x)", s / floor);
         }
         println!();

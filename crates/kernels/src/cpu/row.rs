@@ -15,9 +15,10 @@
 //!   exponential per element instead of two, and the logits are read from memory once.
 //!
 //! Everything is `#[inline(always)]` and generic: `mod.rs` compiles it once per instruction set.
-//! A 16-bit gradient written into a new buffer of 64 MiB or more (the `fused` variant, by
-//! [`sweep`] or by [`gradient`]'s recomputing pass; `cpu::STREAM_MIN_BYTES`) goes there by
-//! non-temporal stores on AVX-512 ([`write_tile`]): a plain store first reads each line it writes.
+//! A gradient (16-bit; f32 too on AMD CPUs) written into a new buffer of 64 MiB or more (the
+//! `fused` variant, by [`sweep`] or by [`gradient`]'s recomputing pass; `cpu::STREAM_MIN_BYTES`)
+//! goes there by non-temporal stores on AVX-512 ([`write_tile`]): a plain store first reads each
+//! line it writes.
 //! On AMD Zen 4 that took 19-25% off the bf16 `fused` step (7% off sequence-level GSPO's, which
 //! computes more per byte) and 12-21% off the f32 one; on an Intel server CPU it had measured
 //! neither faster nor slower in bf16, slower in f32, so f32 streams on AMD CPUs only
@@ -763,7 +764,7 @@ fn write_tile<S: Simd, T: Element, V: TileValues<S>>(s: S, values: &V, dst: &mut
             let lines_end = first_line + (len - first_line) / line * line;
             plain_stores(s, values, &mut dst[..first_line], 0);
             for (k, out) in dst[first_line..lines_end].chunks_exact_mut(LANES).enumerate() {
-                debug_assert!((out.as_ptr() as usize).is_multiple_of(32));
+                debug_assert!((out.as_ptr() as usize).is_multiple_of(LANES * std::mem::size_of::<T>()));
                 s.stream_t(values.vector(s, first_line + k * LANES), out);
             }
             j = lines_end;
