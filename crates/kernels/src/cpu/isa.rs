@@ -93,8 +93,8 @@ impl Isa {
     }
 }
 
-/// Whether a large new f32 gradient buffer is written by non-temporal stores on AVX-512
-/// (`Simd::streams`): on AMD CPUs. A plain store first reads each line it writes; on AMD Zen 4
+/// Whether a large new f32 gradient buffer is written by non-temporal stores on AVX-512 and
+/// AVX2 (`Simd::streams`): on AMD CPUs. A plain store first reads each line it writes; on AMD Zen 4
 /// streaming took 12-21% off the f32 `fused` step, where on the Intel server CPU of
 /// docs/BENCHMARKS.md it had measured 6% slower, so f32 keeps plain stores there (16-bit outputs
 /// stream on both). Read once, from the CPU's vendor string.

@@ -17,12 +17,13 @@
 //! Everything is `#[inline(always)]` and generic: `mod.rs` compiles it once per instruction set.
 //! A gradient (16-bit; f32 too on AMD CPUs) written into a new buffer of 64 MiB or more (the
 //! `fused` variant, by [`sweep`] or by [`gradient`]'s recomputing pass; `cpu::STREAM_MIN_BYTES`)
-//! goes there by non-temporal stores on AVX-512 ([`write_tile`]): a plain store first reads each
-//! line it writes.
+//! goes there by non-temporal stores on AVX-512 and AVX2 ([`write_tile`]): a plain store first
+//! reads each line it writes.
 //! On AMD Zen 4 that took 19-25% off the bf16 `fused` step (7% off sequence-level GSPO's, which
 //! computes more per byte) and 12-21% off the f32 one; on an Intel server CPU it had measured
 //! neither faster nor slower in bf16, slower in f32, so f32 streams on AMD CPUs only
-//! (`isa::streams_f32`; docs/BENCHMARKS.md). The zeros of a row without a gradient
+//! (`isa::streams_f32`; docs/BENCHMARKS.md; AVX2, timed on Zen 4 with `FLASHGRPO_ISA=avx2`: bf16
+//! `fused` 12-13% faster, f32 6%). The zeros of a row without a gradient
 //! ([`zero_row`]) stream in such a buffer in place too: its logits are never read.
 //!
 //! Every sweep that reads logits from memory asks for them [`PREFETCH_AHEAD`] bytes ahead, and

@@ -97,7 +97,7 @@ pub(crate) trait Simd: Copy {
         plain_rescaled_pairs(self, kept, kb, d, dst)
     }
     /// Whether the sweeps write a large new buffer of `T` through [`Simd::stream_t`], bypassing
-    /// the caches (AVX-512: 16-bit outputs, and f32 on AMD CPUs).
+    /// the caches (AVX-512 and AVX2: 16-bit outputs, and f32 on AMD CPUs).
     #[inline(always)]
     fn streams<T: Element>(self) -> bool {
         false
@@ -369,7 +369,7 @@ mod tests {
         let want: Vec<T> = values[..LANES].iter().map(|&x| T::from_f32(x)).collect();
         let sentinel = T::from_f32(-7.0);
         for offset in 0..64 / std::mem::size_of::<T>() {
-            let mut buffer = vec![sentinel; LANES + 64];
+            let mut buffer = [sentinel; LANES + 64];
             s.stream_t(v, &mut buffer[offset..offset + LANES]);
             s.stream_fence();
             assert_eq!(&buffer[offset..offset + LANES], &want[..], "stream_t at offset {offset}");
@@ -907,6 +907,7 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::*;
 
+    use super::super::isa;
     use super::super::math::{EXP_POLY, LN2_HI, LN2_LO, MAX_ARG, MIN_ARG, ROUND_MAGIC};
     use super::{Avx2, Simd, LANES};
     use crate::element::{DType, Element};
@@ -1043,17 +1044,56 @@ mod avx2 {
                         _mm256_storeu_ps(p.cast(), v.0);
                         _mm256_storeu_ps(p.cast::<f32>().add(8), v.1);
                     }
-                    DType::BF16 => {
-                        // packus interleaves the 128-bit lanes: [lo 0-3, hi 0-3 | lo 4-7, hi 4-7].
-                        let packed = _mm256_packus_epi32(bf16_bits8(v.0), bf16_bits8(v.1));
-                        _mm256_storeu_si256(p.cast(), _mm256_permute4x64_epi64::<0b11_01_10_00>(packed));
-                    }
-                    DType::F16 => {
-                        const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT;
-                        _mm_storeu_si128(p.cast(), _mm256_cvtps_ph::<NEAREST>(v.0));
-                        _mm_storeu_si128(p.add(8).cast(), _mm256_cvtps_ph::<NEAREST>(v.1));
-                    }
+                    DType::BF16 | DType::F16 => _mm256_storeu_si256(p.cast(), packed16::<T>(v)),
                 }
+            }
+        }
+        /// As AVX-512's: 16-bit dtypes on every CPU, f32 on AMD CPUs ([`isa::streams_f32`]);
+        /// timed on AMD Zen 4 with `FLASHGRPO_ISA=avx2` (docs/BENCHMARKS.md).
+        #[inline(always)]
+        fn streams<T: Element>(self) -> bool {
+            T::DTYPE != DType::F32 || isa::streams_f32()
+        }
+        #[inline(always)]
+        fn stream_t<T: Element>(self, v: Pair, dst: &mut [T]) {
+            let p = dst[..LANES].as_mut_ptr();
+            if !(p as usize).is_multiple_of(32) {
+                return self.store_t(v, dst);
+            }
+            // SAFETY: 16 elements of `T` are writable at `p`, which is 32-byte aligned (as every
+            // 32-byte stream below needs).
+            unsafe {
+                match T::DTYPE {
+                    DType::F32 => {
+                        _mm256_stream_ps(p.cast(), v.0);
+                        _mm256_stream_ps(p.cast::<f32>().add(8), v.1);
+                    }
+                    DType::BF16 | DType::F16 => _mm256_stream_si256(p.cast(), packed16::<T>(v)),
+                }
+            }
+        }
+        #[inline(always)]
+        fn stream_fence(self) {
+            unsafe { _mm_sfence() }
+        }
+    }
+
+    /// 16 values rounded to a 16-bit `T` (to nearest even), in order in one register.
+    #[inline(always)]
+    fn packed16<T: Element>(v: Pair) -> __m256i {
+        // SAFETY: compiled into AVX2 + FMA + F16C kernels only (see `Avx2`).
+        unsafe {
+            match T::DTYPE {
+                DType::BF16 => {
+                    // packus interleaves the 128-bit lanes: [lo 0-3, hi 0-3 | lo 4-7, hi 4-7].
+                    let packed = _mm256_packus_epi32(bf16_bits8(v.0), bf16_bits8(v.1));
+                    _mm256_permute4x64_epi64::<0b11_01_10_00>(packed)
+                }
+                DType::F16 => {
+                    const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT;
+                    _mm256_set_m128i(_mm256_cvtps_ph::<NEAREST>(v.1), _mm256_cvtps_ph::<NEAREST>(v.0))
+                }
+                DType::F32 => unreachable!("packed16 is for 16-bit dtypes"),
             }
         }
     }
