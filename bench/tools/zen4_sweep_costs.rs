@@ -139,11 +139,7 @@ const P2: [f32; 2] = [0.242_652_5, 0.693_123_76];
 unsafe fn exp2_table32(t: __m512) -> __m512 {
     let f = _mm512_reduce_ps::<{ (5 << 4) | _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
     let j = _mm512_add_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t, _mm512_set1_ps(786_432.0));
-    let low = _mm512_loadu_ps(TABLE32.as_ptr());
-    let high = _mm512_loadu_ps(TABLE32.as_ptr().add(16));
-    let table = _mm512_permutex2var_ps(low, _mm512_castps_si512(j), high);
-    let q = _mm512_fmadd_ps(_mm512_set1_ps(P2[0]), f, _mm512_set1_ps(P2[1]));
-    _mm512_scalef_ps(_mm512_fmadd_ps(_mm512_mul_ps(table, f), q, table), t)
+    from_table32(t, f, j)
 }
 
 /// [`exp2_table32`] without `vreduceps`: `f = t - (j - 1.5 2^18)`, two subtractions.
@@ -151,7 +147,12 @@ unsafe fn exp2_table32(t: __m512) -> __m512 {
 unsafe fn exp2_table32_sub(t: __m512) -> __m512 {
     let magic = _mm512_set1_ps(786_432.0);
     let j = _mm512_add_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t, magic);
-    let f = _mm512_sub_ps(t, _mm512_sub_ps(j, magic));
+    from_table32(t, _mm512_sub_ps(t, _mm512_sub_ps(j, magic)), j)
+}
+
+/// `2^floor(t) 2^(k/32) (1 + f q(f))`, with `k` in the low 5 bits of `j`.
+#[inline(always)]
+unsafe fn from_table32(t: __m512, f: __m512, j: __m512) -> __m512 {
     let low = _mm512_loadu_ps(TABLE32.as_ptr());
     let high = _mm512_loadu_ps(TABLE32.as_ptr().add(16));
     let table = _mm512_permutex2var_ps(low, _mm512_castps_si512(j), high);
