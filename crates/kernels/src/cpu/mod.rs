@@ -184,13 +184,14 @@ impl<T: Element> Kernels<T> {
     }
 }
 
-/// A gradient written into a new buffer of at least this many bytes goes
-/// there by non-temporal stores where the row kernels have them (16-bit dtypes on AVX-512 and
-/// AVX2, f32 too on AMD CPUs, `isa::streams_f32`; [`row::sweep`], and [`gradient`]'s recomputing pass; in place only the zeros of a row without
-/// a gradient, [`row::zero_row`], whose logits are not read): larger than the last-level cache of the
-/// machines we measure on, so its lines would not be in cache when read anyway, and a plain store
-/// would first read each line it writes. On AMD Zen 4 the bf16 `fused` step took 19-25% less time,
-/// the f32 one 12-21% (docs/BENCHMARKS.md); a smaller gradient stays in cache for its reader.
+/// A gradient written into a new buffer of at least this many bytes goes there by non-temporal
+/// stores where the row kernels have them (16-bit dtypes on AVX-512 and AVX2, f32 too on AMD
+/// CPUs, `isa::streams_f32`; [`row::sweep`], and [`gradient`]'s recomputing pass; in place only
+/// the zeros of a row without a gradient, [`row::zero_row`], whose logits are not read): larger
+/// than the last-level cache of the machines we measure on, so its lines would not be in cache
+/// when read anyway, and a plain store would first read each line it writes. On AMD Zen 4 the
+/// bf16 `fused` step took 19-25% less time, the f32 one 12-21% (docs/BENCHMARKS.md); a smaller
+/// gradient stays in cache for its reader.
 const STREAM_MIN_BYTES: usize = 64 << 20;
 
 /// Rows per rayon task: enough elements that scheduling costs nothing next to the work.
