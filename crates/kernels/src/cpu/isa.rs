@@ -100,6 +100,10 @@ impl Isa {
 /// stream on both). Read once, from the CPU's vendor string.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn streams_f32() -> bool {
+    #[cfg(test)]
+    if let Some(streams) = F32_STREAMS.with(Cell::get) {
+        return streams;
+    }
     static AMD: OnceLock<bool> = OnceLock::new();
     *AMD.get_or_init(|| {
         // `__cpuid` is a safe function in recent Rust, an unsafe one in older (rust-version 1.89).
@@ -112,6 +116,21 @@ pub(crate) fn streams_f32() -> bool {
 
 thread_local! {
     static OVERRIDE: Cell<Option<Isa>> = const { Cell::new(None) };
+}
+
+#[cfg(test)]
+thread_local! {
+    static F32_STREAMS: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with [`streams_f32`] answering `streams` on this thread (tests: the f32 streaming path
+/// on any CPU, and the plain one on an AMD CPU).
+#[cfg(test)]
+pub(crate) fn with_f32_streams<R>(streams: bool, f: impl FnOnce() -> R) -> R {
+    let previous = F32_STREAMS.with(|o| o.replace(Some(streams)));
+    let result = f();
+    F32_STREAMS.with(|o| o.set(previous));
+    result
 }
 
 /// Runs `f` with the row kernels of `isa` for calls made from this thread (the kernels are

@@ -1129,7 +1129,7 @@ mod tests {
     //! maximum (as [`PartialRowStats`] defines it), whichever path (base 2 or exact) each tile
     //! took, and its statistics without the maximum (a whole row's) and [`sweep`]'s give the same
     //! `lse`, entropy and `log p`.
-    use super::super::isa::{with_isa, Isa};
+    use super::super::isa::{with_f32_streams, with_isa, Isa};
     use super::super::{GradientTarget, Kernels, RowMax};
     use crate::element::{DType, Element};
     use crate::objective::RowGradient;
@@ -1317,7 +1317,9 @@ mod tests {
     #[test]
     fn recomputed_gradient_matches_f64_on_every_instruction_set() {
         for isa in Isa::available() {
-            recomputed_gradient::<f32>(isa);
+            for f32_streams in [false, true] {
+                with_f32_streams(f32_streams, || recomputed_gradient::<f32>(isa));
+            }
             recomputed_gradient::<half::bf16>(isa);
             recomputed_gradient::<half::f16>(isa);
         }
@@ -1422,7 +1424,10 @@ mod tests {
     #[test]
     fn masked_rows_are_zeros_on_every_instruction_set() {
         for isa in Isa::available() {
-            zero_rows::<f32>(isa);
+            // f32 streamed or not whatever the CPU's vendor (`isa::streams_f32`).
+            for f32_streams in [false, true] {
+                with_f32_streams(f32_streams, || zero_rows::<f32>(isa));
+            }
             zero_rows::<half::bf16>(isa);
             zero_rows::<half::f16>(isa);
         }
@@ -1431,7 +1436,9 @@ mod tests {
     #[test]
     fn streamed_sweep_writes_the_same_bits_on_every_instruction_set() {
         for isa in Isa::available() {
-            streamed_sweep::<f32>(isa);
+            for f32_streams in [false, true] {
+                with_f32_streams(f32_streams, || streamed_sweep::<f32>(isa));
+            }
             streamed_sweep::<half::bf16>(isa);
             streamed_sweep::<half::f16>(isa);
         }
