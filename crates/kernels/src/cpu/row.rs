@@ -22,9 +22,9 @@
 //! On AMD Zen 4 that took 19-25% off the bf16 `fused` step (7% off sequence-level GSPO's, which
 //! computes more per byte) and 12-21% off the f32 one; on an Intel server CPU it had measured
 //! neither faster nor slower in bf16, slower in f32, so f32 streams on AMD CPUs only
-//! (`isa::streams_f32`; docs/BENCHMARKS.md; AVX2, timed on Zen 4 with `FLASHGRPO_ISA=avx2`: bf16
-//! `fused` 12-13% faster, f32 6%). The zeros of a row without a gradient
-//! ([`zero_row`]) stream in such a buffer in place too: its logits are never read.
+//! (`simd::streamed_dtype`; docs/BENCHMARKS.md; AVX2, timed on Zen 4 with `FLASHGRPO_ISA=avx2`:
+//! bf16 `fused` 12-13% faster, f32 6%). The zeros of a row without a gradient ([`zero_row`])
+//! stream in such a buffer in place too: its logits are never read.
 //!
 //! Every sweep that reads logits from memory asks for them [`PREFETCH_AHEAD`] bytes ahead, and
 //! every plain write of a gradient asks for its destination lines as well (a read prefetch: a line no
@@ -1314,12 +1314,18 @@ mod tests {
         into
     }
 
+    /// `check` with f32 written by plain stores and by streaming ones, whatever the CPU's vendor
+    /// (`isa::streams_f32`).
+    fn f32_plain_and_streamed(check: impl Fn()) {
+        for streams in [false, true] {
+            with_f32_streams(streams, &check);
+        }
+    }
+
     #[test]
     fn recomputed_gradient_matches_f64_on_every_instruction_set() {
         for isa in Isa::available() {
-            for f32_streams in [false, true] {
-                with_f32_streams(f32_streams, || recomputed_gradient::<f32>(isa));
-            }
+            f32_plain_and_streamed(|| recomputed_gradient::<f32>(isa));
             recomputed_gradient::<half::bf16>(isa);
             recomputed_gradient::<half::f16>(isa);
         }
@@ -1424,10 +1430,7 @@ mod tests {
     #[test]
     fn masked_rows_are_zeros_on_every_instruction_set() {
         for isa in Isa::available() {
-            // f32 streamed or not whatever the CPU's vendor (`isa::streams_f32`).
-            for f32_streams in [false, true] {
-                with_f32_streams(f32_streams, || zero_rows::<f32>(isa));
-            }
+            f32_plain_and_streamed(|| zero_rows::<f32>(isa));
             zero_rows::<half::bf16>(isa);
             zero_rows::<half::f16>(isa);
         }
@@ -1436,9 +1439,7 @@ mod tests {
     #[test]
     fn streamed_sweep_writes_the_same_bits_on_every_instruction_set() {
         for isa in Isa::available() {
-            for f32_streams in [false, true] {
-                with_f32_streams(f32_streams, || streamed_sweep::<f32>(isa));
-            }
+            f32_plain_and_streamed(|| streamed_sweep::<f32>(isa));
             streamed_sweep::<half::bf16>(isa);
             streamed_sweep::<half::f16>(isa);
         }

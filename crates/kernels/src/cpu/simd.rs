@@ -575,13 +575,23 @@ mod tests {
     }
 }
 
+/// Whether the intrinsic instruction sets (AVX-512, AVX2) stream a large new buffer of `T`
+/// ([`Simd::streams`]): 16-bit dtypes on every CPU (on AMD Zen 4 streaming took 19-25% off the bf16
+/// `fused` step, on an Intel server CPU it measured the same as plain stores), f32 on AMD CPUs
+/// only ([`super::isa::streams_f32`]: 12-21% off the f32 `fused` step on Zen 4, 6% slower on the
+/// Intel CPU). AVX2 timed on Zen 4 with `FLASHGRPO_ISA=avx2` (docs/BENCHMARKS.md).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn streamed_dtype<T: Element>() -> bool {
+    T::DTYPE != crate::element::DType::F32 || super::isa::streams_f32()
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::super::isa;
     use super::super::math::{EXP2_POLY_DEG5, EXP_POLY_DEG5, ROUND_MAGIC};
-    use super::{plain_rescaled_pairs, Avx512, Simd, LANES};
+    use super::{plain_rescaled_pairs, streamed_dtype, Avx512, Simd, LANES};
     use crate::element::{DType, Element};
 
     /// Where element `k` of 32 in order lies in a pair's two vectors (even positions, then odd):
@@ -810,13 +820,9 @@ mod avx512 {
                 }
             }
         }
-        /// 16-bit dtypes on every AVX-512 CPU: on AMD Zen 4 streaming took 19-25% off the bf16
-        /// `fused` step, on an Intel server CPU it measured the same as plain stores. f32 on AMD
-        /// CPUs only ([`isa::streams_f32`]): 12-21% off the f32 `fused` step on Zen 4, 6% slower
-        /// on the Intel CPU (docs/BENCHMARKS.md).
         #[inline(always)]
         fn streams<T: Element>(self) -> bool {
-            T::DTYPE != DType::F32 || isa::streams_f32()
+            streamed_dtype::<T>()
         }
         #[inline(always)]
         fn stream_t<T: Element>(self, v: __m512, dst: &mut [T]) {
@@ -907,9 +913,8 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::isa;
     use super::super::math::{EXP_POLY, LN2_HI, LN2_LO, MAX_ARG, MIN_ARG, ROUND_MAGIC};
-    use super::{Avx2, Simd, LANES};
+    use super::{streamed_dtype, Avx2, Simd, LANES};
     use crate::element::{DType, Element};
 
     /// Lanes 0..8 and 8..16.
@@ -1036,23 +1041,12 @@ mod avx2 {
         }
         #[inline(always)]
         fn store_t<T: Element>(self, v: Pair, dst: &mut [T]) {
-            let p = dst[..LANES].as_mut_ptr();
-            // SAFETY: 16 elements of `T` are writable at `p`; the dtype tells their layout.
-            unsafe {
-                match T::DTYPE {
-                    DType::F32 => {
-                        _mm256_storeu_ps(p.cast(), v.0);
-                        _mm256_storeu_ps(p.cast::<f32>().add(8), v.1);
-                    }
-                    DType::BF16 | DType::F16 => _mm256_storeu_si256(p.cast(), packed16::<T>(v)),
-                }
-            }
+            // SAFETY: 16 elements of `T` are writable at the start of `dst`.
+            unsafe { put::<T, false>(v, dst[..LANES].as_mut_ptr()) }
         }
-        /// As AVX-512's: 16-bit dtypes on every CPU, f32 on AMD CPUs ([`isa::streams_f32`]);
-        /// timed on AMD Zen 4 with `FLASHGRPO_ISA=avx2` (docs/BENCHMARKS.md).
         #[inline(always)]
         fn streams<T: Element>(self) -> bool {
-            T::DTYPE != DType::F32 || isa::streams_f32()
+            streamed_dtype::<T>()
         }
         #[inline(always)]
         fn stream_t<T: Element>(self, v: Pair, dst: &mut [T]) {
@@ -1060,21 +1054,44 @@ mod avx2 {
             if !(p as usize).is_multiple_of(32) {
                 return self.store_t(v, dst);
             }
-            // SAFETY: 16 elements of `T` are writable at `p`, which is 32-byte aligned (as every
-            // 32-byte stream below needs).
-            unsafe {
-                match T::DTYPE {
-                    DType::F32 => {
-                        _mm256_stream_ps(p.cast(), v.0);
-                        _mm256_stream_ps(p.cast::<f32>().add(8), v.1);
-                    }
-                    DType::BF16 | DType::F16 => _mm256_stream_si256(p.cast(), packed16::<T>(v)),
-                }
-            }
+            // SAFETY: 16 elements of `T` are writable at `p`, which is 32-byte aligned.
+            unsafe { put::<T, true>(v, p) }
         }
         #[inline(always)]
         fn stream_fence(self) {
             unsafe { _mm_sfence() }
+        }
+    }
+
+    /// 16 values stored at `p` in `T`'s layout: by plain stores, or with `STREAM` by
+    /// non-temporal ones (the same bits).
+    ///
+    /// # Safety
+    /// 16 elements of `T` writable at `p`; with `STREAM`, `p` 32-byte aligned.
+    #[inline(always)]
+    unsafe fn put<T: Element, const STREAM: bool>(v: Pair, p: *mut T) {
+        let p = p.cast::<__m256i>();
+        match T::DTYPE {
+            DType::F32 => unsafe {
+                put32::<STREAM>(p, _mm256_castps_si256(v.0));
+                put32::<STREAM>(p.add(1), _mm256_castps_si256(v.1));
+            },
+            DType::BF16 | DType::F16 => unsafe { put32::<STREAM>(p, packed16::<T>(v)) },
+        }
+    }
+
+    /// One 32-byte store, plain or non-temporal.
+    ///
+    /// # Safety
+    /// 32 bytes writable at `p`; with `STREAM`, `p` 32-byte aligned.
+    #[inline(always)]
+    unsafe fn put32<const STREAM: bool>(p: *mut __m256i, x: __m256i) {
+        unsafe {
+            if STREAM {
+                _mm256_stream_si256(p, x)
+            } else {
+                _mm256_storeu_si256(p, x)
+            }
         }
     }
 
