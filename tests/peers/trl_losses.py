@@ -149,6 +149,7 @@ def cases(quick):
         dict(beta=0.04, use_bias_correction_kl=True, temperature=0.8),
         dict(off_policy_mask_threshold=0.0),
         dict(top_entropy_quantile=0.3, entropy_coef=0.03),
+        dict(top_entropy_quantile=0.0),  # TRL's lower end: the highest-entropy token alone
         dict(entropy_coef=0.05, beta=0.04),
         dict(mode="token_truncate", clip_min=0.9, clip_max=1.05),
         dict(mode="token_mask", clip_min=0.9, clip_max=1.05),

@@ -248,17 +248,33 @@ def check_fused_linear():
           -(logsm.exp() * logsm).sum(-1).detach(), 1e-5)
 
 
+# The drop-in's cases against Liger: (loss type, level, beta, bias, use_ref_model, constructor
+# extras, forward extras). `vllm_is_ratio` is built per token; `num_items_in_batch` is a count.
+LIGER_CASES = [
+    ("dapo", "token", 0.04, True, True, {}, {}),
+    ("grpo", "sequence", 0.0, False, False, {}, {}),
+    ("bnpo", "token", 0.1, False, True, {}, {}),
+    ("dr_grpo", "token", 0.04, True, True, {}, {}),
+    ("dapo", "token", 0.04, False, False, {}, {}),
+    ("grpo", "sequence", 0.1, True, False, {}, {}),
+    ("cispo", "token", 0.0, False, False, dict(epsilon_high=4.0), dict(num_items_in_batch=40)),
+    ("sapo", "token", 0.04, False, True, dict(sapo_temperature_pos=0.9, sapo_temperature_neg=1.2), {}),
+    ("vespo", "token", 0.0, False, False, {}, {}),
+    ("luspo", "sequence", 0.0, False, False, {}, {}),
+    ("dapo", "token", 0.04, False, True, dict(delta=1.25, use_bias_correction_kl=True),
+     dict(vllm_is_ratio="token", num_items_in_batch=torch.tensor(23))),
+    ("grpo", "sequence", 0.04, True, True, dict(use_bias_correction_kl=True), dict(vllm_is_ratio="token")),
+]
+
+
 def check_liger_drop_in():
     """`FusedLinearGRPOLoss` against `LigerFusedLinearGRPOLoss` with the same arguments: loss,
-    metrics and every gradient."""
+    metrics and every gradient, for every loss type the two compute alike (LOSSES.md: `luspo` at
+    sequence level without KL, `vespo` without `vllm_is_ratio`), with `delta`, the bias-corrected
+    KL, a per-token `vllm_is_ratio` and `num_items_in_batch`."""
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-    for lt, level, beta, with_bias, use_ref in [("dapo", "token", 0.04, True, True),
-                                                ("grpo", "sequence", 0.0, False, False),
-                                                ("bnpo", "token", 0.1, False, True),
-                                                ("dr_grpo", "token", 0.04, True, True),
-                                                ("dapo", "token", 0.04, False, False),
-                                                ("grpo", "sequence", 0.1, True, False)]:
+    for lt, level, beta, with_bias, use_ref, extra, forward_extra in LIGER_CASES:
         B, T, H, V = 3, 6, 16, 83
         hidden, weight, bias = linear_inputs(B, T, H, V, with_bias)
         targets = torch.randint(0, V, (B, T))
@@ -270,8 +286,12 @@ def check_liger_drop_in():
                 -1, targets[..., None]).squeeze(-1)
         old = true_logp + 0.2 * torch.randn(B, T)
         ref = true_logp + 0.2 * torch.randn(B, T)
+        forward_kwargs = dict(forward_extra)
+        if forward_kwargs.get("vllm_is_ratio") == "token":
+            forward_kwargs["vllm_is_ratio"] = 0.7 + 0.6 * torch.rand(B, T)
         kwargs = dict(beta=beta, compiled=False, use_ref_model=use_ref, chunk_size=1, epsilon_low=0.2,
                       epsilon_high=0.28, loss_type=lt, max_completion_length=T, importance_sampling_level=level)
+        kwargs.update(extra)
         results = []
         functional = functools.partial(ft.liger_fused_linear_grpo, **kwargs)
         modules = [LigerFusedLinearGRPOLoss(**kwargs), ft.FusedLinearGRPOLoss(**kwargs)]
@@ -280,13 +300,14 @@ def check_liger_drop_in():
             b = None if bias is None else bias.clone().requires_grad_(True)
             # Without a reference model, Liger ignores the reference given (the policy is its own).
             loss, metrics = module(h, w, targets, mask, adv, bias=b, ref_per_token_logps=ref if beta else None,
-                                   old_per_token_logps=old)
+                                   old_per_token_logps=old, **forward_kwargs)
             loss.backward()
             results.append((loss.detach(), [m.detach() for m in metrics], h.grad, w.grad, None if b is None else b.grad))
         if len(results) == 3 and not all(torch.equal(x, y) for x, y in zip(results[1][2:4], results[2][2:4])):
             FAILURES.append(f"liger_fused_linear_grpo {lt}: gradients differ from the module's")
         (l_loss, l_metrics, l_h, l_w, l_b), (loss, metrics, h, w, b) = results[:2]
-        case = f"FusedLinearGRPOLoss vs Liger {lt} {level} beta={beta} bias={with_bias} use_ref_model={use_ref}"
+        case = (f"FusedLinearGRPOLoss vs Liger {lt} {level} beta={beta} bias={with_bias} use_ref_model={use_ref} "
+                f"{extra} {sorted(forward_extra)}")
         close(case, "loss", loss, l_loss, 2e-5)
         CHECKS[0] += 1
         if len(metrics) != len(l_metrics):
@@ -297,6 +318,67 @@ def check_liger_drop_in():
         close_norm(case, "grad_weight", w, l_w, 1e-4)
         if with_bias:
             close_norm(case, "grad_bias", b, l_b, 1e-4)
+
+
+def _liger_distributed_rank(rank, world, port, queue):
+    """One rank of `check_liger_drop_in_distributed`: its own batch, Liger's and the drop-in's
+    loss and gradients, with and without `num_items_in_batch`; puts its failures on `queue`."""
+    import torch.distributed as dist
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    torch.manual_seed(100 + rank)
+    failures = []
+    B, T, H, V = 2, 5 + rank, 16, 59  # the ranks' token counts differ
+    hidden, weight, _ = linear_inputs(B, T, H, V, False)
+    targets = torch.randint(0, V, (B, T))
+    mask = (torch.rand(B, T) > 0.3).float()
+    mask[:, 0] = 1
+    adv, old = torch.randn(B), -3 + 0.2 * torch.randn(B, T)
+    for lt, num_items in [("dapo", None), ("dapo", 31), ("cispo", torch.tensor(17.0)), ("grpo", 5)]:
+        kwargs = dict(beta=0.0, compiled=False, use_ref_model=False, loss_type=lt, epsilon_high=0.28,
+                      max_completion_length=T)
+        results = []
+        for module in [LigerFusedLinearGRPOLoss(**kwargs), ft.FusedLinearGRPOLoss(**kwargs)]:
+            h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            loss, _ = module(h, w, targets, mask, adv, old_per_token_logps=old, num_items_in_batch=num_items)
+            loss.backward()
+            results.append((loss.detach().double(), h.grad.double(), w.grad.double()))
+        (l_loss, l_h, l_w), (loss, h, w) = results
+        for name, got, want in [("loss", loss, l_loss), ("grad_hidden", h, l_h), ("grad_weight", w, l_w)]:
+            err = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
+            if not err <= 1e-4:
+                failures.append(f"rank {rank} of {world}, {lt} num_items_in_batch={num_items}: {name} relative "
+                                f"error {err:.3e} against Liger")
+    dist.destroy_process_group()
+    queue.put(failures)
+
+
+def check_liger_drop_in_distributed():
+    """Under `torch.distributed` (two gloo ranks with different token counts) the drop-in's
+    dapo / cispo normaliser is Liger's: `num_items_in_batch / world_size`, or without it the
+    mask's sum over the ranks / world_size."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    processes = [context.Process(target=_liger_distributed_rank, args=(rank, 2, port, queue)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=300)
+    CHECKS[0] += 1
+    if any(p.exitcode != 0 for p in processes):
+        FAILURES.append(f"Liger drop-in under torch.distributed: exit codes {[p.exitcode for p in processes]}")
+        return
+    for _ in processes:
+        FAILURES.extend(queue.get())
 
 
 def check_logits_level_modules():
@@ -601,6 +683,7 @@ def main():
     check_logprob_entropy()
     check_fused_linear()
     check_liger_drop_in()
+    check_liger_drop_in_distributed()
     check_logits_level_modules()
     check_triton_per_token()
     check_per_token_fused_linear()

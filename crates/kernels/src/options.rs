@@ -403,8 +403,9 @@ impl LossOptions {
                 return Err(bad("off_policy_mask_threshold", t, "finite"));
             }
         }
-        if !(self.top_entropy_quantile > 0.0 && self.top_entropy_quantile <= 1.0) {
-            return Err(bad("top_entropy_quantile", self.top_entropy_quantile, "in (0, 1]"));
+        // TRL's range: 0 keeps only the highest-entropy token(s), 1 every token.
+        if !(self.top_entropy_quantile >= 0.0 && self.top_entropy_quantile <= 1.0) {
+            return Err(bad("top_entropy_quantile", self.top_entropy_quantile, "in [0, 1]"));
         }
         if let Some(v) = self.vllm_importance_sampling_clip_min {
             non_negative("vllm_importance_sampling_clip_min", v)?;
@@ -413,9 +414,18 @@ impl LossOptions {
             positive("vllm_importance_sampling_clip_max", v)?;
         }
         if let (Some(lo), Some(hi)) = (self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max) {
-            if lo > hi {
-                return Err(bad("vllm_importance_sampling_clip_min", lo, "<= vllm_importance_sampling_clip_max"));
+            if lo >= hi {
+                return Err(bad("vllm_importance_sampling_clip_min", lo, "< vllm_importance_sampling_clip_max"));
             }
+        }
+        // As TRL's `GRPOConfig`: a truncating correction with no bound would clamp nothing.
+        let truncates = !self.vllm_importance_sampling_mode.masks();
+        let unbounded =
+            self.vllm_importance_sampling_clip_min.is_none() && self.vllm_importance_sampling_clip_max.is_none();
+        if self.vllm_importance_sampling_correction && truncates && unbounded {
+            let rule = "set (or vllm_importance_sampling_clip_min) when vllm_importance_sampling_mode is \
+                        token_truncate or sequence_truncate";
+            return Err(bad("vllm_importance_sampling_clip_max", "None", rule));
         }
         let mixes_tokens = matches!(self.loss_type, LossType::GeoMean | LossType::KlCov | LossType::ClipCov);
         if self.loss_agg_mode == Some(Aggregation::TokenSum) && mixes_tokens {
@@ -493,13 +503,26 @@ mod tests {
             ("label_smoothing", LossOptions { label_smoothing: 1.5, ..Default::default() }),
             ("sapo_temperature_neg", LossOptions { sapo_temperature_neg: 0.0, ..Default::default() }),
             ("max_completion_length", LossOptions { max_completion_length: Some(0), ..Default::default() }),
-            ("top_entropy_quantile", LossOptions { top_entropy_quantile: 0.0, ..Default::default() }),
+            ("top_entropy_quantile", LossOptions { top_entropy_quantile: -0.1, ..Default::default() }),
+            ("top_entropy_quantile", LossOptions { top_entropy_quantile: 1.5, ..Default::default() }),
             ("clip_ratio_c", LossOptions { clip_ratio_c: Some(1.0), ..Default::default() }),
             ("kl_cov_ratio", LossOptions { kl_cov_ratio: 0.0, ..Default::default() }),
             ("clip_cov_lb", LossOptions { clip_cov_lb: 5.0, clip_cov_ub: 1.0, ..Default::default() }),
             (
                 "vllm_importance_sampling_clip_min",
                 LossOptions { vllm_importance_sampling_clip_min: Some(4.0), ..Default::default() },
+            ),
+            (
+                "vllm_importance_sampling_clip_min",
+                LossOptions { vllm_importance_sampling_clip_min: Some(3.0), ..Default::default() },
+            ),
+            (
+                "vllm_importance_sampling_clip_max",
+                LossOptions {
+                    vllm_importance_sampling_mode: RolloutCorrection::TokenTruncate,
+                    vllm_importance_sampling_clip_max: None,
+                    ..Default::default()
+                },
             ),
             (
                 "loss_agg_mode",

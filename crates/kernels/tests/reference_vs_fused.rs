@@ -167,6 +167,8 @@ fn newer_options() -> Vec<(&'static str, Case)> {
             }),
         ));
     }
+    // TRL's lower end: only the highest-entropy token(s) train the policy term.
+    cases.push(("top entropy quantile 0", base(3, 7, 41).with(|o| o.top_entropy_quantile = 0.0)));
     cases.push((
         "masked-mean entropy bonus",
         base(3, 7, 41).with(|o| {

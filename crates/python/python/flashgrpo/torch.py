@@ -516,6 +516,30 @@ def _num_items(num_items_in_batch):
     return float(num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch)
 
 
+# The loss types whose normaliser is `num_items` (LOSSES.md; Liger's `_compute_dapo_normalizer`).
+_NUM_ITEMS_LOSS_TYPES = ("dapo", "cispo", "vespo")
+
+
+def _liger_num_items(num_items_in_batch, mask, loss_type):
+    """The dapo / cispo / vespo normaliser of the Liger drop-ins, as Liger-Kernel takes it
+    (`_compute_dapo_normalizer`, both its chunked and its Triton loss): under `torch.distributed`,
+    `num_items_in_batch / world_size` (TRL's `num_items_in_batch / num_processes`), or without it
+    the mask's sum over every rank (an all-reduce) / world_size; in one process, the count as
+    given or the local mask's sum (the kernels' own default). `flashgrpo.torch`'s own functions
+    take `num_items` as LOSSES.md does, as given."""
+    if loss_type not in _NUM_ITEMS_LOSS_TYPES:
+        return _num_items(num_items_in_batch)
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if num_items_in_batch is not None:
+        return _num_items(num_items_in_batch) / world
+    if world == 1:
+        return None
+    total = mask.detach().to(torch.float32).sum().reshape(1)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return float(total.item()) / world
+
+
 class FusedLinearGRPOLoss(torch.nn.Module):
     """Drop-in for ``liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss``: the same constructor
     (``compiled`` and ``chunk_size`` accepted and ignored: the kernels choose their chunks from
@@ -556,7 +580,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                     ref_input, lin_weight if ref_weight is None else ref_weight, selected_token_ids,
                     bias=ref_bias, temperature=self.options["temperature"], chunk_memory_mb=self.chunk_memory_mb,
                     bf16_products=self.bf16_products)
-        options = dict(self.options, num_items=_num_items(num_items_in_batch))
+        counted = torch.ones(selected_token_ids.shape) if attention_mask is None else attention_mask
+        num_items = _liger_num_items(num_items_in_batch, counted, self.options["loss_type"])
+        options = dict(self.options, num_items=num_items)
         if ref_per_token_logps is None:
             # Liger's reference is then the policy itself (detached): the KL term and its gradient
             # are 0, which is the loss without it; the KL metric is still reported, as 0.
@@ -642,7 +668,8 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
                    loss_type=loss_type, max_completion_length=max_completion_length or length,
                    importance_sampling_level=importance_sampling_level, sapo_temperature_pos=sapo_temperature_pos,
                    sapo_temperature_neg=sapo_temperature_neg, delta=delta,
-                   use_bias_correction_kl=use_bias_correction_kl, num_items=_num_items(num_items_in_batch),
+                   use_bias_correction_kl=use_bias_correction_kl,
+                   num_items=_liger_num_items(num_items_in_batch, mask, loss_type),
                    vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
                    vespo_lambda_neg=vespo_lambda_neg)
     per_row = None
