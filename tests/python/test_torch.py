@@ -672,6 +672,14 @@ def check_errors():
                      torch.randn(2, 3, 4), torch.randn(10, 4), targets, torch.ones(2, 3), adv))
     expect_error("Liger's constructor checks", ValueError, ["sapo_temperature_neg"],
                  lambda: ft.FusedLinearGRPOLoss(sapo_temperature_neg=0.0))
+    old = torch.randn(2, 3) - 3
+    expect_error("Liger's Triton checks", ValueError, ["delta", "cispo"],
+                 lambda: ft.triton_grpo_loss(logits, old, None, targets, adv, beta=0.0, loss_type="cispo", delta=1.5))
+    # Liger's Triton loss reads `delta = 0` as off, and the sapo temperatures for sapo alone.
+    off = ft.triton_grpo_loss(logits, old, None, targets, adv, beta=0.0, reduce=True, inplace=False)[0]
+    for name, kwargs in [("delta=0", dict(delta=0.0)), ("sapo temperature, dapo", dict(sapo_temperature_pos=0.0))]:
+        got = ft.triton_grpo_loss(logits, old, None, targets, adv, beta=0.0, reduce=True, inplace=False, **kwargs)[0]
+        close(f"triton_grpo_loss {name}", "loss", got, off, 0.0)
 
 
 def main():

@@ -647,6 +647,14 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
     sampling, through an upstream gradient that is the same on every unmasked token of a
     sequence). ``inplace=True``: as in Liger, the gradient is written over the logits in the
     backward; the logits keep their values until then."""
+    # As Liger's Triton loss: `delta = 0` is off, `delta` with cispo / sapo / vespo an error, and
+    # the sapo temperatures read (and checked) for sapo alone.
+    if delta == 0.0:
+        delta = None
+    if delta is not None and loss_type in ("cispo", "sapo", "vespo"):
+        raise ValueError(f"delta (two-sided clipping) is not supported for loss_type='{loss_type}'")
+    if loss_type != "sapo":
+        sapo_temperature_pos, sapo_temperature_neg = 1.0, 1.05
     _check_liger_options(sapo_temperature_pos, sapo_temperature_neg, delta)
     batch, length = completion_ids.shape
     if logits.dim() != 3 or logits.shape[0] != batch or logits.shape[1] not in (length, length + 1):
