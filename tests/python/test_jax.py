@@ -146,6 +146,52 @@ def check_cross_entropy_logprob_entropy():
     close("jax entropy", "entropy", fj.entropy(logits), -(jnp.exp(lp) * lp).sum(-1), 1e-5)
 
 
+def expect_error(case, kind, words, call):
+    CHECKS[0] += 1
+    try:
+        call()
+    except kind as e:
+        if not all(w in str(e) for w in words):
+            FAILURES.append(f"{case}: message {str(e)!r} lacks {words}")
+        return
+    except Exception as e:  # noqa: BLE001
+        FAILURES.append(f"{case}: {type(e).__name__} {e}, expected {kind.__name__}")
+        return
+    FAILURES.append(f"{case}: no error")
+
+
+def check_edges():
+    """Options given as NumPy / JAX scalars, an empty batch (loss 0, zero gradients, as over rows
+    that all take no part), and the inputs a JAX user may get wrong, each a clear error."""
+    V = 19
+    logits = jax.random.normal(jax.random.PRNGKey(3), (5, V))
+    targets = jnp.array([0, 3, 18, 7, 7])
+    plain = fj.cross_entropy(logits, targets, label_smoothing=0.1)
+    close("jax option as a NumPy scalar", "loss", fj.cross_entropy(logits, targets, label_smoothing=np.float32(0.1)),
+          plain, 0.0)
+    close("jax option as a JAX scalar", "loss", fj.cross_entropy(logits, targets, label_smoothing=jnp.float32(0.1)),
+          plain, 0.0)
+    empty_t = jnp.zeros((0,), jnp.int32)
+    loss, grad = jax.value_and_grad(lambda x: fj.cross_entropy(x, empty_t))(jnp.zeros((0, V)))
+    close("jax cross_entropy over no rows", "loss", loss, 0.0, 0.0)
+    CHECKS[0] += 1
+    if grad.shape != (0, V):
+        FAILURES.append(f"jax cross_entropy over no rows: gradient shape {grad.shape}")
+    close("jax grpo_loss over no rows", "loss",
+          fj.grpo_loss(jnp.zeros((0, 4, V)), jnp.zeros((0, 4), jnp.int32), jnp.zeros((0,))), 0.0, 0.0)
+    h_grad, w_grad = jax.grad(lambda h, w: fj.fused_linear_cross_entropy(h, w, empty_t), argnums=(0, 1))(
+        jnp.zeros((0, 8)), jnp.ones((V, 8)))
+    close("jax fused_linear_cross_entropy over no rows", "grad weight", w_grad, jnp.zeros((V, 8)), 0.0)
+    mask = jnp.ones((2, 3))
+    expect_error("jax option traced under jit", TypeError, ["num_items", "traced", "jax.jit"],
+                 lambda: jax.jit(lambda x, m: fj.grpo_loss(x, jnp.ones((2, 3), jnp.int32), jnp.ones(2), m,
+                                                           num_items=m.sum()))(jnp.zeros((2, 3, V)), mask))
+    expect_error("jax float targets", TypeError, ["targets", "float32", "integer"],
+                 lambda: fj.logprob(logits, targets.astype(jnp.float32)))
+    expect_error("jax empty vocabulary", ValueError, ["logits", "empty"],
+                 lambda: fj.cross_entropy(jnp.zeros((3, 0)), jnp.zeros((3,), jnp.int32)))
+
+
 def check_vmap():
     """vmap over a batch of independent losses equals a loop over them, values and gradients."""
     logits, targets, mask, adv, old, ref = inputs(jax.random.PRNGKey(3), 4, 5, 64)
@@ -321,6 +367,7 @@ def main():
     check_grpo()
     check_in_place()
     check_cross_entropy_logprob_entropy()
+    check_edges()
     check_vmap()
     check_fused_linear()
     check_fused_linear_mixed_dtypes()

@@ -10,6 +10,24 @@ from ._native import OPTION_NAMES
 PER_TOKEN = ("per_token_loss", "logp", "entropy", "kl", "is_clipped")
 
 
+def _plain(name, value):
+    """An option's value as JSON takes it: a NumPy, JAX or PyTorch scalar as the Python number it
+    holds. Options are static (a JAX custom call's attributes, one compilation per value): a value
+    traced under ``jax.jit`` cannot be one."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    item = getattr(value, "item", None)
+    count = value.numel() if hasattr(value, "numel") else getattr(value, "size", 1)  # PyTorch / NumPy, JAX
+    if item is None or count != 1:
+        raise TypeError(f"loss option `{name}` must be a number or a string, got {type(value).__name__}")
+    try:
+        return item()
+    except Exception as e:  # a JAX tracer: jax.errors.ConcretizationTypeError
+        hint = " (or leave it out: the mask's own sum)" if name == "num_items" else ""
+        raise TypeError(f"loss option `{name}` is a traced value; options are static: pass a Python number, "
+                        f"computed outside `jax.jit`{hint}") from e
+
+
 def options_json(options):
     """LOSSES.md's options (None values left out: the kernels' defaults apply) as JSON."""
     for name in options:
@@ -17,7 +35,7 @@ def options_json(options):
             close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
             hint = f"; did you mean `{close[0]}`?" if close else ""
             raise TypeError(f"unknown loss option `{name}`{hint} (options: {', '.join(OPTION_NAMES)})")
-    return json.dumps({k: v for k, v in options.items() if v is not None})
+    return json.dumps({k: _plain(k, v) for k, v in options.items() if v is not None})
 
 
 def rows(batch, seq_len, vocab, **addresses):

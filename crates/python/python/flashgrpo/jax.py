@@ -63,7 +63,17 @@ def _float_input(name, x):
 def _rows(name, x, last):
     if x.ndim not in (2, 3):
         raise ValueError(f"`{name}` must be [B, T, {last}] or [N, {last}], got shape {list(x.shape)}")
+    if x.shape[-1] == 0:
+        raise ValueError(f"`{name}` has shape {list(x.shape)}: its last axis ({last}) is empty")
     return (1, x.shape[0]) if x.ndim == 2 else tuple(x.shape[:2])
+
+
+def _empty_batch(value, shape, *inputs):
+    """A call over no rows: loss 0 (as over rows that all take no part) and, through JAX's own
+    differentiation of the zero, a zero gradient for each input; empty per-token outputs."""
+    zero = sum(jnp.sum(x, dtype=jnp.float32) for x in inputs) * 0.0
+    empty = jnp.zeros(shape, jnp.float32)
+    return (zero if value == "loss" else empty + zero), {k: empty for k in PER_TOKEN}
 
 
 def _per_row(batch, seq_len, targets=None, mask=None, advantages=None, old_logp=None, ref_logp=None, is_ratio=None,
@@ -75,6 +85,8 @@ def _per_row(batch, seq_len, targets=None, mask=None, advantages=None, old_logp=
         if x is None:
             return jnp.zeros((0,), dtype)
         x = jnp.asarray(x)
+        if name == "targets" and not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"`targets` has dtype {x.dtype}; expected an integer dtype (token ids)")
         if tuple(x.shape) not in shapes:
             want = " or ".join(str(list(s)) for s in shapes)
             raise ValueError(f"`{name}` has shape {list(x.shape)}, expected {want}")
@@ -145,6 +157,9 @@ def _run_logits(op, value, logits, options, in_place=False, **row_inputs):
     logits = _float_input("logits", logits)
     batch, seq_len = _rows("logits", logits, "V")
     side = _per_row(batch, seq_len, **row_inputs)
+    if batch * seq_len == 0:
+        options_json(options)  # an unknown option is an error whatever the batch
+        return _empty_batch(value, logits.shape[:-1], logits)
     out, per_token = _logits_loss(op, value, options_json(options), bool(in_place), logits, *side)
     shape = logits.shape[:-1]
     per_token = {k: jax.lax.stop_gradient(v).reshape(shape) for k, v in per_token.items()}
@@ -299,6 +314,9 @@ def _linear_inputs(hidden, weight, bias, row_inputs):
 
 def _run_linear_rows(op, value, hidden, weight, bias, options, chunk_memory_mb, bf16_products=None, **row_inputs):
     hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
+    if hidden.size == 0:
+        options_json(options)
+        return _empty_batch(value, hidden.shape[:-1], hidden, weight, bias)[0]
     _register()
     chunk = _budget(chunk_memory_mb, bf16_products, hidden, weight, bias)
     out = _linear_rows(op, value, options_json(options), chunk, hidden, weight, bias, *side)
@@ -307,6 +325,9 @@ def _run_linear_rows(op, value, hidden, weight, bias, options, chunk_memory_mb, 
 
 def _run_linear(op, hidden, weight, bias, options, chunk_memory_mb, bf16_products=None, **row_inputs):
     hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
+    if hidden.size == 0:
+        options_json(options)
+        return _empty_batch("loss", hidden.shape[:-1], hidden, weight, bias)
     chunk = _budget(chunk_memory_mb, bf16_products, hidden, weight, bias)
     loss, per_token = _linear_loss(op, options_json(options), chunk, hidden, weight, bias, *side)
     shape = hidden.shape[:-1]
