@@ -24,9 +24,9 @@ use crate::parallel::{broadcast_weights, Mesh};
 use crate::plot::plot_metrics;
 use crate::prompt::PromptFormat;
 use crate::rewards::formatted;
-use crate::setup::{setup, Setup};
+use crate::setup::{setup, stop_tokens, tokenizer_dir, Setup};
 use crate::sft::{encode_examples, train_sft, Example, SftRun, SftSummary};
-use crate::tokenizer::{encode, save_tokenizer, CHATML_TEMPLATE, END_OF_TEXT};
+use crate::tokenizer::{encode, save_tokenizer, SideFiles, CHATML_TEMPLATE, END_OF_TEXT};
 use crate::train_config::TrainConfig;
 
 /// How a job runs besides its config.
@@ -78,13 +78,7 @@ pub fn prompt_format(config: &TrainConfig, trained_tokenizer: bool) -> Result<Pr
             ..Default::default()
         });
     }
-    let dir = match (&config.tokenizer.path, &config.model.path) {
-        (Some(p), _) if p.is_dir() => Some(p.clone()),
-        (Some(p), _) => p.parent().map(Path::to_path_buf),
-        (None, Some(m)) => Some(m.clone()),
-        (None, None) => None,
-    };
-    match dir {
+    match tokenizer_dir(config) {
         Some(d) => PromptFormat::from_tokenizer_dir(&d, system),
         None => Ok(PromptFormat { system_prompt: system, ..Default::default() }),
     }
@@ -151,7 +145,12 @@ fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary
             crate::parallel::check_weights(&model.params, comm, resume.state.step)?;
             let eos = eos_of(&model, &tokenizer)?;
             let pad = tokenizer.token_to_id(END_OF_TEXT).unwrap_or(eos);
-            (Setup { model, tokenizer, eos, pad, trained_tokenizer: trained }, reference, None, Some(resume))
+            // The checkpoint's model directory holds the side files the run started with.
+            let side_files =
+                SideFiles { tokenizer_dir: Some(tokenizer_dir.clone()), model_dir: Some(tokenizer_dir.clone()) };
+            let stop = stop_tokens(&model, eos, Some(&tokenizer_dir))?;
+            let setup = Setup { model, tokenizer, eos, stop, pad, trained_tokenizer: trained, side_files };
+            (setup, reference, None, Some(resume))
         }
         None => {
             let (setup, warm_start) = fresh_start(config, &train_problems, &eval_problems, &out, &mesh)?;
@@ -176,7 +175,6 @@ fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary
         None => MetricsLog::open(&out, false)?,
     }
     .with_tensorboard(&out.join("tensorboard/grpo"))?;
-    let eos = [setup.eos];
     let grpo = train_grpo(
         &setup.model,
         GrpoRun {
@@ -185,8 +183,9 @@ fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary
             train: &train,
             eval: &eval,
             tokenizer: &setup.tokenizer,
-            eos: &eos,
+            eos: &setup.stop,
             pad: setup.pad,
+            side_files: &setup.side_files,
             reference: reference.as_ref(),
             seed: config.seed,
             out: &out,
@@ -205,7 +204,7 @@ fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary
     }
     let model_dir = out.join("model");
     save_model(&setup.model, &model_dir, None)?;
-    save_tokenizer(&setup.tokenizer, &model_dir)?;
+    save_tokenizer(&setup.tokenizer, &model_dir, &setup.side_files)?;
     write_json(
         &out.join("summary.json"),
         &json!({
@@ -251,7 +250,7 @@ fn fresh_start(
     let summary = warm_start(config, &setup, &format, train_problems, eval_problems, out, mesh)?;
     if comm.is_root() {
         save_model(&setup.model, &warm_start_dir(out), None)?;
-        save_tokenizer(&setup.tokenizer, &warm_start_dir(out))?;
+        save_tokenizer(&setup.tokenizer, &warm_start_dir(out), &setup.side_files)?;
     }
     Ok((setup, Some(summary)))
 }

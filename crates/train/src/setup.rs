@@ -1,25 +1,76 @@
 //! What a training run starts from: the tokenizer (given, the model's, or trained on the text),
 //! the model (a Hugging Face directory, or new from the config), and its special token ids.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use tokenizers::Tokenizer;
 
-use crate::error::{Result, TrainError};
+use crate::error::{io, Result, TrainError};
 use crate::model::{load_model, load_tokenizer, Qwen2};
-use crate::tokenizer::{train_bpe, END_OF_TEXT, IM_END};
+use crate::tokenizer::{train_bpe, SideFiles, END_OF_TEXT, IM_END};
 use crate::train_config::TrainConfig;
 
 /// A model with its tokenizer and the ids the trainer needs.
 pub struct Setup {
     pub model: Qwen2,
     pub tokenizer: Tokenizer,
-    /// Ends a completion.
+    /// Ends a training example (SFT), and a completion.
     pub eos: u32,
+    /// Every id that ends a completion: `eos` and the others `config.json` and the model's
+    /// `generation_config.json` name (Qwen2.5-Instruct: `<|im_end|>` and `<|endoftext|>`), as
+    /// transformers' `generate` stops on any of them.
+    pub stop: Vec<u32>,
     /// Pads batches (never attended to, never a target).
     pub pad: u32,
     /// Whether the tokenizer was trained by this run.
     pub trained_tokenizer: bool,
+    /// The source's files that go with every model the run saves.
+    pub side_files: SideFiles,
+}
+
+/// The directory of a run's tokenizer: `tokenizer.path` (a directory, or a `tokenizer.json`'s),
+/// else `model.path`; `None` for a tokenizer the run trains.
+pub fn tokenizer_dir(config: &TrainConfig) -> Option<PathBuf> {
+    match (&config.tokenizer.path, &config.model.path) {
+        (Some(p), _) if p.is_dir() => Some(p.clone()),
+        (Some(p), _) => p.parent().map(Path::to_path_buf),
+        (None, Some(m)) => Some(m.clone()),
+        (None, None) => None,
+    }
+}
+
+/// The ids `generation_config.json` in `dir` names as `eos_token_id` (one or a list); none without
+/// the file.
+fn generation_eos(dir: &Path) -> Result<Vec<u32>> {
+    let path = dir.join("generation_config.json");
+    if !path.is_file() {
+        return Ok(Vec::new());
+    }
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| TrainError::Config { origin: path.display().to_string(), why: e.to_string() })?;
+    let ids = match json.get("eos_token_id") {
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_u64()).collect(),
+        Some(v) => v.as_u64().into_iter().collect(),
+        None => Vec::new(),
+    };
+    Ok(ids.into_iter().map(|v| v as u32).collect())
+}
+
+/// `eos` first, then every other end-of-sequence id of the model's `config.json` and of
+/// `generation_config.json` in `model_dir`, each once.
+pub fn stop_tokens(model: &Qwen2, eos: u32, model_dir: Option<&Path>) -> Result<Vec<u32>> {
+    let mut stop = vec![eos];
+    let from_file = match model_dir {
+        Some(d) => generation_eos(d)?,
+        None => Vec::new(),
+    };
+    for id in model.config.eos_token_ids().into_iter().chain(from_file) {
+        if !stop.contains(&id) {
+            stop.push(id);
+        }
+    }
+    Ok(stop)
 }
 
 fn load_tokenizer_path(path: &Path) -> Result<Tokenizer> {
@@ -76,5 +127,32 @@ pub fn setup<S: AsRef<str> + Send>(config: &TrainConfig, corpus: impl Iterator<I
         })?,
     };
     let pad = tokenizer.token_to_id(END_OF_TEXT).unwrap_or(eos);
-    Ok(Setup { model, tokenizer, eos, pad, trained_tokenizer: trained })
+    let side_files = SideFiles {
+        tokenizer_dir: if trained { None } else { tokenizer_dir(config) },
+        model_dir: config.model.path.clone(),
+    };
+    let stop = stop_tokens(&model, eos, side_files.model_dir.as_deref())?;
+    Ok(Setup { model, tokenizer, eos, stop, pad, trained_tokenizer: trained, side_files })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Qwen2Config;
+
+    /// Qwen2.5-Instruct's ids: `config.json` names `<|im_end|>` (151645), its
+    /// `generation_config.json` `[151645, 151643]`; the run stops on both, `eos` first, each once.
+    #[test]
+    fn completions_stop_on_every_eos_the_source_names() {
+        let mut c = Qwen2Config::tiny(151_700, 8, 1, 2, 1);
+        c.eos_token_id = Some(serde_json::json!(151_645));
+        let model = Qwen2::random(c, candle_core::DType::F32, 1).unwrap();
+        let dir = std::env::temp_dir().join(format!("flashgrpo-stop-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(stop_tokens(&model, 151_645, Some(&dir)).unwrap(), [151_645]);
+        std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [151645, 151643]}"#).unwrap();
+        assert_eq!(stop_tokens(&model, 151_645, Some(&dir)).unwrap(), [151_645, 151_643]);
+        assert_eq!(stop_tokens(&model, 7, None).unwrap(), [7, 151_645]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -86,7 +86,7 @@ fn sft_job(config: &TrainConfig, out: &Path, comm: &dyn Collective) -> Result<Sf
     if root {
         let model_dir = out.join("model");
         save_model(&s.model, &model_dir, None)?;
-        save_tokenizer(&s.tokenizer, &model_dir)?;
+        save_tokenizer(&s.tokenizer, &model_dir, &s.side_files)?;
     }
     comm.barrier()?;
     Ok(summary)

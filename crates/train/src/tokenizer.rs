@@ -1,7 +1,7 @@
 //! Tokenizers: training a byte-level BPE on a corpus (for models trained from scratch), the
 //! special tokens, encoding, and saving next to a model in Hugging Face's layout.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
@@ -69,12 +69,59 @@ pub fn token_id(tokenizer: &Tokenizer, token: &str) -> Result<u32> {
     tokenizer.token_to_id(token).ok_or_else(|| TrainError::Tokenizer(format!("the tokenizer has no token `{token}`")))
 }
 
-/// Writes `tokenizer.json` and a `tokenizer_config.json` (end-of-text as eos and padding, ChatML
-/// as chat template) into `dir`, so that transformers' `AutoTokenizer` loads it.
-pub fn save_tokenizer(tokenizer: &Tokenizer, dir: &Path) -> Result<()> {
+/// Where the Hugging Face files that travel with a saved model besides its weights and
+/// `tokenizer.json` come from, so that a model saved by a run loads and generates as its source
+/// did (the source's chat template, eos token and sampling defaults, not ours).
+#[derive(Debug, Clone, Default)]
+pub struct SideFiles {
+    /// The tokenizer's directory ([`TOKENIZER_SIDE_FILES`]); `None` for a tokenizer trained by
+    /// the run, which gets a `tokenizer_config.json` of its own (ChatML, end-of-text).
+    pub tokenizer_dir: Option<PathBuf>,
+    /// The model's directory, for its `generation_config.json` (eos ids, sampling defaults).
+    pub model_dir: Option<PathBuf>,
+}
+
+/// The tokenizer's files besides `tokenizer.json`, copied as they are where present.
+pub const TOKENIZER_SIDE_FILES: [&str; 7] = [
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+];
+
+/// Copies `from/name` to `to/name` if it exists (and is not that same file).
+fn copy_if_present(from: &Path, to: &Path, name: &str) -> Result<()> {
+    let (src, dst) = (from.join(name), to.join(name));
+    if !src.is_file() {
+        return Ok(());
+    }
+    let same = matches!((src.canonicalize(), dst.canonicalize()), (Ok(a), Ok(b)) if a == b);
+    if !same {
+        std::fs::copy(&src, &dst).map_err(io(&dst))?;
+    }
+    Ok(())
+}
+
+/// Writes `tokenizer.json` into `dir` with the side files of `side`: the source tokenizer's
+/// (`tokenizer_config.json` and the rest, as they are) when it has a `tokenizer_config.json`, else
+/// one written here (end-of-text as eos and padding, ChatML as chat template), so that
+/// transformers' `AutoTokenizer` loads it; and the source model's `generation_config.json`.
+pub fn save_tokenizer(tokenizer: &Tokenizer, dir: &Path, side: &SideFiles) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let path = dir.join("tokenizer.json");
     tokenizer.save(&path, false).map_err(|e| TrainError::Tokenizer(format!("{}: {e}", path.display())))?;
+    if let Some(src) = &side.model_dir {
+        copy_if_present(src, dir, "generation_config.json")?;
+    }
+    if let Some(src) = side.tokenizer_dir.as_deref().filter(|d| d.join("tokenizer_config.json").is_file()) {
+        for name in TOKENIZER_SIDE_FILES {
+            copy_if_present(src, dir, name)?;
+        }
+        return Ok(());
+    }
     let config = serde_json::json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": END_OF_TEXT,
@@ -92,6 +139,35 @@ pub fn save_tokenizer(tokenizer: &Tokenizer, dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A model saved from a Hugging Face directory keeps that directory's tokenizer config (its
+    /// chat template and eos) and generation config; a trained tokenizer gets ours; saving into
+    /// the source directory itself leaves its files intact.
+    #[test]
+    fn saved_tokenizers_keep_their_sources_side_files() {
+        let root = std::env::temp_dir().join(format!("flashgrpo-side-files-{}", std::process::id()));
+        let (src, out, trained) = (root.join("src"), root.join("out"), root.join("trained"));
+        std::fs::create_dir_all(&src).unwrap();
+        let texts = ["Natalia sold 48 clips in April and 24 clips in May."].repeat(20);
+        let t = train_bpe(texts.iter(), 300).unwrap();
+        let theirs = r#"{"eos_token": "<|im_end|>", "chat_template": "theirs"}"#;
+        std::fs::write(src.join("tokenizer_config.json"), theirs).unwrap();
+        std::fs::write(src.join("special_tokens_map.json"), "{}").unwrap();
+        std::fs::write(src.join("generation_config.json"), r#"{"eos_token_id": [2, 0], "top_p": 0.8}"#).unwrap();
+        let side = SideFiles { tokenizer_dir: Some(src.clone()), model_dir: Some(src.clone()) };
+        save_tokenizer(&t, &out, &side).unwrap();
+        let read = |p: PathBuf| std::fs::read_to_string(p).unwrap();
+        assert_eq!(read(out.join("tokenizer_config.json")), theirs);
+        assert_eq!(read(out.join("special_tokens_map.json")), "{}");
+        assert!(read(out.join("generation_config.json")).contains("top_p"));
+        assert!(Tokenizer::from_file(out.join("tokenizer.json")).is_ok());
+        save_tokenizer(&t, &src, &side).unwrap();
+        assert_eq!(read(src.join("tokenizer_config.json")), theirs);
+        save_tokenizer(&t, &trained, &SideFiles::default()).unwrap();
+        assert!(read(trained.join("tokenizer_config.json")).contains(END_OF_TEXT));
+        assert!(!trained.join("generation_config.json").exists());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     #[test]
     fn trained_bpe_round_trips_and_splits_digits() {

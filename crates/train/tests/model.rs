@@ -238,3 +238,47 @@ fn bad_model_directories_are_named() {
     assert!(e.contains("model.layers.2") && e.contains("missing"), "{e}");
     let _ = Var::from_tensor(&Tensor::zeros(1, DType::F32, &Device::Cpu).unwrap());
 }
+
+/// `config.json` as real checkpoints write it: another architecture named as such before any of
+/// its fields is read (a VL model's RoPE, a non-Qwen config's missing fields), a quantized one
+/// refused, `num_key_value_heads` defaulting to the heads (transformers' default), and a
+/// transformers >= 4.56 `dtype` key rewritten to the saved model's dtype.
+#[test]
+fn config_json_as_real_checkpoints_write_it() {
+    let dir = Dir::new("configs");
+    let m = model(true, DType::F32, 12);
+    save_model(&m, &dir.0, None).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.0.join("config.json")).unwrap()).unwrap();
+    let write = |c: &serde_json::Value| std::fs::write(dir.0.join("config.json"), c.to_string()).unwrap();
+    let err = || load_model(&dir.0, None).err().expect("an error").to_string();
+    let mut vl = config.clone();
+    vl["model_type"] = "qwen2_5_vl".into();
+    vl["rope_scaling"] = serde_json::json!({"type": "mrope", "mrope_section": [16, 24, 24]});
+    assert!(err_of(&write, &vl, &err).contains("unsupported architecture"));
+    let llama = serde_json::json!({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 97});
+    assert!(err_of(&write, &llama, &err).contains("unsupported architecture"));
+    let mut quantized = config.clone();
+    quantized["quantization_config"] = serde_json::json!({"quant_method": "gptq", "bits": 4});
+    assert!(err_of(&write, &quantized, &err).contains("quantization_config"));
+    let mut mha = config.clone();
+    mha.as_object_mut().unwrap().remove("num_key_value_heads");
+    mha["num_attention_heads"] = 2.into();
+    write(&mha);
+    let loaded = flashgrpo_train::model::load_config(&dir.0).unwrap();
+    assert_eq!((loaded.num_attention_heads, loaded.num_key_value_heads), (2, 2));
+    let mut newer = config.clone();
+    newer["dtype"] = "bfloat16".into();
+    write(&newer);
+    let bf = load_model(&dir.0, Some(DType::F32)).unwrap();
+    let out = Dir::new("configs-out");
+    save_model(&bf, &out.0, None).unwrap();
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.0.join("config.json")).unwrap()).unwrap();
+    assert_eq!((saved["dtype"].as_str(), saved["torch_dtype"].as_str()), (Some("float32"), Some("float32")));
+}
+
+fn err_of(write: &dyn Fn(&serde_json::Value), config: &serde_json::Value, err: &dyn Fn() -> String) -> String {
+    write(config);
+    err()
+}

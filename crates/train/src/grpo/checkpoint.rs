@@ -12,7 +12,7 @@ use super::adaptive_entropy::AdaptiveEntropy;
 use crate::error::{io, Result, TrainError};
 use crate::model::{load_model, save_model, Qwen2};
 use crate::optim::Updater;
-use crate::tokenizer::save_tokenizer;
+use crate::tokenizer::{save_tokenizer, SideFiles};
 
 /// The trainer's counters and generator.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -55,6 +55,7 @@ pub fn save_checkpoint(
     model: &Qwen2,
     reference: Option<&Qwen2>,
     tokenizer: &Tokenizer,
+    side_files: &SideFiles,
     updater: &Updater,
     state: &TrainerState,
 ) -> Result<()> {
@@ -63,7 +64,7 @@ pub fn save_checkpoint(
         std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
     save_model(model, &tmp.join("model"), None)?;
-    save_tokenizer(tokenizer, &tmp.join("model"))?;
+    save_tokenizer(tokenizer, &tmp.join("model"), side_files)?;
     if let Some(r) = reference {
         save_model(r, &tmp.join("reference"), None)?;
     }

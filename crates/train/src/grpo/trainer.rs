@@ -33,7 +33,7 @@ use crate::optim::Updater;
 use crate::parallel::{check_weights, Mesh};
 use crate::rewards::{correctness, REWARD_NAMES};
 use crate::rollout::{Rollout, RowStreams};
-use crate::tokenizer::decode;
+use crate::tokenizer::{decode, SideFiles};
 
 /// A tokenised prompt and its gold answer.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,8 +49,11 @@ pub struct GrpoRun<'a> {
     pub train: &'a [Prompt],
     pub eval: &'a [Prompt],
     pub tokenizer: &'a Tokenizer,
+    /// The ids that end a completion.
     pub eos: &'a [u32],
     pub pad: u32,
+    /// The source's files saved with every checkpoint's model.
+    pub side_files: &'a SideFiles,
     /// The frozen reference policy (needed when `loss.beta != 0`).
     pub reference: Option<&'a Qwen2>,
     pub seed: u64,
@@ -164,6 +167,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         tokenizer,
         eos,
         pad,
+        side_files,
         reference,
         seed,
         out,
@@ -423,7 +427,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             && config.checkpoint_every > 0
             && (step % config.checkpoint_every == 0 || step == config.steps)
         {
-            save_checkpoint(&ckpt, model, reference, tokenizer, &updater, &state)?;
+            save_checkpoint(&ckpt, model, reference, tokenizer, side_files, &updater, &state)?;
         }
         bar.set_message(metrics::summary_line(
             &r,

@@ -16,6 +16,9 @@ pub struct Qwen2Config {
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
+    /// Absent: as many as the attention heads (transformers' default); [`Qwen2Config::resolve`]
+    /// fills it in.
+    #[serde(default)]
     pub num_key_value_heads: usize,
     /// Newer configs give it; Qwen2's is `hidden_size / num_attention_heads`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -46,6 +49,22 @@ pub struct Qwen2Config {
     pub max_window_layers: Option<usize>,
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The architecture check of [`Qwen2Config::check_architecture`], on a `config.json`'s two fields
+/// before the rest is parsed.
+pub fn check_architecture(model_type: &str, architectures: &[String], source: &str) -> Result<(), TrainError> {
+    let arch_ok = architectures.is_empty() || architectures.iter().any(|a| a == "Qwen2ForCausalLM");
+    if model_type != "qwen2" || !arch_ok {
+        return Err(TrainError::Config {
+            origin: source.to_string(),
+            why: format!(
+                "unsupported architecture (model_type `{model_type}`, architectures {architectures:?}); flashgrpo runs \
+                 Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`)"
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn default_model_type() -> String {
@@ -110,6 +129,15 @@ impl Qwen2Config {
     /// {rope_theta, rope_type}` instead of a top-level `rope_theta`), then validates.
     pub fn resolve(&mut self, source: &str) -> Result<(), TrainError> {
         let bad = |why: String| Err(TrainError::Config { origin: source.to_string(), why });
+        self.check_architecture(source)?;
+        if self.extra.get("quantization_config").is_some_and(|q| !q.is_null()) {
+            return bad(
+                "quantized checkpoints (`quantization_config`) are not supported: use the unquantized model".into()
+            );
+        }
+        if self.num_key_value_heads == 0 {
+            self.num_key_value_heads = self.num_attention_heads;
+        }
         if let Some(rope) = self.extra.get("rope_parameters").and_then(|r| r.as_object()) {
             if let Some(theta) = rope.get("rope_theta").and_then(|t| t.as_f64()) {
                 self.rope_theta = theta;
@@ -127,17 +155,17 @@ impl Qwen2Config {
         self.validate(source)
     }
 
+    /// Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`), checked first: another model's config is named as
+    /// such rather than by the first of its fields this one lacks or does not run.
+    pub fn check_architecture(&self, source: &str) -> Result<(), TrainError> {
+        check_architecture(&self.model_type, &self.architectures, source)
+    }
+
     /// Rejects what this implementation does not run: other architectures, other activations,
     /// sliding-window attention, inconsistent head counts.
     pub fn validate(&self, source: &str) -> Result<(), TrainError> {
         let bad = |why: String| Err(TrainError::Config { origin: source.to_string(), why });
-        let arch_ok = self.architectures.is_empty() || self.architectures.iter().any(|a| a == "Qwen2ForCausalLM");
-        if self.model_type != "qwen2" || !arch_ok {
-            return bad(format!(
-                "unsupported architecture (model_type `{}`, architectures {:?}); flashgrpo runs Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`)",
-                self.model_type, self.architectures
-            ));
-        }
+        self.check_architecture(source)?;
         if self.hidden_act != "silu" {
             return bad(format!("hidden_act `{}` is not supported (Qwen2 uses `silu`)", self.hidden_act));
         }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::config::Qwen2Config;
+use super::config::{check_architecture, Qwen2Config};
 use super::params::Params;
 use super::qwen2::{parameter_shapes, Qwen2};
 use crate::error::{io, Result, TrainError};
@@ -19,9 +19,19 @@ pub fn load_config(dir: &Path) -> Result<Qwen2Config> {
         return Err(TrainError::MissingFile { dir: dir.into(), file: "config.json".into(), hint: String::new() });
     }
     let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-    let mut config: Qwen2Config = serde_json::from_str(&text)
-        .map_err(|e| TrainError::Config { origin: path.display().to_string(), why: e.to_string() })?;
-    config.resolve(&path.display().to_string())?;
+    let origin = path.display().to_string();
+    let bad_json = |e: serde_json::Error| TrainError::Config { origin: origin.clone(), why: e.to_string() };
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(bad_json)?;
+    // Another architecture is named as such, not by the first Qwen2 field its config lacks.
+    let model_type = json.get("model_type").and_then(|t| t.as_str()).unwrap_or("qwen2");
+    let architectures: Vec<String> = json
+        .get("architectures")
+        .and_then(|a| a.as_array())
+        .map(|a| a.iter().filter_map(|v| v.as_str().map(String::from)).collect())
+        .unwrap_or_default();
+    check_architecture(model_type, &architectures, &origin)?;
+    let mut config: Qwen2Config = serde_json::from_value(json).map_err(bad_json)?;
+    config.resolve(&origin)?;
     Ok(config)
 }
 
@@ -128,6 +138,10 @@ pub fn save_model(model: &Qwen2, dir: &Path, tokenizer: Option<&tokenizers::Toke
         }
         .into(),
     );
+    // transformers >= 4.56 writes (and reads first) `dtype`: a source's must not contradict ours.
+    if let Some(dtype) = config.extra.get_mut("dtype") {
+        *dtype = serde_json::json!(config.torch_dtype);
+    }
     let path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&config).map_err(|e| TrainError::Other(e.to_string()))?;
     std::fs::write(&path, text).map_err(io(&path))?;
