@@ -45,7 +45,7 @@ impl ComposedLoss {
         let kind = match &inputs.kind {
             LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio, sampling_logp } => {
                 if !o.loss_type.is_ppo_family()
-                    || o.loss_type == LossType::Luspo
+                    || matches!(o.loss_type, LossType::Luspo | LossType::ClipCov)
                     || o.importance_sampling_level == ImportanceSamplingLevel::Sequence
                 {
                     bail!("the composed baseline implements grpo, bnpo, dr_grpo and dapo at token level only");
@@ -171,6 +171,39 @@ impl ComposedLoss {
                     _ => scalar(masked_sum(&per)?, 1.0 / o.num_items.unwrap_or(self.valid_rows).max(1.0)),
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use flashgrpo_kernels::ChunkBudget;
+
+    use super::*;
+
+    /// The baseline refuses what it does not compose rather than computing another loss:
+    /// `clip_cov` (verl's covariance-selected cut) and `luspo` are PPO-family types it lacks.
+    #[test]
+    fn loss_types_it_does_not_compose_are_refused() {
+        for loss_type in [LossType::ClipCov, LossType::Luspo, LossType::Cispo] {
+            let inputs = LossInputs {
+                kind: LossKind::Grpo {
+                    advantages: vec![1.0],
+                    old_logp: None,
+                    ref_logp: None,
+                    is_ratio: None,
+                    sampling_logp: None,
+                },
+                batch: 1,
+                seq_len: 2,
+                targets: Some(vec![0, 1]),
+                mask: None,
+                options: LossOptions { loss_type, ..Default::default() },
+                budget: ChunkBudget::default(),
+                batch_shard: None,
+            };
+            let err = ComposedLoss::new(&inputs, 3).err().expect("refused").to_string();
+            assert!(err.contains("composed baseline"), "{err}");
         }
     }
 }

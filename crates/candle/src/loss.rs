@@ -118,7 +118,9 @@ pub fn loss_from_logits(logits: &Tensor, inputs: &Arc<LossInputs>) -> Result<Los
         want_grad: logits.track_op() && inputs.has_gradient(),
         state: state.clone(),
     };
-    let loss = logits.contiguous()?.apply_op1(op)?;
+    // A loss without a gradient (entropy) is a constant to candle's backward, as the values it is.
+    let logits = logits.contiguous()?;
+    let loss = if inputs.has_gradient() { logits.apply_op1(op)? } else { logits.apply_op1_no_bwd(&op)? };
     let output = state.lock().expect("not poisoned").output.take().expect("the forward ran");
     tensors(output, inputs, loss, logits.device())
 }
@@ -199,14 +201,19 @@ pub fn loss_from_hidden(
     if weight.dtype() != hidden.dtype() || bias.is_some_and(|b| b.dtype() != hidden.dtype()) {
         bail!("hidden, weight and bias must share one dtype");
     }
+    if let Some(bias) = bias.filter(|b| b.rank() != 1) {
+        bail!("bias {:?} must be [V]", bias.dims());
+    }
     let has = inputs.has_gradient();
     let want = [hidden.track_op() && has, weight.track_op() && has, bias.is_some_and(|b| b.track_op()) && has];
     let state = State::default();
     let op = LinearLoss { inputs: inputs.clone(), want, state: state.clone() };
     let (hidden, weight) = (hidden.contiguous()?, weight.contiguous()?);
-    let loss = match bias {
-        Some(bias) => hidden.apply_op3(&weight, &bias.contiguous()?, op)?,
-        None => hidden.apply_op2(&weight, op)?,
+    let loss = match (bias, has) {
+        (Some(bias), true) => hidden.apply_op3(&weight, &bias.contiguous()?, op)?,
+        (None, true) => hidden.apply_op2(&weight, op)?,
+        (Some(bias), false) => hidden.apply_op3_no_bwd(&weight, &bias.contiguous()?, &op)?,
+        (None, false) => hidden.apply_op2_no_bwd(&weight, &op)?,
     };
     let output = state.lock().expect("not poisoned").output.take().expect("the forward ran");
     tensors(output, inputs, loss, hidden.device())

@@ -118,6 +118,28 @@ fn untracked_logits_cost_no_gradient() {
     assert!((out16.loss.to_scalar::<f32>().unwrap() - out.loss.to_scalar::<f32>().unwrap()).abs() < 0.05);
 }
 
+/// An entropy (no gradient) on a tracked input is a constant in a larger graph: the backward of
+/// a loss that adds it gives the other loss's gradient alone. A `[1, V]` bias is refused up front.
+#[test]
+fn entropy_is_a_constant_and_a_bias_must_be_a_vector() {
+    let (grpo, data) = inputs(true);
+    let entropy = Arc::new(LossInputs { kind: LossKind::Entropy, targets: None, ..(*grpo).clone() });
+    let logits = Var::from_tensor(&Tensor::from_vec(data.logits.clone(), (B, T, V), &Device::Cpu).unwrap()).unwrap();
+    let policy = loss_from_logits(logits.as_tensor(), &grpo).unwrap();
+    let bonus = loss_from_logits(logits.as_tensor(), &entropy).unwrap();
+    assert!(!bonus.loss.track_op());
+    let both = (policy.loss.clone() - (bonus.loss * 0.01).unwrap()).unwrap();
+    let got = to_vec(both.backward().unwrap().get(&logits).unwrap());
+    let alone = loss_from_logits(logits.as_tensor(), &grpo).unwrap();
+    assert_eq!(got, to_vec(alone.loss.backward().unwrap().get(&logits).unwrap()));
+
+    let hidden = Tensor::from_vec(normal_matrix(B * T, H, 1.0, 21), (B, T, H), &Device::Cpu).unwrap();
+    let weight = Tensor::from_vec(normal_matrix(V, H, 0.5, 22), (V, H), &Device::Cpu).unwrap();
+    let bias = Tensor::zeros((1, V), DType::F32, &Device::Cpu).unwrap();
+    let err = loss_from_hidden(&hidden, &weight, Some(&bias), &grpo).expect_err("an error").to_string();
+    assert!(err.contains("bias") && err.contains("[V]"), "{err}");
+}
+
 #[test]
 fn fused_linear_backward_gives_the_reference_gradients() {
     for grpo in [true, false] {

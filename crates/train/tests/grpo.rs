@@ -11,8 +11,14 @@ use flashgrpo_train::rewards::{formatted, score, DEFAULT_WEIGHTS};
 use flashgrpo_train::{LossImpl, TrainConfig};
 use serde_json::Value;
 
+/// `../shared/data/gsm8k` of the checkout (or `FLASHGRPO_GSM8K_DIR`).
 fn gsm8k(file: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/gsm8k").join(file)
+    let dir = std::env::var_os("FLASHGRPO_GSM8K_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/gsm8k"));
+    let path = dir.join(file);
+    assert!(path.exists(), "GSM8K not found at {} (set FLASHGRPO_GSM8K_DIR)", path.display());
+    path
 }
 
 fn scratch(name: &str) -> PathBuf {

@@ -32,6 +32,9 @@ impl AttentionMask {
 /// `softmax(scores)` over the keys the mask allows; differentiable in `scores`.
 pub fn masked_softmax(scores: &Tensor, mask: &AttentionMask) -> Result<Tensor> {
     let (b, _, _, tk) = scores.dims4()?;
+    if tk == 0 {
+        bail!("masked_softmax: scores {:?} have no keys", scores.dims());
+    }
     if let Some(k) = &mask.keys {
         if k.len() != b * tk {
             bail!("masked_softmax: key mask of {} entries for B*Tk = {}", k.len(), b * tk);

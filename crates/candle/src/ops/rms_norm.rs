@@ -10,6 +10,10 @@ use crate::storage::{compute, floats, out};
 
 /// `rms_norm(x [.., H], w [H], eps)`, differentiable in `x` and `w`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    // One dtype: the backward hands `dw` back in x's.
+    if x.dtype() != w.dtype() {
+        bail!("rms_norm: x ({:?}) and the weight ({:?}) must share one dtype", x.dtype(), w.dtype());
+    }
     let x = x.contiguous()?;
     x.apply_op2(&w.contiguous()?, RmsNorm { eps })
 }
@@ -60,8 +64,8 @@ fn grad_w<R: Real>(x: &[R], g: &[R], h: usize, eps: f64) -> Vec<R> {
 
 fn check(l1: &Layout, l2: &Layout) -> Result<usize> {
     let h = l2.shape().elem_count();
-    if l1.shape().dims().last() != Some(&h) || l2.shape().rank() != 1 {
-        bail!("rms_norm: x {:?} must end in the weight's size {:?}", l1.shape(), l2.shape());
+    if l1.shape().dims().last() != Some(&h) || l2.shape().rank() != 1 || h == 0 {
+        bail!("rms_norm: x {:?} must end in the weight's size {:?} (not 0)", l1.shape(), l2.shape());
     }
     Ok(h)
 }

@@ -55,7 +55,7 @@ impl RopeTable {
 /// row's token positions), differentiable in `x`.
 pub fn rope(x: &Tensor, table: &Arc<RopeTable>, positions: &Arc<Vec<u32>>) -> Result<Tensor> {
     let (b, _, t, d) = x.dims4()?;
-    if d != 2 * table.half {
+    if d == 0 || d != 2 * table.half {
         bail!("rope: head dimension {d} does not match the table's {}", 2 * table.half);
     }
     if positions.len() != b * t {
