@@ -161,7 +161,7 @@ fn print_grpo_summary(config: &TrainConfig, s: &GrpoJobSummary) {
     println!("|{:-<36}|{:->16}|{:->16}|", "", "", "");
     println!(
         "| {:<34} | {:>14} | {:>14} |",
-        format!("eval/accuracy (held out, T={})", config.grpo.eval_temperature),
+        format!("eval/accuracy (held out, T={})", config.grpo.eval_temperature()),
         f(g.eval_before),
         f(g.eval_after)
     );

@@ -130,6 +130,9 @@ fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary
     config.grpo.check_ranks(mesh.data().size())?;
     let (out, root) = (config.out.clone(), comm.is_root());
     if root {
+        for warning in config.warnings() {
+            eprintln!("warning: {warning}");
+        }
         std::fs::create_dir_all(&out).map_err(io(&out))?;
         write_json(&out.join("config.json"), config)?;
     }
@@ -148,7 +151,7 @@ fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary
             // The checkpoint's model directory holds the side files the run started with.
             let side_files =
                 SideFiles { tokenizer_dir: Some(tokenizer_dir.clone()), model_dir: Some(tokenizer_dir.clone()) };
-            let stop = stop_tokens(&model, eos, Some(&tokenizer_dir))?;
+            let stop = stop_tokens(&model, &tokenizer, eos, &side_files)?;
             let setup = Setup { model, tokenizer, eos, stop, pad, trained_tokenizer: trained, side_files };
             (setup, reference, None, Some(resume))
         }

@@ -57,15 +57,32 @@ fn generation_eos(dir: &Path) -> Result<Vec<u32>> {
     Ok(ids.into_iter().map(|v| v as u32).collect())
 }
 
-/// `eos` first, then every other end-of-sequence id of the model's `config.json` and of
-/// `generation_config.json` in `model_dir`, each once.
-pub fn stop_tokens(model: &Qwen2, eos: u32, model_dir: Option<&Path>) -> Result<Vec<u32>> {
+/// The id of `tokenizer_config.json`'s `eos_token` in `dir` (a string or `{"content": ...}`).
+fn tokenizer_eos(dir: &Path, tokenizer: &Tokenizer) -> Result<Option<u32>> {
+    let path = dir.join("tokenizer_config.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| TrainError::Config { origin: path.display().to_string(), why: e.to_string() })?;
+    let token = json.get("eos_token").and_then(|t| t.as_str().or_else(|| t.get("content").and_then(|c| c.as_str())));
+    Ok(token.and_then(|t| tokenizer.token_to_id(t)))
+}
+
+/// `eos` first, then every other end-of-sequence id of the model's `config.json`, of
+/// `generation_config.json` in the source model's directory and of the source tokenizer's
+/// `eos_token` (TRL stops on the last two), each once.
+pub fn stop_tokens(model: &Qwen2, tokenizer: &Tokenizer, eos: u32, side: &SideFiles) -> Result<Vec<u32>> {
     let mut stop = vec![eos];
-    let from_file = match model_dir {
+    let mut from_files = match &side.model_dir {
         Some(d) => generation_eos(d)?,
         None => Vec::new(),
     };
-    for id in model.config.eos_token_ids().into_iter().chain(from_file) {
+    if let Some(d) = &side.tokenizer_dir {
+        from_files.extend(tokenizer_eos(d, tokenizer)?);
+    }
+    for id in model.config.eos_token_ids().into_iter().chain(from_files) {
         if !stop.contains(&id) {
             stop.push(id);
         }
@@ -131,7 +148,7 @@ pub fn setup<S: AsRef<str> + Send>(config: &TrainConfig, corpus: impl Iterator<I
         tokenizer_dir: if trained { None } else { tokenizer_dir(config) },
         model_dir: config.model.path.clone(),
     };
-    let stop = stop_tokens(&model, eos, side_files.model_dir.as_deref())?;
+    let stop = stop_tokens(&model, &tokenizer, eos, &side_files)?;
     Ok(Setup { model, tokenizer, eos, stop, pad, trained_tokenizer: trained, side_files })
 }
 
@@ -141,18 +158,25 @@ mod tests {
     use crate::model::Qwen2Config;
 
     /// Qwen2.5-Instruct's ids: `config.json` names `<|im_end|>` (151645), its
-    /// `generation_config.json` `[151645, 151643]`; the run stops on both, `eos` first, each once.
+    /// `generation_config.json` `[151645, 151643]`; the run stops on both, `eos` first, each once;
+    /// and on the tokenizer config's `eos_token`.
     #[test]
     fn completions_stop_on_every_eos_the_source_names() {
         let mut c = Qwen2Config::tiny(151_700, 8, 1, 2, 1);
         c.eos_token_id = Some(serde_json::json!(151_645));
         let model = Qwen2::random(c, candle_core::DType::F32, 1).unwrap();
+        let texts = ["Natalia sold 48 clips in April and 24 clips in May."].repeat(20);
+        let tokenizer = crate::tokenizer::train_bpe(texts.iter(), 300).unwrap();
         let dir = std::env::temp_dir().join(format!("flashgrpo-stop-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        assert_eq!(stop_tokens(&model, 151_645, Some(&dir)).unwrap(), [151_645]);
+        let side = SideFiles { tokenizer_dir: Some(dir.clone()), model_dir: Some(dir.clone()) };
+        assert_eq!(stop_tokens(&model, &tokenizer, 151_645, &side).unwrap(), [151_645]);
         std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [151645, 151643]}"#).unwrap();
-        assert_eq!(stop_tokens(&model, 151_645, Some(&dir)).unwrap(), [151_645, 151_643]);
-        assert_eq!(stop_tokens(&model, 7, None).unwrap(), [7, 151_645]);
+        assert_eq!(stop_tokens(&model, &tokenizer, 151_645, &side).unwrap(), [151_645, 151_643]);
+        // The trained tokenizer's ids: <|endoftext|> 0, <|im_start|> 1, <|im_end|> 2.
+        std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": {"content": "<|im_end|>"}}"#).unwrap();
+        assert_eq!(stop_tokens(&model, &tokenizer, 151_645, &side).unwrap(), [151_645, 151_643, 2]);
+        assert_eq!(stop_tokens(&model, &tokenizer, 7, &SideFiles::default()).unwrap(), [7, 151_645]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -221,11 +221,35 @@ impl TrainConfig {
         }
         Ok(())
     }
+
+    /// What a run may do that its user likely did not mean, printed at its start.
+    pub fn warnings(&self) -> Vec<String> {
+        let (sampled, scored) = (self.grpo.temperature, self.loss.options.temperature);
+        let mut out = Vec::new();
+        if self.algo == Algo::Grpo && sampled > 0.0 && sampled != scored {
+            out.push(format!(
+                "grpo.temperature = {sampled} samples the completions, loss.temperature = {scored} scores them: TRL \
+                 uses one temperature for both (set loss.temperature too)"
+            ));
+        }
+        out
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sampling_temperature_the_loss_does_not_share_is_warned_of() {
+        let mut c = TrainConfig::default();
+        assert!(c.warnings().is_empty());
+        c.grpo.temperature = 0.7;
+        assert!(c.warnings()[0].contains("loss.temperature"));
+        c.loss.options.temperature = 0.7;
+        assert!(c.warnings().is_empty());
+        assert_eq!(c.grpo.eval_temperature(), 0.7);
+    }
 
     #[test]
     fn unknown_keys_are_named() {

@@ -41,11 +41,11 @@ pub struct GrpoConfig {
     /// Held-out accuracy every this many steps (and before the first step and after the last);
     /// 0: only before and after.
     pub eval_every_steps: usize,
-    /// Sampling temperature of the evaluation (0: greedy). The default samples as the rollouts
-    /// do (TRL evaluates with the training generation settings): the accuracy of the policy being
-    /// trained. With a temperature, greedy accuracy is also logged before the first and after the
-    /// last step (`eval/accuracy_greedy`).
-    pub eval_temperature: f64,
+    /// Sampling temperature of the evaluation (0: greedy). The default (null) is `temperature`:
+    /// it samples as the rollouts do (TRL evaluates with the training generation settings), the
+    /// accuracy of the policy being trained. With a temperature, greedy accuracy is also logged
+    /// before the first and after the last step (`eval/accuracy_greedy`).
+    pub eval_temperature: Option<f64>,
     /// Completions per held-out prompt when the evaluation samples (the accuracy is their mean:
     /// less noise than one draw per prompt).
     pub eval_samples: usize,
@@ -95,7 +95,7 @@ impl Default for GrpoConfig {
             advantage_eps: 1e-4,
             reward_weights: DEFAULT_WEIGHTS.to_vec(),
             eval_every_steps: 100,
-            eval_temperature: 1.0,
+            eval_temperature: None,
             eval_samples: 4,
             eval_batch_size: 128,
             checkpoint_every: 50,
@@ -155,8 +155,8 @@ impl GrpoConfig {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("grpo.top_p must be in (0, 1], got {}", self.top_p));
         }
-        if !(self.eval_temperature >= 0.0 && self.eval_temperature.is_finite()) {
-            return bad(format!("grpo.eval_temperature must be >= 0, got {}", self.eval_temperature));
+        if !(self.eval_temperature() >= 0.0 && self.eval_temperature().is_finite()) {
+            return bad(format!("grpo.eval_temperature must be >= 0, got {}", self.eval_temperature()));
         }
         let (lo, hi) = (self.entropy_coef_min, self.entropy_coef_max);
         if !(lo.is_finite() && hi.is_finite() && lo <= hi && self.entropy_coef_delta >= 0.0) {
@@ -189,8 +189,13 @@ impl GrpoConfig {
         }
     }
 
+    /// The evaluation's temperature: `eval_temperature`, else the rollouts' own.
+    pub fn eval_temperature(&self) -> f64 {
+        self.eval_temperature.unwrap_or(self.temperature)
+    }
+
     /// The evaluation's sampling.
     pub fn eval_sampling(&self) -> Sampling {
-        Sampling { temperature: self.eval_temperature, ..self.sampling() }
+        Sampling { temperature: self.eval_temperature(), ..self.sampling() }
     }
 }

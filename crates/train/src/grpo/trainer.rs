@@ -244,7 +244,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
     };
     let greedy = Evaluation { sampling: Sampling { temperature: 0.0, ..evaluation.sampling }, ..evaluation };
     let greedy_at = |model: &Qwen2| -> Result<Option<f64>> {
-        if eval.is_empty() || config.eval_temperature == 0.0 {
+        if eval.is_empty() || config.eval_temperature() == 0.0 {
             return Ok(None);
         }
         Ok(Some(greedy.accuracy(model, eval, 0)?))
