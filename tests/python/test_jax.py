@@ -16,8 +16,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peers"))
 
 import flashgrpo.jax as fj  # noqa: E402
-
-CHECKS, FAILURES = [0], []
+from checks import CHECKS, FAILURES, expect_error  # noqa: E402
 
 
 def close(case, name, got, want, tol, mask=None):
@@ -144,20 +143,6 @@ def check_cross_entropy_logprob_entropy():
     close_norm("jax logprob", "vjp (per-token cotangent)", vjp(cot)[0], want_vjp(cot)[0], 1e-5)
     lp = jax.nn.log_softmax(logits, -1)
     close("jax entropy", "entropy", fj.entropy(logits), -(jnp.exp(lp) * lp).sum(-1), 1e-5)
-
-
-def expect_error(case, kind, words, call):
-    CHECKS[0] += 1
-    try:
-        call()
-    except kind as e:
-        if not all(w in str(e) for w in words):
-            FAILURES.append(f"{case}: message {str(e)!r} lacks {words}")
-        return
-    except Exception as e:  # noqa: BLE001
-        FAILURES.append(f"{case}: {type(e).__name__} {e}, expected {kind.__name__}")
-        return
-    FAILURES.append(f"{case}: no error")
 
 
 def check_edges():

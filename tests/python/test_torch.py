@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import flashgrpo.torch as ft  # noqa: E402
 from crosscheck import as_dtype, grad_tol, grpo_options, linear_inputs, materialised, trl_grpo  # noqa: E402
-from loss_cli import CHECKS, FAILURES, close, close_norm, fail, report  # noqa: E402
+from loss_cli import CHECKS, FAILURES, close, close_norm, expect_error, fail, report  # noqa: E402
 
 torch.manual_seed(0)
 
@@ -632,20 +632,6 @@ def check_pooled_cast():
         got = grads()
         if any(g.dtype != torch.bfloat16 or not torch.equal(g, w) for g, w in zip(got, want)):
             FAILURES.append(f"pooled cast to bf16, step {step}: not the bits of Tensor.to")
-
-
-def expect_error(case, kind, words, fn):
-    CHECKS[0] += 1
-    try:
-        fn()
-    except kind as e:
-        if not all(w in str(e) for w in words):
-            FAILURES.append(f"{case}: message {str(e)!r} lacks {words}")
-        return
-    except Exception as e:  # noqa: BLE001
-        FAILURES.append(f"{case}: raised {type(e).__name__}: {e}")
-        return
-    FAILURES.append(f"{case}: no error")
 
 
 def check_errors():
