@@ -151,7 +151,7 @@ def check_edges():
     V = 19
     logits = jax.random.normal(jax.random.PRNGKey(3), (5, V))
     targets = jnp.array([0, 3, 18, 7, 7])
-    plain = fj.cross_entropy(logits, targets, label_smoothing=0.1)
+    plain = fj.cross_entropy(logits, targets, label_smoothing=float(np.float32(0.1)))  # the scalars' value
     close("jax option as a NumPy scalar", "loss", fj.cross_entropy(logits, targets, label_smoothing=np.float32(0.1)),
           plain, 0.0)
     close("jax option as a JAX scalar", "loss", fj.cross_entropy(logits, targets, label_smoothing=jnp.float32(0.1)),

@@ -373,6 +373,10 @@ def check_liger_drop_in_distributed():
         process.start()
     for process in processes:
         process.join(timeout=300)
+    for process in processes:  # a rank that hung (its peer crashed in the collective): end it
+        if process.is_alive():
+            process.kill()
+            process.join()
     CHECKS[0] += 1
     if any(p.exitcode != 0 for p in processes):
         FAILURES.append(f"Liger drop-in under torch.distributed: exit codes {[p.exitcode for p in processes]}")
@@ -645,6 +649,17 @@ def check_errors():
     expect_error("targets shape", ValueError, ["targets"], lambda: ft.grpo_loss(logits, targets[:, :2], adv))
     expect_error("float64 logits", TypeError, ["logits", "float64"],
                  lambda: ft.grpo_loss(logits.double(), targets, adv))
+    expect_error("float targets", TypeError, ["targets", "integer"],
+                 lambda: ft.logprob(logits, targets.float()))
+    expect_error("empty vocabulary", ValueError, ["vocabulary"],
+                 lambda: ft.cross_entropy(torch.zeros(3, 0), torch.zeros(3, dtype=torch.long)))
+    empty = torch.zeros(0, 10, requires_grad=True)
+    ce = ft.cross_entropy(empty, torch.zeros(0, dtype=torch.long))
+    ce.backward()
+    close("cross_entropy over no rows", "loss", ce, torch.zeros(()), 0.0)
+    CHECKS[0] += 1
+    if empty.grad is None or empty.grad.shape != (0, 10):
+        FAILURES.append("cross_entropy over no rows: no gradient of shape [0, 10]")
     bad = targets.clone()
     bad[1, 2] = 10
     expect_error("target out of range", ValueError, ["targets[1, 2]", "10"], lambda: ft.grpo_loss(logits, bad, adv))

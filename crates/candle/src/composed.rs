@@ -44,10 +44,9 @@ impl ComposedLoss {
             targets_i64.iter().map(|&y| if (0..vocab as i64).contains(&y) { y as u32 } else { 0 }).collect();
         let kind = match &inputs.kind {
             LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio, sampling_logp } => {
-                if !o.loss_type.is_ppo_family()
-                    || matches!(o.loss_type, LossType::Luspo | LossType::ClipCov)
-                    || o.importance_sampling_level == ImportanceSamplingLevel::Sequence
-                {
+                let composed =
+                    matches!(o.loss_type, LossType::Grpo | LossType::Bnpo | LossType::DrGrpo | LossType::Dapo);
+                if !composed || o.importance_sampling_level == ImportanceSamplingLevel::Sequence {
                     bail!("the composed baseline implements grpo, bnpo, dr_grpo and dapo at token level only");
                 }
                 let additions = o.loss_agg_mode.is_some()

@@ -24,8 +24,9 @@ use crate::parallel::{broadcast_weights, Mesh};
 use crate::plot::plot_metrics;
 use crate::prompt::PromptFormat;
 use crate::rewards::formatted;
-use crate::setup::{setup, stop_tokens, tokenizer_dir, Setup};
+use crate::setup::{setup, tokenizer_dir, Setup};
 use crate::sft::{encode_examples, train_sft, Example, SftRun, SftSummary};
+use crate::stop_tokens::stop_tokens;
 use crate::tokenizer::{encode, save_tokenizer, SideFiles, CHATML_TEMPLATE, END_OF_TEXT};
 use crate::train_config::TrainConfig;
 
@@ -140,8 +141,8 @@ fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary
 
     let checkpoint = options.resume.as_deref().map(Checkpoint::load).transpose()?;
     let (setup, reference, warm_start, resume) = match checkpoint {
-        Some(Checkpoint { model, reference, tokenizer_dir, resume }) => {
-            let tokenizer = load_tokenizer(&tokenizer_dir)?;
+        Some(Checkpoint { model, reference, tokenizer_dir: model_dir, resume }) => {
+            let tokenizer = load_tokenizer(&model_dir)?;
             let trained = config.model.path.is_none() && config.tokenizer.path.is_none();
             // Every rank reads the checkpoint (a shared filesystem on several machines): prove
             // they read the same weights.
@@ -149,8 +150,7 @@ fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary
             let eos = eos_of(&model, &tokenizer)?;
             let pad = tokenizer.token_to_id(END_OF_TEXT).unwrap_or(eos);
             // The checkpoint's model directory holds the side files the run started with.
-            let side_files =
-                SideFiles { tokenizer_dir: Some(tokenizer_dir.clone()), model_dir: Some(tokenizer_dir.clone()) };
+            let side_files = SideFiles { tokenizer_dir: Some(model_dir.clone()), model_dir: Some(model_dir) };
             let stop = stop_tokens(&model, &tokenizer, eos, &side_files)?;
             let setup = Setup { model, tokenizer, eos, stop, pad, trained_tokenizer: trained, side_files };
             (setup, reference, None, Some(resume))

@@ -92,7 +92,9 @@ pub const TOKENIZER_SIDE_FILES: [&str; 7] = [
     "chat_template.json",
 ];
 
-/// Copies `from/name` to `to/name` if it exists (and is not that same file).
+/// Copies the contents of `from/name` to `to/name` if it exists (and is not that same file); the
+/// copy gets default permissions, not the source's (a read-only download would make the next save
+/// into the same directory fail).
 fn copy_if_present(from: &Path, to: &Path, name: &str) -> Result<()> {
     let (src, dst) = (from.join(name), to.join(name));
     if !src.is_file() {
@@ -100,7 +102,8 @@ fn copy_if_present(from: &Path, to: &Path, name: &str) -> Result<()> {
     }
     let same = matches!((src.canonicalize(), dst.canonicalize()), (Ok(a), Ok(b)) if a == b);
     if !same {
-        std::fs::copy(&src, &dst).map_err(io(&dst))?;
+        let bytes = std::fs::read(&src).map_err(io(&src))?;
+        std::fs::write(&dst, bytes).map_err(io(&dst))?;
     }
     Ok(())
 }

@@ -68,10 +68,11 @@ def _rows(name, x, last):
     return (1, x.shape[0]) if x.ndim == 2 else tuple(x.shape[:2])
 
 
-def _empty_batch(value, shape, *inputs):
+def _empty_batch(value, shape, rows):
     """A call over no rows: loss 0 (as over rows that all take no part) and, through JAX's own
-    differentiation of the zero, a zero gradient for each input; empty per-token outputs."""
-    zero = sum(jnp.sum(x, dtype=jnp.float32) for x in inputs) * 0.0
+    differentiation of the zero, a zero gradient for the empty `rows` (logits or hidden states;
+    the weight and bias, unused, get JAX's zeros); empty per-token outputs."""
+    zero = jnp.sum(rows, dtype=jnp.float32) * 0.0
     empty = jnp.zeros(shape, jnp.float32)
     return (zero if value == "loss" else empty + zero), {k: empty for k in PER_TOKEN}
 
@@ -316,7 +317,7 @@ def _run_linear_rows(op, value, hidden, weight, bias, options, chunk_memory_mb, 
     hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
     if hidden.size == 0:
         options_json(options)
-        return _empty_batch(value, hidden.shape[:-1], hidden, weight, bias)[0]
+        return _empty_batch(value, hidden.shape[:-1], hidden)[0]
     _register()
     chunk = _budget(chunk_memory_mb, bf16_products, hidden, weight, bias)
     out = _linear_rows(op, value, options_json(options), chunk, hidden, weight, bias, *side)
@@ -327,7 +328,7 @@ def _run_linear(op, hidden, weight, bias, options, chunk_memory_mb, bf16_product
     hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
     if hidden.size == 0:
         options_json(options)
-        return _empty_batch("loss", hidden.shape[:-1], hidden, weight, bias)
+        return _empty_batch("loss", hidden.shape[:-1], hidden)
     chunk = _budget(chunk_memory_mb, bf16_products, hidden, weight, bias)
     loss, per_token = _linear_loss(op, options_json(options), chunk, hidden, weight, bias, *side)
     shape = hidden.shape[:-1]

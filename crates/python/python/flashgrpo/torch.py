@@ -131,6 +131,8 @@ def _small_input(name, x, dtype, shapes):
     if tuple(x.shape) not in shapes:
         want = " or ".join(str(list(s)) for s in shapes)
         raise ValueError(f"`{name}` has shape {list(x.shape)}, expected {want}")
+    if dtype == torch.int64 and (x.is_floating_point() or x.is_complex()):
+        raise TypeError(f"`{name}` has dtype {x.dtype}; expected an integer dtype (token ids)")
     return x.detach().to(dtype).contiguous()
 
 
@@ -139,6 +141,8 @@ class _Rows:
 
     def __init__(self, batch, seq_len, vocab, targets=None, mask=None, advantages=None, old_logp=None,
                  ref_logp=None, is_ratio=None, sampling_logp=None):
+        if vocab == 0:
+            raise ValueError("the vocabulary (the logits' last axis, or the weight's rows) is empty")
         bt = [(batch, seq_len)]
         if seq_len == batch * seq_len:  # [N, V] inputs: per-row tensors may be [N] too
             bt.append((seq_len,))
@@ -649,10 +653,10 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
     backward; the logits keep their values until then."""
     # As Liger's Triton loss: `delta = 0` is off, `delta` with cispo / sapo / vespo an error, and
     # the sapo temperatures read (and checked) for sapo alone.
-    if delta == 0.0:
-        delta = None
     if delta is not None and loss_type in ("cispo", "sapo", "vespo"):
         raise ValueError(f"delta (two-sided clipping) is not supported for loss_type='{loss_type}'")
+    if delta == 0.0:
+        delta = None
     if loss_type != "sapo":
         sapo_temperature_pos, sapo_temperature_neg = 1.0, 1.05
     _check_liger_options(sapo_temperature_pos, sapo_temperature_neg, delta)

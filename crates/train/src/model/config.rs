@@ -51,8 +51,9 @@ pub struct Qwen2Config {
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
-/// The architecture check of [`Qwen2Config::check_architecture`], on a `config.json`'s two fields
-/// before the rest is parsed.
+/// Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`), from a `config.json`'s two fields: checked before the
+/// rest is read, so that another model's config is named as such rather than by the first of its
+/// fields this one lacks or does not run.
 pub fn check_architecture(model_type: &str, architectures: &[String], source: &str) -> Result<(), TrainError> {
     let arch_ok = architectures.is_empty() || architectures.iter().any(|a| a == "Qwen2ForCausalLM");
     if model_type != "qwen2" || !arch_ok {
@@ -125,11 +126,13 @@ impl Qwen2Config {
         }
     }
 
-    /// Reads what newer `config.json` files nest (transformers 5 writes `rope_parameters:
-    /// {rope_theta, rope_type}` instead of a top-level `rope_theta`), then validates.
+    /// A `config.json` as this implementation runs it: the architecture checked first, a
+    /// quantized checkpoint refused, `num_key_value_heads` filled in where absent, what newer
+    /// files nest read (transformers 5 writes `rope_parameters: {rope_theta, rope_type}` instead
+    /// of a top-level `rope_theta`), RoPE scaling refused; then [`Qwen2Config::validate`].
     pub fn resolve(&mut self, source: &str) -> Result<(), TrainError> {
         let bad = |why: String| Err(TrainError::Config { origin: source.to_string(), why });
-        self.check_architecture(source)?;
+        check_architecture(&self.model_type, &self.architectures, source)?;
         if self.extra.get("quantization_config").is_some_and(|q| !q.is_null()) {
             return bad(
                 "quantized checkpoints (`quantization_config`) are not supported: use the unquantized model".into()
@@ -155,17 +158,11 @@ impl Qwen2Config {
         self.validate(source)
     }
 
-    /// Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`), checked first: another model's config is named as
-    /// such rather than by the first of its fields this one lacks or does not run.
-    pub fn check_architecture(&self, source: &str) -> Result<(), TrainError> {
-        check_architecture(&self.model_type, &self.architectures, source)
-    }
-
     /// Rejects what this implementation does not run: other architectures, other activations,
     /// sliding-window attention, inconsistent head counts.
     pub fn validate(&self, source: &str) -> Result<(), TrainError> {
         let bad = |why: String| Err(TrainError::Config { origin: source.to_string(), why });
-        self.check_architecture(source)?;
+        check_architecture(&self.model_type, &self.architectures, source)?;
         if self.hidden_act != "silu" {
             return bad(format!("hidden_act `{}` is not supported (Qwen2 uses `silu`)", self.hidden_act));
         }
