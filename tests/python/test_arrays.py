@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import flashgrpo.arrays as fa  # noqa: E402
 from crosscheck import grpo_options, linear_inputs, materialised, trl_grpo  # noqa: E402
-from loss_cli import CHECKS, FAILURES, close, close_norm, report  # noqa: E402
+from loss_cli import CHECKS, FAILURES, close, close_norm, expect_error, report  # noqa: E402
 
 NP_DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16}
 
@@ -114,6 +114,11 @@ def check_errors():
     except ValueError as e:
         if "softmax" not in str(e):
             FAILURES.append(f"unknown op: {e}")
+    logits, targets = np.zeros((4, 5), np.float32), np.array([0, 1, 2, 3])
+    expect_error("arrays float targets", TypeError, ["targets", "integer"],
+                 lambda: fa.loss("cross_entropy", logits, targets + 0.7))
+    expect_error("arrays out= with in_place", ValueError, ["out", "in_place"],
+                 lambda: fa.loss("cross_entropy", logits.copy(), targets, in_place=True, out=np.zeros_like(logits)))
 
 
 def main():

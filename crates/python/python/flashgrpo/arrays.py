@@ -1,5 +1,5 @@
-"""flashgrpo's losses on NumPy arrays and JAX CPU arrays, read in place (no copy of the logits,
-hidden states or lm_head); results as NumPy arrays.
+"""flashgrpo's losses on NumPy arrays and JAX CPU arrays, read in place (no copy of C-contiguous
+logits, hidden states or lm_head; another layout is copied first); results as NumPy arrays.
 
 ``loss(op, logits, ...)`` and ``linear_loss(op, hidden, weight, ...)`` take the op's inputs as
 ``flashgrpo.torch`` does, and return a dict: ``loss`` (a float), the per-token outputs that the op
@@ -55,7 +55,10 @@ class _Float:
 def _small(name, x, dtype, shapes):
     if x is None:
         return None
-    x = np.ascontiguousarray(np.asarray(x), dtype=dtype)
+    x = np.asarray(x)
+    if dtype == np.int64 and not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(f"`{name}` has dtype {x.dtype}; expected an integer dtype (token ids)")
+    x = np.ascontiguousarray(x, dtype=dtype)
     if tuple(x.shape) not in shapes:
         raise ValueError(f"`{name}` has shape {list(x.shape)}, expected {' or '.join(str(list(s)) for s in shapes)}")
     return x
@@ -101,6 +104,8 @@ def loss(op, logits, targets=None, advantages=None, mask=None, *, old_logp=None,
     batch, seq_len = _shape("logits", x.shape, "V")
     kept, native_rows = _rows(batch, seq_len, x.shape[-1], targets, mask, advantages, old_logp, ref_logp, is_ratio,
                               sampling_logp)
+    if out is not None and in_place:
+        raise ValueError("`out` and `in_place=True` both name where the gradient goes; pass one")
     if out is not None:
         grad = True
         if not isinstance(out, np.ndarray) or out.shape != x.shape or str(out.dtype) != str(x.array.dtype) \
