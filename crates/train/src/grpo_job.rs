@@ -19,14 +19,14 @@ use crate::error::{io, Result, TrainError};
 use crate::grpo::{train_grpo, Checkpoint, GrpoRun, GrpoSummary, Prompt, StepHook};
 use crate::head_loss::{LossConfig, LossImpl};
 use crate::metrics::MetricsLog;
-use crate::model::{load_tokenizer, save_model, Qwen2};
+use crate::model::{load_tokenizer, save_model};
 use crate::parallel::{broadcast_weights, Mesh};
 use crate::plot::plot_metrics;
 use crate::prompt::PromptFormat;
 use crate::rewards::formatted;
 use crate::setup::{setup, tokenizer_dir, Setup};
 use crate::sft::{encode_examples, train_sft, Example, SftRun, SftSummary};
-use crate::stop_tokens::stop_tokens;
+use crate::special_tokens::{special_ids, SpecialIds};
 use crate::tokenizer::{encode, save_tokenizer, SideFiles, CHATML_TEMPLATE, END_OF_TEXT};
 use crate::train_config::TrainConfig;
 
@@ -147,11 +147,9 @@ fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary
             // Every rank reads the checkpoint (a shared filesystem on several machines): prove
             // they read the same weights.
             crate::parallel::check_weights(&model.params, comm, resume.state.step)?;
-            let eos = eos_of(&model, &tokenizer)?;
-            let pad = tokenizer.token_to_id(END_OF_TEXT).unwrap_or(eos);
             // The checkpoint's model directory holds the side files the run started with.
             let side_files = SideFiles { tokenizer_dir: Some(model_dir.clone()), model_dir: Some(model_dir) };
-            let stop = stop_tokens(&model, &tokenizer, eos, &side_files)?;
+            let SpecialIds { eos, stop, pad } = special_ids(&model, &tokenizer, &side_files)?;
             let setup = Setup { model, tokenizer, eos, stop, pad, trained_tokenizer: trained, side_files };
             (setup, reference, None, Some(resume))
         }
@@ -309,16 +307,6 @@ pub fn rendered_prompts(config: &TrainConfig) -> Result<Vec<RenderedPrompt>> {
             Ok(RenderedPrompt { prompt_ids: encode(&tokenizer, &prompt)?, prompt, answer: p.answer.clone() })
         })
         .collect()
-}
-
-fn eos_of(model: &Qwen2, tokenizer: &Tokenizer) -> Result<u32> {
-    model
-        .config
-        .eos_token_ids()
-        .first()
-        .copied()
-        .or_else(|| tokenizer.token_to_id(END_OF_TEXT))
-        .ok_or_else(|| TrainError::Tokenizer("no end-of-sequence token".into()))
 }
 
 /// The SFT warm start on the task's worked solutions as the (sloppy, `task.sloppy_teacher`)

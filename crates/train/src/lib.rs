@@ -22,7 +22,7 @@ pub mod rollout;
 pub mod setup;
 pub mod sft;
 pub mod sft_job;
-pub mod stop_tokens;
+pub mod special_tokens;
 pub mod tokenizer;
 pub mod train_config;
 pub mod vocab_parallel;

@@ -7,8 +7,8 @@ use tokenizers::Tokenizer;
 
 use crate::error::{Result, TrainError};
 use crate::model::{load_model, load_tokenizer, Qwen2};
-use crate::stop_tokens::stop_tokens;
-use crate::tokenizer::{train_bpe, SideFiles, END_OF_TEXT, IM_END};
+use crate::special_tokens::{special_ids, SpecialIds};
+use crate::tokenizer::{train_bpe, SideFiles, END_OF_TEXT};
 use crate::train_config::TrainConfig;
 
 /// A model with its tokenizer and the ids the trainer needs.
@@ -18,7 +18,7 @@ pub struct Setup {
     /// Ends a training example (SFT), and a completion.
     pub eos: u32,
     /// Every id that ends a completion: `eos` and the others the source names
-    /// ([`crate::stop_tokens`]; Qwen2.5-Instruct: `<|im_end|>` and `<|endoftext|>`).
+    /// ([`crate::special_tokens`]; Qwen2.5-Instruct: `<|im_end|>` and `<|endoftext|>`).
     pub stop: Vec<u32>,
     /// Pads batches (never attended to, never a target).
     pub pad: u32,
@@ -84,19 +84,10 @@ pub fn setup<S: AsRef<str> + Send>(config: &TrainConfig, corpus: impl Iterator<I
             model.config.vocab_size
         )));
     }
-    let eos = match model.config.eos_token_ids().first() {
-        Some(&id) => id,
-        None => tokenizer.token_to_id(END_OF_TEXT).or_else(|| tokenizer.token_to_id(IM_END)).ok_or_else(|| {
-            TrainError::Tokenizer(format!(
-                "no end-of-sequence token: config.json has no eos_token_id and the tokenizer has neither {END_OF_TEXT} nor {IM_END}"
-            ))
-        })?,
-    };
-    let pad = tokenizer.token_to_id(END_OF_TEXT).unwrap_or(eos);
     let side_files = SideFiles {
         tokenizer_dir: if trained { None } else { tokenizer_dir(config) },
         model_dir: config.model.path.clone(),
     };
-    let stop = stop_tokens(&model, &tokenizer, eos, &side_files)?;
+    let SpecialIds { eos, stop, pad } = special_ids(&model, &tokenizer, &side_files)?;
     Ok(Setup { model, tokenizer, eos, stop, pad, trained_tokenizer: trained, side_files })
 }

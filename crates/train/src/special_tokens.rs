@@ -1,6 +1,7 @@
-//! Which token ids end a completion: the source checkpoint's end-of-sequence ids, wherever
-//! Hugging Face's files name them (`config.json`, `generation_config.json`, the tokenizer
-//! config's `eos_token`), as transformers' `generate` and TRL stop on any of them.
+//! The token ids a run ends and pads its sequences with: the end of a training example, every id
+//! that ends a completion (the source checkpoint's end-of-sequence ids, wherever Hugging Face's
+//! files name them: `config.json`, `generation_config.json`, the tokenizer config's `eos_token`,
+//! as transformers' `generate` and TRL stop on any of them), and the padding.
 
 use std::path::Path;
 
@@ -8,7 +9,34 @@ use tokenizers::Tokenizer;
 
 use crate::error::{io, Result, TrainError};
 use crate::model::Qwen2;
-use crate::tokenizer::SideFiles;
+use crate::tokenizer::{SideFiles, END_OF_TEXT, IM_END};
+
+/// What [`special_ids`] finds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpecialIds {
+    /// Ends a training example (SFT), and a completion: `config.json`'s first `eos_token_id`,
+    /// else the tokenizer's end-of-text or ChatML's end of turn.
+    pub eos: u32,
+    /// Every id that ends a completion, `eos` first ([`stop_tokens`]).
+    pub stop: Vec<u32>,
+    /// Pads batches (never attended to, never a target): end-of-text, else `eos`.
+    pub pad: u32,
+}
+
+/// The special ids of `model` and `tokenizer`, whose source's files `side` names.
+pub fn special_ids(model: &Qwen2, tokenizer: &Tokenizer, side: &SideFiles) -> Result<SpecialIds> {
+    let eos = match model.config.eos_token_ids().first() {
+        Some(&id) => id,
+        None => tokenizer.token_to_id(END_OF_TEXT).or_else(|| tokenizer.token_to_id(IM_END)).ok_or_else(|| {
+            TrainError::Tokenizer(format!(
+                "no end-of-sequence token: config.json has no eos_token_id and the tokenizer has neither {END_OF_TEXT} nor {IM_END}"
+            ))
+        })?,
+    };
+    let stop = stop_tokens(model, tokenizer, eos, side)?;
+    let pad = tokenizer.token_to_id(END_OF_TEXT).unwrap_or(eos);
+    Ok(SpecialIds { eos, stop, pad })
+}
 
 /// A JSON file's contents, or `None` without the file.
 fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
@@ -47,7 +75,7 @@ fn tokenizer_eos(dir: &Path, tokenizer: &Tokenizer) -> Result<Option<u32>> {
 /// `eos` first, then every other end-of-sequence id of the model's `config.json`, of
 /// `generation_config.json` in the source model's directory and of the source tokenizer's
 /// `eos_token` (TRL stops on the last two), each once.
-pub fn stop_tokens(model: &Qwen2, tokenizer: &Tokenizer, eos: u32, side: &SideFiles) -> Result<Vec<u32>> {
+fn stop_tokens(model: &Qwen2, tokenizer: &Tokenizer, eos: u32, side: &SideFiles) -> Result<Vec<u32>> {
     let mut stop = vec![eos];
     let mut from_files = match &side.model_dir {
         Some(d) => generation_eos(d)?,
