@@ -2,24 +2,17 @@
 //! GSM8K prompts, micro-batching equal to one batch, the three loss implementations agreeing,
 //! and a killed-then-resumed run ending with the metrics of one that never stopped.
 
+mod common;
+
 use std::path::PathBuf;
 
+use common::gsm8k;
 use flashgrpo_train::data::{load_gsm8k, TaskName};
 use flashgrpo_train::grpo::checkpoint_dir;
 use flashgrpo_train::grpo_job::{run_grpo_job, JobOptions};
 use flashgrpo_train::rewards::{formatted, score, DEFAULT_WEIGHTS};
 use flashgrpo_train::{LossImpl, TrainConfig};
 use serde_json::Value;
-
-/// `../shared/data/gsm8k` of the checkout (or `FLASHGRPO_GSM8K_DIR`).
-fn gsm8k(file: &str) -> PathBuf {
-    let dir = std::env::var_os("FLASHGRPO_GSM8K_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/gsm8k"));
-    let path = dir.join(file);
-    assert!(path.exists(), "GSM8K not found at {} (set FLASHGRPO_GSM8K_DIR)", path.display());
-    path
-}
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("flashgrpo-grpo-{}-{name}", std::process::id()));

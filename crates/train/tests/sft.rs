@@ -2,21 +2,14 @@
 //! head-loss implementations train identically; gradient accumulation equals one large batch;
 //! bf16 parameters train; bad inputs name the file and line.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::gsm8k;
 use flashgrpo_train::sft_job::run_sft_job;
 use flashgrpo_train::{LossImpl, TrainConfig};
 use serde_json::Value;
-
-/// `../shared/data/gsm8k` of the checkout (or `FLASHGRPO_GSM8K_DIR`).
-fn gsm8k(file: &str) -> PathBuf {
-    let dir = std::env::var_os("FLASHGRPO_GSM8K_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/gsm8k"));
-    let path = dir.join(file);
-    assert!(path.exists(), "GSM8K not found at {} (set FLASHGRPO_GSM8K_DIR)", path.display());
-    path
-}
 
 fn out_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("flashgrpo-sft-{name}-{}", std::process::id()));
