@@ -84,7 +84,7 @@ pub fn main(args: BenchRolloutArgs) -> Result<()> {
     std::fs::create_dir_all(&args.out)?;
     let model = load_model(&args.model, None)?;
     let prompts = prompts(&args, model.config.vocab_size)?;
-    let s = Sampling { temperature: args.temperature, top_k: 0, top_p: 1.0, max_new_tokens: args.new_tokens };
+    let s = Sampling { temperature: args.temperature, max_new_tokens: args.new_tokens, ..Sampling::default() };
     let mut rollout = Rollout::default();
     let mut rng = Rng::new(1);
     let mut calls = |n: usize| -> Result<Vec<f64>> {

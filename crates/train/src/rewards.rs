@@ -113,8 +113,9 @@ pub fn formatted(reasoning: &str, answer: &str) -> String {
     format!("<think>\n{}\n</think>\n<answer>\n{}\n</answer>", reasoning.trim(), answer.trim())
 }
 
-/// How rewards are scaled into advantages (TRL's `scale_rewards`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// How rewards are scaled into advantages (TRL's `scale_rewards`: a name, or TRL's booleans,
+/// `true` for `group` and `false` for `none`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ScaleRewards {
     /// `(r - mean_group) / (std_group + eps)`.
@@ -124,6 +125,33 @@ pub enum ScaleRewards {
     Batch,
     /// `r - mean_group`.
     None,
+}
+
+impl<'de> Deserialize<'de> for ScaleRewards {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Names;
+        impl serde::de::Visitor<'_> for Names {
+            type Value = ScaleRewards;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("`group`, `batch`, `none`, or TRL's `true` (group) / `false` (none)")
+            }
+
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<ScaleRewards, E> {
+                Ok(if v { ScaleRewards::Group } else { ScaleRewards::None })
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ScaleRewards, E> {
+                match v {
+                    "group" => Ok(ScaleRewards::Group),
+                    "batch" => Ok(ScaleRewards::Batch),
+                    "none" => Ok(ScaleRewards::None),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(Names)
+    }
 }
 
 /// Group-relative advantages of `rewards`, laid out group after group (`group` completions per

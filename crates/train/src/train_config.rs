@@ -261,6 +261,34 @@ mod tests {
         assert!(e.to_string().contains("beta"), "{e}");
     }
 
+    /// TRL's spellings of its sampling and scaling settings: `scale_rewards` as a boolean,
+    /// `min_p: null`; out-of-range values named.
+    #[test]
+    fn trl_sampling_settings() {
+        use crate::rewards::ScaleRewards;
+        let grpo = |g: serde_json::Value| TrainConfig::from_value(serde_json::json!({ "grpo": g }), "t.yaml");
+        assert_eq!(grpo(serde_json::json!({"scale_rewards": true})).unwrap().grpo.scale_rewards, ScaleRewards::Group);
+        assert_eq!(grpo(serde_json::json!({"scale_rewards": false})).unwrap().grpo.scale_rewards, ScaleRewards::None);
+        assert_eq!(
+            grpo(serde_json::json!({"scale_rewards": "batch"})).unwrap().grpo.scale_rewards,
+            ScaleRewards::Batch
+        );
+        let e = grpo(serde_json::json!({"scale_rewards": "sequence"})).unwrap_err().to_string();
+        assert!(e.contains("sequence") && e.contains("`group`, `batch`, `none`"), "{e}");
+        let c = grpo(serde_json::json!({"min_p": null, "repetition_penalty": 1.1})).unwrap();
+        assert_eq!((c.grpo.sampling().min_p, c.grpo.eval_sampling().repetition_penalty), (0.0, 1.1));
+        assert_eq!(grpo(serde_json::json!({"min_p": 0.05})).unwrap().grpo.sampling().min_p, 0.05);
+        let e = grpo(serde_json::json!({"min_p": 1.5})).unwrap_err().to_string();
+        assert!(e.contains("grpo.min_p"), "{e}");
+        let e = grpo(serde_json::json!({"repetition_penalty": 0})).unwrap_err().to_string();
+        assert!(e.contains("grpo.repetition_penalty"), "{e}");
+        // TRL's names for two settings, and both spellings at once refused.
+        let c = grpo(serde_json::json!({"num_iterations": 2, "max_completion_length": 40})).unwrap();
+        assert_eq!((c.grpo.ppo_epochs, c.grpo.max_new_tokens), (2, 40));
+        let e = grpo(serde_json::json!({"num_iterations": 2, "ppo_epochs": 3})).unwrap_err().to_string();
+        assert!(e.contains("duplicate field"), "{e}");
+    }
+
     #[test]
     fn round_trips_through_json() {
         let mut c = TrainConfig::default();

@@ -258,6 +258,27 @@ fn sampled_generation_matches_and_does_not_depend_on_threads() {
     assert_eq!(single, got);
 }
 
+/// The repetition penalty and min-p: the engine's tokens are candle's (greedy, so that the
+/// penalty alone decides, and sampled, where last-bit differences of the logits may move one
+/// draw), and the penalty changes the greedy completions (a tiny random model repeats itself).
+#[test]
+fn repetition_penalty_and_min_p_match_the_candle_model() {
+    let m = model(true, DType::F32, 3);
+    let (prompts, _) = batch(9);
+    let plain = Sampling { temperature: 0.0, max_new_tokens: 12, ..Default::default() };
+    let penalised = Sampling { repetition_penalty: 1.8, ..plain };
+    let unpenalised = Rollout::default().generate(&m, &prompts, &plain, &[96], &mut Rng::new(1)).unwrap();
+    let want = generate(&m, &prompts, &penalised, &[96], 0, &mut Rng::new(1)).unwrap();
+    let got = Rollout::default().generate(&m, &prompts, &penalised, &[96], &mut Rng::new(1)).unwrap();
+    assert_eq!(got, want);
+    assert_ne!(got.completions, unpenalised.completions);
+    let sampled = Sampling { temperature: 1.0, min_p: 0.2, repetition_penalty: 1.3, ..plain };
+    let want = generate(&m, &prompts, &sampled, &[96], 0, &mut Rng::new(4)).unwrap();
+    let got = Rollout::default().generate(&m, &prompts, &sampled, &[96], &mut Rng::new(4)).unwrap();
+    let same = want.completions.iter().zip(&got.completions).filter(|(a, b)| a == b).count();
+    assert!(same + 1 >= prompts.len(), "{same} of {} completions equal", prompts.len());
+}
+
 /// Tokens outside the vocabulary and positions beyond the rotary table are errors, not panics.
 #[test]
 fn bad_rows_are_errors() {

@@ -22,11 +22,22 @@ pub struct GrpoConfig {
     pub micro_batch_size: usize,
     /// Optimiser steps per rollout (TRL's `num_iterations`); above 1, the rollout policy's
     /// log-probabilities are computed (no-grad fused op) and the ratio is clipped against them.
+    #[serde(alias = "num_iterations")]
     pub ppo_epochs: usize,
     pub temperature: f64,
     /// 0: off.
     pub top_k: usize,
     pub top_p: f64,
+    /// TRL's `min_p` (0 or null: off): tokens less than `min_p` times as likely as the most
+    /// likely one are not drawn.
+    #[serde(deserialize_with = "null_is_zero")]
+    pub min_p: f64,
+    /// TRL's `repetition_penalty` (1: off), Hugging Face's: on the logits of the prompt's and the
+    /// completion's tokens before the temperature. Sampling only: the loss and the recorded
+    /// log-probabilities are the policy's own.
+    pub repetition_penalty: f64,
+    /// TRL's `max_completion_length`.
+    #[serde(alias = "max_completion_length")]
     pub max_new_tokens: usize,
     pub scale_rewards: ScaleRewards,
     /// DAPO's dynamic sampling: drop groups whose rewards are all equal (they carry no signal) and
@@ -88,6 +99,8 @@ impl Default for GrpoConfig {
             temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
             max_new_tokens: 32,
             scale_rewards: ScaleRewards::Group,
             dynamic_sampling: false,
@@ -110,6 +123,11 @@ impl Default for GrpoConfig {
             entropy_target: 0.2,
         }
     }
+}
+
+/// TRL's `min_p: null` (its default) as 0, off.
+fn null_is_zero<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(0.0))
 }
 
 impl GrpoConfig {
@@ -155,6 +173,12 @@ impl GrpoConfig {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("grpo.top_p must be in (0, 1], got {}", self.top_p));
         }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("grpo.min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad(format!("grpo.repetition_penalty must be positive (1: off), got {}", self.repetition_penalty));
+        }
         if !(self.eval_temperature() >= 0.0 && self.eval_temperature().is_finite()) {
             return bad(format!("grpo.eval_temperature must be >= 0, got {}", self.eval_temperature()));
         }
@@ -185,6 +209,8 @@ impl GrpoConfig {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
             max_new_tokens: self.max_new_tokens,
         }
     }

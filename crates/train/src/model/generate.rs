@@ -9,7 +9,7 @@ use flashgrpo_kernels::synthetic::Rng;
 use rayon::prelude::*;
 
 use super::qwen2::{KvCache, Qwen2};
-use crate::rollout::sampler::{sample_row, RowStreams, Sampling};
+use crate::rollout::sampler::{sample_row, RowStreams, Sampling, Seen};
 
 /// What `generate` produced for each prompt.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,8 +19,9 @@ pub struct Generated {
     /// Whether each completion ended with end-of-sequence (rather than at `max_new_tokens`).
     pub finished: Vec<bool>,
     /// Per completion token, `log p` of the drawn token under the sampling distribution
-    /// (`softmax(logits / temperature)` over the whole vocabulary, before top-k / top-p), by the
-    /// kernels' `logprob` op; empty when nothing records it (greedy decoding, this reference).
+    /// (`softmax(logits / temperature)` over the whole vocabulary, before the repetition
+    /// penalty and top-k / top-p / min-p), by the kernels' `logprob` op; empty when nothing
+    /// records it (greedy decoding, this reference).
     pub logp: Vec<Vec<f32>>,
     /// The sampling distribution's entropy at each completion token, recorded with `logp`.
     pub entropy: Vec<Vec<f32>>,
@@ -71,7 +72,10 @@ pub fn generate(
         let tokens: Vec<Option<u32>> = logits
             .par_iter()
             .zip(&uniforms)
-            .map_init(Default::default, |scratch, (row, u)| u.map(|u| sample_row(row, s, u, scratch)))
+            .zip(prompts.par_iter().zip(&completions))
+            .map_init(Default::default, |scratch, ((row, u), (prompt, completion))| {
+                u.map(|u| sample_row(row, Seen { prompt, completion }, s, u, scratch))
+            })
             .collect();
         let mut step = Vec::with_capacity(b);
         let mut step_mask = Vec::with_capacity(b);

@@ -23,7 +23,7 @@ use crate::engine::{forward, on_workers, Input, KvCache, Packing, Pass, Query, W
 use crate::error::{Result, TrainError};
 use crate::model::{Generated, Qwen2};
 pub use sampler::RowStreams;
-use sampler::{Sampler, Sampling};
+use sampler::{Sampler, Sampling, Seen};
 
 /// Generation's buffers, kept from one rollout to the next (a trainer allocates them once).
 #[derive(Debug, Default)]
@@ -148,7 +148,8 @@ impl Rollout {
         for step in 0..s.max_new_tokens {
             uniforms.clear();
             uniforms.extend(active.iter().map(|&r| streams.uniform(r, s)));
-            self.sampler.draw(s, &self.logits, vocab, &logit_rows, &uniforms, &mut drawn[..active.len()]);
+            let seen = |k: usize| Seen { prompt: &prompts[active[k]], completion: &completions[active[k]] };
+            self.sampler.draw(s, &self.logits, vocab, &logit_rows, seen, &uniforms, &mut drawn[..active.len()]);
             if records {
                 let (lp, h) = self.scores(s, vocab, &logit_rows, &drawn[..active.len()])?;
                 for (k, &r) in active.iter().enumerate() {

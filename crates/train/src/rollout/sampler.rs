@@ -1,4 +1,5 @@
-//! Drawing tokens from logits: temperature, top-k and top-p (nucleus) filtering, greedy. One
+//! Drawing tokens from logits: repetition penalty, temperature, top-k, top-p (nucleus) and min-p
+//! filtering, greedy, in the order of Hugging Face's `generate` (TRL's generation without vLLM). One
 //! uniform number per draw, taken from the run's stream in row order before the rows are drawn
 //! in parallel, so the tokens do not depend on the thread count. Scratch space is owned by the
 //! [`Sampler`] and reused: drawing allocates nothing per token.
@@ -21,12 +22,19 @@ pub struct Sampling {
     pub top_k: usize,
     /// Keep the smallest set of most likely tokens whose probability reaches `top_p`; 1 keeps all.
     pub top_p: f64,
+    /// Keep the tokens at least `min_p` times as likely as the most likely one (after top-k and
+    /// top-p, as Hugging Face's `MinPLogitsWarper`); 0 keeps all.
+    pub min_p: f64,
+    /// Hugging Face's (and vLLM's) repetition penalty, applied to the raw logits of every token
+    /// the row has seen (its prompt and its completion so far) before the temperature: a positive
+    /// logit divided by it, a negative one multiplied. 1 is off; above 1 discourages repeats.
+    pub repetition_penalty: f64,
     pub max_new_tokens: usize,
 }
 
 impl Default for Sampling {
     fn default() -> Self {
-        Self { temperature: 1.0, top_k: 0, top_p: 1.0, max_new_tokens: 64 }
+        Self { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, max_new_tokens: 64 }
     }
 }
 
@@ -36,8 +44,20 @@ impl Sampling {
     }
 
     fn filtered(&self) -> bool {
-        self.top_k > 0 || self.top_p < 1.0
+        self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
     }
+
+    fn penalised(&self) -> bool {
+        self.repetition_penalty != 1.0
+    }
+}
+
+/// The tokens a row has seen, which the repetition penalty applies to: its prompt and its
+/// completion so far (each token once, however often it occurs; padding is not a token seen).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Seen<'a> {
+    pub prompt: &'a [u32],
+    pub completion: &'a [u32],
 }
 
 /// The one uniform number a draw takes from the stream (none when greedy).
@@ -92,15 +112,46 @@ pub struct Scratch {
     order: Vec<usize>,
     kept: Vec<usize>,
     kept_weights: Vec<f64>,
+    /// The row's logits after the repetition penalty (only when one applies).
+    penalised: Vec<f32>,
 }
 
-/// Draws one token from `logits` (f32, `[V]`).
-pub fn sample(logits: &[f32], s: &Sampling, rng: &mut Rng) -> u32 {
-    sample_row(logits, s, uniform_for(s, rng), &mut Scratch::default())
+/// Draws one token from `logits` (f32, `[V]`) of a row that has seen `seen`.
+pub fn sample(logits: &[f32], seen: Seen<'_>, s: &Sampling, rng: &mut Rng) -> u32 {
+    sample_row(logits, seen, s, uniform_for(s, rng), &mut Scratch::default())
 }
 
 /// [`sample`] with its uniform number `u` in `[0, 1)` given.
-pub fn sample_row(logits: &[f32], s: &Sampling, u: f64, scratch: &mut Scratch) -> u32 {
+pub fn sample_row(logits: &[f32], seen: Seen<'_>, s: &Sampling, u: f64, scratch: &mut Scratch) -> u32 {
+    if !s.penalised() {
+        return sample_processed(logits, s, u, scratch);
+    }
+    let mut penalised = std::mem::take(&mut scratch.penalised);
+    penalise(logits, seen, s.repetition_penalty as f32, &mut penalised);
+    let token = sample_processed(&penalised, s, u, scratch);
+    scratch.penalised = penalised;
+    token
+}
+
+/// `logits` with the repetition penalty applied once to each token of `seen`, into `out`
+/// (Hugging Face's `RepetitionPenaltyLogitsProcessor`: `x / penalty` where `x > 0`, else
+/// `x * penalty`, in f32). Tokens beyond the vocabulary are ignored (the engine checks prompts).
+fn penalise(logits: &[f32], seen: Seen<'_>, penalty: f32, out: &mut Vec<f32>) {
+    out.clear();
+    out.extend_from_slice(logits);
+    for &t in seen.prompt.iter().chain(seen.completion) {
+        // Penalised already (a repeat) when it differs from the raw logit; a logit of 0 stays 0
+        // either way, so applying the penalty again changes nothing.
+        if let (Some(&x), Some(y)) = (logits.get(t as usize), out.get_mut(t as usize)) {
+            if *y == x {
+                *y = if x > 0.0 { x / penalty } else { x * penalty };
+            }
+        }
+    }
+}
+
+/// [`sample_row`] on logits the repetition penalty has been applied to.
+fn sample_processed(logits: &[f32], s: &Sampling, u: f64, scratch: &mut Scratch) -> u32 {
     if s.greedy() {
         return argmax(logits) as u32;
     }
@@ -164,11 +215,11 @@ fn draw_softmax_body(
     weights.iter().rposition(|&w| w > 0.0).unwrap_or(0)
 }
 
-/// The tokens top-k / top-p keep, most likely first (ties: lower id first), into
+/// The tokens top-k / top-p / min-p keep, most likely first (ties: lower id first), into
 /// `scratch.kept`, and their unnormalised weights into `scratch.kept_weights`. Selects instead of
-/// sorting the vocabulary: top-k sorts only its `k`; top-p sorts growing prefixes (64, 256, ...)
-/// until one holds `top_p` of the mass, which at a 151,936-token vocabulary and a peaked
-/// distribution is a few hundred tokens, not the whole row.
+/// sorting the vocabulary: top-k sorts only its `k`; top-p and min-p sort growing prefixes (64,
+/// 256, ...) until one holds `top_p` of the mass or a token below `min_p`, which at a
+/// 151,936-token vocabulary and a peaked distribution is a few hundred tokens, not the whole row.
 fn most_likely(logits: &[f32], s: &Sampling, scratch: &mut Scratch) {
     let by_likelihood = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
@@ -186,30 +237,34 @@ fn most_likely(logits: &[f32], s: &Sampling, scratch: &mut Scratch) {
         kept.extend_from_slice(&order[..k]);
         kept.sort_by(by_likelihood);
     };
-    // Cuts `kept` to its prefix whose share of `total` first reaches top_p; whether one did.
-    let nucleus = |kept: &mut Vec<usize>, weights: &mut Vec<f64>, total: f64| -> bool {
+    // Cuts `kept` to the prefix top-p and min-p keep: top-p the prefix whose share of `total`
+    // first reaches `top_p`, min-p the weights at least `min_p` (the first weight is 1, the most
+    // likely token's). Whether a cut fell inside `kept` (both keep prefixes: the shorter holds).
+    let cut = |kept: &mut Vec<usize>, weights: &mut Vec<f64>, total: f64| -> bool {
         weights.clear();
         weights.extend(kept.iter().map(|&i| weight(i)));
-        if s.top_p >= 1.0 {
-            return true;
+        let nucleus = if s.top_p < 1.0 {
+            let mut cumulative = 0.0;
+            weights.iter().position(|w| {
+                cumulative += w / total;
+                cumulative >= s.top_p
+            })
+        } else {
+            None
+        };
+        let nucleus = nucleus.map(|n| n + 1);
+        let likely = if s.min_p > 0.0 { weights.iter().position(|&w| w < s.min_p) } else { None };
+        let keep = nucleus.into_iter().chain(likely).min();
+        if let Some(n) = keep {
+            weights.truncate(n);
+            kept.truncate(n);
         }
-        let mut cumulative = 0.0;
-        match weights.iter().position(|w| {
-            cumulative += w / total;
-            cumulative >= s.top_p
-        }) {
-            Some(n) => {
-                weights.truncate(n + 1);
-                kept.truncate(n + 1);
-                true
-            }
-            None => false,
-        }
+        keep.is_some()
     };
     if s.top_k > 0 {
         top(s.top_k, order, kept);
         let total = kept.iter().map(|&i| weight(i)).sum();
-        nucleus(kept, kept_weights, total);
+        cut(kept, kept_weights, total);
         return;
     }
     let total = (0..logits.len()).map(weight).sum();
@@ -217,7 +272,7 @@ fn most_likely(logits: &[f32], s: &Sampling, scratch: &mut Scratch) {
     loop {
         top(k, order, kept);
         let whole = kept.len() == logits.len();
-        if nucleus(kept, kept_weights, total) || whole {
+        if cut(kept, kept_weights, total) || whole {
             return;
         }
         k *= 4;
@@ -245,13 +300,16 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// `tokens[i]` drawn from row `rows[i]` of `logits [.., vocab]` with uniform `uniforms[i]`.
-    pub fn draw(
+    /// `tokens[i]` drawn from row `rows[i]` of `logits [.., vocab]` with uniform `uniforms[i]`,
+    /// for a sequence that has seen `seen(i)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn draw<'a>(
         &mut self,
         s: &Sampling,
         logits: &[f32],
         vocab: usize,
         rows: &[usize],
+        seen: impl Fn(usize) -> Seen<'a> + Sync,
         uniforms: &[f64],
         tokens: &mut [u32],
     ) {
@@ -263,9 +321,10 @@ impl Sampler {
             .zip(rows.par_chunks(per))
             .zip(uniforms.par_chunks(per))
             .zip(self.scratch.par_iter_mut())
-            .for_each(|(((tokens, rows), uniforms), scratch)| {
-                for ((t, &r), &u) in tokens.iter_mut().zip(rows).zip(uniforms) {
-                    *t = sample_row(&logits[r * vocab..(r + 1) * vocab], s, u, scratch);
+            .enumerate()
+            .for_each(|(chunk, (((tokens, rows), uniforms), scratch))| {
+                for (k, ((t, &r), &u)) in tokens.iter_mut().zip(rows).zip(uniforms).enumerate() {
+                    *t = sample_row(&logits[r * vocab..(r + 1) * vocab], seen(chunk * per + k), s, u, scratch);
                 }
             });
     }
@@ -284,7 +343,9 @@ mod tests {
             let v = [5, 70, 300, 5000][case % 4];
             let logits: Vec<f32> = (0..v).map(|_| (rng.normal() * 3.0) as f32).collect();
             let (top_k, top_p) = [(0, 0.5), (0, 0.95), (0, 0.999), (10, 1.0), (40, 0.9), (v + 3, 0.7)][case % 6];
-            let s = Sampling { temperature: 0.8, top_k, top_p, max_new_tokens: 1 };
+            // min-p: off, looser than top-p / top-k, tighter, alone (top_p 1, top_k 0 in case 3 of 6).
+            let min_p = [0.0, 1e-4, 0.05, 0.3][case % 7 % 4];
+            let s = Sampling { temperature: 0.8, top_k, top_p, min_p, max_new_tokens: 1, ..Default::default() };
             let mut full: Vec<usize> = (0..v).collect();
             full.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
             if top_k > 0 {
@@ -302,6 +363,11 @@ mod tests {
                     break;
                 }
             }
+            // Hugging Face's MinPLogitsWarper after top-p: probabilities renormalised over the
+            // kept tokens, those below min_p times the largest removed.
+            let kept_total: f64 = w[..keep].iter().sum();
+            let top = w[0] / kept_total;
+            keep = w[..keep].iter().take_while(|&&x| x / kept_total >= min_p * top).count();
             most_likely(&logits, &s, &mut scratch);
             assert_eq!(scratch.kept, full[..keep].to_vec(), "case {case}");
             assert_eq!(scratch.kept_weights, w[..keep].to_vec(), "case {case}");
@@ -312,13 +378,60 @@ mod tests {
     fn sampling_filters() {
         let logits = [0.0f32, 3.0, 1.0, 2.9, -5.0];
         let mut rng = Rng::new(1);
+        let none = Seen::default();
         let greedy = Sampling { temperature: 0.0, ..Default::default() };
-        assert_eq!(sample(&logits, &greedy, &mut rng), 1);
+        assert_eq!(sample(&logits, none, &greedy, &mut rng), 1);
         let top2 = Sampling { top_k: 2, ..Default::default() };
-        assert!((0..200).all(|_| [1, 3].contains(&sample(&logits, &top2, &mut rng))));
+        assert!((0..200).all(|_| [1, 3].contains(&sample(&logits, none, &top2, &mut rng))));
         // Nucleus: tokens 1 and 3 hold ~0.85 of the mass; p = 0.8 keeps exactly them.
         let nucleus = Sampling { top_p: 0.8, ..Default::default() };
-        assert!((0..200).all(|_| [1, 3].contains(&sample(&logits, &nucleus, &mut rng))));
+        assert!((0..200).all(|_| [1, 3].contains(&sample(&logits, none, &nucleus, &mut rng))));
+        // min-p 0.5: token 3 (e^-0.1 of token 1) stays, token 2 (e^-2) goes.
+        let min_p = Sampling { min_p: 0.5, ..Default::default() };
+        assert!((0..200).all(|_| [1, 3].contains(&sample(&logits, none, &min_p, &mut rng))));
+        // A repetition penalty of 2 on token 1 (3.0 -> 1.5): greedy picks token 3, and token 1
+        // seen twice is penalised once.
+        let penalised = Sampling { repetition_penalty: 2.0, ..greedy };
+        let seen = Seen { prompt: &[1, 4], completion: &[1] };
+        assert_eq!(sample(&logits, seen, &penalised, &mut rng), 3);
+        // Token 3 penalised as well (2.9 -> 1.45): token 2 (1.0) loses to token 1 (1.5).
+        let seen = Seen { prompt: &[1, 3], completion: &[3, 1] };
+        assert_eq!(sample(&logits, seen, &penalised, &mut rng), 1);
+    }
+
+    /// The repetition penalty as Hugging Face's `RepetitionPenaltyLogitsProcessor` computes it (a
+    /// negative logit multiplied, a positive one divided, each token seen once), then the draw:
+    /// the same token as drawing from logits penalised by hand, for every filter.
+    #[test]
+    fn repetition_penalty_is_hugging_faces() {
+        let mut rng = Rng::new(5);
+        let mut scratch = Scratch::default();
+        for case in 0..200 {
+            let v = [7, 300, 1000][case % 3];
+            let logits: Vec<f32> = (0..v).map(|_| (rng.normal() * 2.0) as f32).collect();
+            let prompt: Vec<u32> = (0..case % 9).map(|_| rng.below(v) as u32).collect();
+            let completion: Vec<u32> = (0..case % 5).map(|_| rng.below(v.min(20)) as u32).collect();
+            let penalty = [1.3, 0.7, 4.0][case % 3];
+            let mut by_hand = logits.clone();
+            let mut seen: Vec<u32> = prompt.iter().chain(&completion).copied().collect();
+            seen.sort_unstable();
+            seen.dedup();
+            for &t in &seen {
+                let x = &mut by_hand[t as usize];
+                *x = if *x < 0.0 { *x * penalty } else { *x / penalty };
+            }
+            let (top_k, top_p, min_p) = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.1)][case % 4];
+            let temperature = [1.0, 0.0, 0.6][case / 3 % 3];
+            let s =
+                Sampling { temperature, top_k, top_p, min_p, repetition_penalty: penalty as f64, max_new_tokens: 1 };
+            let plain = Sampling { repetition_penalty: 1.0, ..s };
+            let row = Seen { prompt: &prompt, completion: &completion };
+            for _ in 0..5 {
+                let u = rng.uniform();
+                let want = sample_row(&by_hand, Seen::default(), &plain, u, &mut scratch);
+                assert_eq!(sample_row(&logits, row, &s, u, &mut scratch), want, "case {case}");
+            }
+        }
     }
 
     /// Token frequencies of many draws agree with the full softmax on fixed logits (a chi-square
@@ -339,7 +452,7 @@ mod tests {
             let mut scratch = Scratch::default();
             let mut counts = vec![0usize; v];
             for &u in &uniforms {
-                counts[sample_row(&logits, &s, u, &mut scratch) as usize] += 1;
+                counts[sample_row(&logits, Seen::default(), &s, u, &mut scratch) as usize] += 1;
             }
             // Tokens expected at least 20 times each as their own cell, the rest pooled.
             let (mut chi2, mut cells, mut pooled_e, mut pooled_o) = (0.0, 0usize, 0.0, 0.0);
@@ -360,9 +473,12 @@ mod tests {
             assert!(chi2 < bound, "T={temperature}: chi2 {chi2:.1} over {cells} cells, bound {bound:.1}");
             let rows: Vec<usize> = vec![0; 64];
             let mut tokens = vec![0u32; 64];
-            Sampler::default().draw(&s, &logits, v, &rows, &uniforms[..64], &mut tokens);
-            for (t, &u) in tokens.iter().zip(&uniforms) {
-                assert_eq!(*t, sample_row(&logits, &s, u, &mut scratch));
+            let seen: Vec<Vec<u32>> = (0..64).map(|i| vec![300, i as u32]).collect();
+            let s = Sampling { repetition_penalty: 1.5, ..s };
+            let row = |i: usize| Seen { prompt: &seen[i], completion: &[] };
+            Sampler::default().draw(&s, &logits, v, &rows, row, &uniforms[..64], &mut tokens);
+            for (i, (t, &u)) in tokens.iter().zip(&uniforms).enumerate() {
+                assert_eq!(*t, sample_row(&logits, row(i), &s, u, &mut scratch));
             }
         }
     }
