@@ -11,6 +11,7 @@ mod config;
 mod cuda_check_cmd;
 mod device;
 mod forward_cmd;
+mod generate_cmd;
 mod gradcheck;
 mod input_spec;
 mod loss_cmd;
@@ -59,6 +60,9 @@ enum Command {
     Forward(forward_cmd::ForwardArgs),
     /// Train a Qwen2 model with GRPO (default: the built-in arithmetic task, end to end) or SFT.
     Train(train_cmd::TrainArgs),
+    /// Completions of a saved model (a run's `model/`, or any Hugging Face Qwen2 directory) by
+    /// the trainer's sampler: temperature, top-k, top-p, min-p, repetition penalty.
+    Generate(generate_cmd::GenerateArgs),
     /// Draw the plots of a run directory from its metrics.jsonl.
     Plot(plot_cmd::PlotArgs),
     /// The same GRPO run with loss.impl = baseline and fused_linear, side by side.
@@ -103,6 +107,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => bench::main(args),
         Command::Forward(args) => forward_cmd::main(args),
         Command::Train(args) => train_cmd::main(args),
+        Command::Generate(args) => generate_cmd::main(args),
         Command::Plot(args) => plot_cmd::main(args),
         Command::Ab(args) => ab_cmd::main(args),
         Command::BenchRollout(args) => bench_rollout_cmd::main(args),

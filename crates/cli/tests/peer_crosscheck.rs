@@ -8,6 +8,8 @@
 //! - `tests/peers/verl_losses.py`: the verl additions (aggregation modes, dual clip, gpg,
 //!   geo_mean, the KL estimators) against verl's formulas, re-implemented from its source;
 //! - `tests/peers/hf_forward.py`: `flashgrpo forward` against Hugging Face transformers' Qwen2;
+//! - `tests/peers/hf_generate.py`: `flashgrpo generate` against transformers' `generate` (greedy,
+//!   with and without a repetition penalty);
 //! - `tests/peers/trl_oracle.py`: the GRPO trainer's update (`flashgrpo update-grads`) against
 //!   TRL's `GRPOTrainer.compute_loss`, loss and every parameter's gradient;
 //! - `tests/peers/tensorboard_read.py`: the training metrics' TensorBoard event files, read back by
@@ -79,6 +81,11 @@ fn grpo_losses_match_verl_formulas() {
 #[test]
 fn flashgrpo_forward_matches_hugging_face_transformers() {
     run_script("tests/peers/hf_forward.py", &["--bin", env!("CARGO_BIN_EXE_flashgrpo")]);
+}
+
+#[test]
+fn flashgrpo_generate_matches_hugging_face_generate() {
+    run_script("tests/peers/hf_generate.py", &["--bin", env!("CARGO_BIN_EXE_flashgrpo")]);
 }
 
 #[test]

@@ -229,7 +229,50 @@ fn plot_bench_rollout_and_update_grads_on_a_tiny_run() {
     ]);
     assert!(!o.status.success() && text(&o).contains("prompt_ids row 1"), "{}", text(&o));
     assert!(!grads.exists());
+
+    generate_from_the_run(&run, &out);
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// `generate` on a run's model: text prompts through the run's chat template and token-id
+/// prompts, every completion within `--max-new-tokens` and ended by a stop token when finished,
+/// the same lines for the same seed; bad input named.
+fn generate_from_the_run(run: &std::path::Path, out: &std::path::Path) {
+    let model = run.join("model");
+    let prompts = out.join("prompts.jsonl");
+    std::fs::write(&prompts, "{\"prompt_ids\": [5, 6, 7]}\n\n{\"prompt\": \"Ann has 3 pens.\"}\n").unwrap();
+    let generate = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model", model.to_str().unwrap(), "--max-new-tokens", "9"];
+        args.extend(extra);
+        flashgrpo(&args)
+    };
+    let sampled = ["--prompt", "Ben has 4 coins.", "--prompts", prompts.to_str().unwrap(), "--num-generations", "2"];
+    let knobs = ["--top-k", "20", "--top-p", "0.95", "--min-p", "0.01", "--repetition-penalty", "1.2"];
+    let o = generate(&[&sampled[..], &knobs[..]].concat());
+    assert!(o.status.success(), "{}", text(&o));
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&o.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 6);
+    assert_eq!(lines[0]["prompt"], "Ben has 4 coins.");
+    assert_eq!(lines[2]["prompt_ids"], serde_json::json!([5, 6, 7]));
+    assert!(lines[2]["prompt"].is_null());
+    // ChatML, as the run rendered its prompts: <|im_start|> (id 1) first, the assistant's turn open.
+    let chat = lines[4]["prompt_ids"].as_array().unwrap();
+    assert_eq!(chat[0], 1);
+    for l in &lines {
+        let ids = l["completion_ids"].as_array().unwrap();
+        assert!(!ids.is_empty() && ids.len() <= 9, "{l}");
+        // The trained tokenizer's end of text (0) and ChatML's end of turn (2) end a completion.
+        assert_eq!(l["finished"], [0, 2].contains(&ids.last().unwrap().as_u64().unwrap()), "{l}");
+    }
+    assert_eq!(generate(&[&sampled[..], &knobs[..]].concat()).stdout, o.stdout, "the same seed, the same lines");
+    let o = generate(&["--prompt", "x", "--min-p", "2"]);
+    assert!(!o.status.success() && text(&o).contains("--min-p"), "{}", text(&o));
+    let o = generate(&[]);
+    assert!(!o.status.success() && text(&o).contains("no prompts"), "{}", text(&o));
+    std::fs::write(&prompts, "{\"prompt_ids\": [5]}\n{\"text\": \"x\"}\n").unwrap();
+    let o = generate(&["--prompts", prompts.to_str().unwrap()]);
+    assert!(!o.status.success() && text(&o).contains("line 2"), "{}", text(&o));
 }
 
 #[test]

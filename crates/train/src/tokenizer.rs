@@ -10,7 +10,9 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{AddedToken, Tokenizer};
+use tokenizers::AddedToken;
+/// The tokenizer type every front end shares (Hugging Face's `tokenizers`).
+pub use tokenizers::Tokenizer;
 
 use crate::error::{io, Result, TrainError};
 
