@@ -58,6 +58,9 @@ def main():
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--multi-objective-aggregation", default="sum_then_normalize")
     ap.add_argument("--loss-type", default="dapo")
     ap.add_argument("--beta", type=float, default=0.0)
     ap.add_argument("--use-bias-correction-kl", default="false", choices=["true", "false"])
@@ -99,6 +102,9 @@ def main():
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p if args.min_p > 0 else None,
+        repetition_penalty=args.repetition_penalty,
+        multi_objective_aggregation=args.multi_objective_aggregation,
         loss_type=args.loss_type,
         beta=args.beta,
         use_bias_correction_kl=args.use_bias_correction_kl == "true",

@@ -142,6 +142,8 @@ fn trl_args(c: &TrainConfig, warm: &Path, prompts: &Path, steps: usize, out: &Pa
     let (g, o) = (&c.grpo, &c.loss.options);
     let loss_type = serde_json::to_value(o.loss_type).ok().and_then(|v| v.as_str().map(str::to_string));
     let scale = serde_json::to_value(g.scale_rewards).ok().and_then(|v| v.as_str().map(str::to_string));
+    let aggregation =
+        serde_json::to_value(g.multi_objective_aggregation).ok().and_then(|v| v.as_str().map(str::to_string));
     let weights: Vec<String> = g.reward_weights.iter().map(f64::to_string).collect();
     [
         ("--model", warm.display().to_string()),
@@ -155,6 +157,9 @@ fn trl_args(c: &TrainConfig, warm: &Path, prompts: &Path, steps: usize, out: &Pa
         ("--temperature", g.temperature.to_string()),
         ("--top-k", g.top_k.to_string()),
         ("--top-p", g.top_p.to_string()),
+        ("--min-p", g.min_p.to_string()),
+        ("--repetition-penalty", g.repetition_penalty.to_string()),
+        ("--multi-objective-aggregation", aggregation.unwrap_or_else(|| "sum_then_normalize".into())),
         ("--loss-type", loss_type.unwrap_or_else(|| "dapo".into())),
         ("--beta", o.beta.to_string()),
         ("--use-bias-correction-kl", o.use_bias_correction_kl.to_string()),

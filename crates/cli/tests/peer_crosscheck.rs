@@ -8,8 +8,9 @@
 //! - `tests/peers/verl_losses.py`: the verl additions (aggregation modes, dual clip, gpg,
 //!   geo_mean, the KL estimators) against verl's formulas, re-implemented from its source;
 //! - `tests/peers/hf_forward.py`: `flashgrpo forward` against Hugging Face transformers' Qwen2;
-//! - `tests/peers/hf_generate.py`: `flashgrpo generate` against transformers' `generate` (greedy,
-//!   with and without a repetition penalty);
+//! - `tests/peers/hf_generate.py`: `flashgrpo generate` against transformers' `generate` (greedy
+//!   tokens with and without a repetition penalty; the sampling distribution with temperature,
+//!   top-k, top-p, min-p and the penalty);
 //! - `tests/peers/trl_oracle.py`: the GRPO trainer's update (`flashgrpo update-grads`) against
 //!   TRL's `GRPOTrainer.compute_loss`, loss and every parameter's gradient;
 //! - `tests/peers/tensorboard_read.py`: the training metrics' TensorBoard event files, read back by

@@ -164,7 +164,8 @@ fn plot_bench_rollout_and_update_grads_on_a_tiny_run() {
     let out = std::env::temp_dir().join(format!("flashgrpo-tools-cli-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let run = out.join("run");
-    let mut args = vec!["--set", "grpo.steps=1", "--out", run.to_str().unwrap()];
+    let mut args =
+        vec!["--set", "grpo.steps=1", "--set", "task.system_prompt=Be brief.", "--out", run.to_str().unwrap()];
     args.extend(TINY_GRPO);
     assert!(train(&args).status.success());
 
@@ -234,9 +235,10 @@ fn plot_bench_rollout_and_update_grads_on_a_tiny_run() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
-/// `generate` on a run's model: text prompts through the run's chat template and token-id
-/// prompts, every completion within `--max-new-tokens` and ended by a stop token when finished,
-/// the same lines for the same seed; bad input named.
+/// `generate` on a run's model: text prompts through the run's chat template with its system
+/// prompt, token-id prompts, every completion within `--max-new-tokens` and ended by a stop token
+/// when finished, the same lines for the same seed, greedy by default (no generation_config.json);
+/// bad input named.
 fn generate_from_the_run(run: &std::path::Path, out: &std::path::Path) {
     let model = run.join("model");
     let prompts = out.join("prompts.jsonl");
@@ -247,7 +249,8 @@ fn generate_from_the_run(run: &std::path::Path, out: &std::path::Path) {
         flashgrpo(&args)
     };
     let sampled = ["--prompt", "Ben has 4 coins.", "--prompts", prompts.to_str().unwrap(), "--num-generations", "2"];
-    let knobs = ["--top-k", "20", "--top-p", "0.95", "--min-p", "0.01", "--repetition-penalty", "1.2"];
+    let knobs =
+        ["--temperature", "1", "--top-k", "20", "--top-p", "0.95", "--min-p", "0.01", "--repetition-penalty", "1.2"];
     let o = generate(&[&sampled[..], &knobs[..]].concat());
     assert!(o.status.success(), "{}", text(&o));
     let lines: Vec<serde_json::Value> =
@@ -266,6 +269,21 @@ fn generate_from_the_run(run: &std::path::Path, out: &std::path::Path) {
         assert_eq!(l["finished"], [0, 2].contains(&ids.last().unwrap().as_u64().unwrap()), "{l}");
     }
     assert_eq!(generate(&[&sampled[..], &knobs[..]].concat()).stdout, o.stdout, "the same seed, the same lines");
+    // The run's system prompt by default; `--system` replaces it, "" drops it.
+    let prompt_ids = |extra: &[&str]| {
+        let o = generate(&[&["--prompt", "Ben has 4 coins."][..], extra].concat());
+        assert!(o.status.success(), "{}", text(&o));
+        let line: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().next().unwrap()).unwrap();
+        (line["prompt_ids"].clone(), line["completion_ids"].clone())
+    };
+    let (run_system, greedy) = prompt_ids(&[]);
+    assert_eq!(prompt_ids(&["--system", "Be brief."]).0, run_system);
+    let (no_system, _) = prompt_ids(&["--system", ""]);
+    assert!(no_system.as_array().unwrap().len() < run_system.as_array().unwrap().len());
+    assert_eq!(prompt_ids(&["--seed", "9"]).1, greedy, "greedy without a generation_config.json");
+    let o = generate(&["--prompt", "x", "--raw", "--system", "y"]);
+    assert!(!o.status.success() && text(&o).contains("--system"), "{}", text(&o));
     let o = generate(&["--prompt", "x", "--min-p", "2"]);
     assert!(!o.status.success() && text(&o).contains("--min-p"), "{}", text(&o));
     let o = generate(&[]);
@@ -319,6 +337,16 @@ fn grpo_with_the_trl_1_16_options_logs_their_metrics() {
         "grpo.entropy_target=100",
         "--set",
         "grpo.mask_truncated_completions=true",
+        "--set",
+        "grpo.multi_objective_aggregation=normalize_then_sum",
+        "--set",
+        "grpo.min_p=0.02",
+        "--set",
+        "grpo.repetition_penalty=1.1",
+        "--set",
+        "grpo.log_completions=true",
+        "--set",
+        "grpo.num_completions_to_print=3",
     ]);
     let o = train(&args);
     assert!(o.status.success(), "{}", text(&o));
@@ -335,6 +363,22 @@ fn grpo_with_the_trl_1_16_options_logs_their_metrics() {
     for r in &steps {
         let d = r["train/rollout_logp_max_abs_diff"].as_f64().unwrap();
         assert!((0.0..1e-4).contains(&d), "{r}");
+    }
+    // TRL's log_completions: three of each step's completions, with their rewards and advantage.
+    let logged: Vec<serde_json::Value> = std::fs::read_to_string(out.join("completions.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(logged.iter().map(|l| l["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 1, 1, 2, 2, 2, 3, 3, 3]);
+    for l in &logged {
+        let rewards = &l["rewards"];
+        let weighted = rewards["correctness"].as_f64().unwrap()
+            + 0.5 * rewards["strict_format"].as_f64().unwrap()
+            + 0.5 * rewards["tag_count"].as_f64().unwrap();
+        assert!((l["reward"].as_f64().unwrap() - weighted).abs() < 1e-12, "{l}");
+        assert!(l["prompt"].as_str().unwrap().contains("<|im_start|>user") && l["completion"].is_string(), "{l}");
+        assert!(l["advantage"].as_f64().unwrap().is_finite(), "{l}");
     }
     let _ = std::fs::remove_dir_all(&out);
 }

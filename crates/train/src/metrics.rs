@@ -58,8 +58,12 @@ impl MetricsLog {
     /// Continues `dir/metrics.jsonl` after step `step`: the records of later steps (logged by a
     /// run killed after its last checkpoint) are dropped, so the resumed run logs them again.
     pub fn resume(dir: &Path, step: usize) -> Result<Self> {
-        let path = dir.join("metrics.jsonl");
-        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        Self::resume_file(&dir.join("metrics.jsonl"), step)
+    }
+
+    /// [`MetricsLog::resume`] for the JSONL file `path`.
+    pub fn resume_file(path: &Path, step: usize) -> Result<Self> {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
         let kept: String = text
             .lines()
             .filter(|l| {
@@ -70,8 +74,8 @@ impl MetricsLog {
             })
             .map(|l| format!("{l}\n"))
             .collect();
-        std::fs::write(&path, kept).map_err(io(&path))?;
-        Self::open_file(&path, true)
+        std::fs::write(path, kept).map_err(io(path))?;
+        Self::open_file(path, true)
     }
 
     /// A log that writes nothing: every rank but 0 of a data-parallel run computes the same

@@ -27,8 +27,20 @@ pub struct PromptFormat {
 }
 
 impl PromptFormat {
-    /// The chat template and special tokens of a `tokenizer_config.json` in `dir`, if any.
+    /// The chat template and special tokens of the tokenizer files in `dir`, if any: the
+    /// template of `chat_template.jinja` where there is one (transformers >= 4.5x saves it apart,
+    /// and gives it priority on loading, as here), else `tokenizer_config.json`'s.
     pub fn from_tokenizer_dir(dir: &Path, system_prompt: Option<String>) -> Result<Self> {
+        let mut format = Self::from_tokenizer_config(dir, system_prompt)?;
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.is_file() {
+            format.chat_template = Some(std::fs::read_to_string(&jinja).map_err(io(&jinja))?);
+        }
+        Ok(format)
+    }
+
+    /// `tokenizer_config.json`'s chat template and special tokens.
+    fn from_tokenizer_config(dir: &Path, system_prompt: Option<String>) -> Result<Self> {
         let path = dir.join("tokenizer_config.json");
         let mut format = Self { system_prompt, ..Default::default() };
         if !path.exists() {
@@ -103,5 +115,23 @@ mod tests {
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"
         );
         assert_eq!(PromptFormat::default().render("1+1?").unwrap(), "1+1?\n");
+    }
+
+    /// transformers >= 4.5x saves the template as `chat_template.jinja`, which wins over
+    /// `tokenizer_config.json`'s on loading; the special tokens still come from the config.
+    #[test]
+    fn a_chat_template_file_wins() {
+        let dir = std::env::temp_dir().join(format!("flashgrpo-chat-template-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = serde_json::json!({"chat_template": "old {{ messages[0]['content'] }}", "eos_token": "<e>"});
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        let f = PromptFormat::from_tokenizer_dir(&dir, None).unwrap();
+        assert_eq!(f.render("q").unwrap(), "old q");
+        std::fs::write(dir.join("chat_template.jinja"), "new {{ messages[-1]['content'] }}{{ eos_token }}").unwrap();
+        let f = PromptFormat::from_tokenizer_dir(&dir, None).unwrap();
+        assert_eq!(f.render("q").unwrap(), "new q<e>");
+        std::fs::remove_file(dir.join("tokenizer_config.json")).unwrap();
+        assert_eq!(PromptFormat::from_tokenizer_dir(&dir, None).unwrap().render("q").unwrap(), "new q");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -154,31 +154,75 @@ impl<'de> Deserialize<'de> for ScaleRewards {
     }
 }
 
+/// How several reward functions make one advantage (TRL's `multi_objective_aggregation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Aggregation {
+    /// The weighted sum of the rewards, then scaled as `scale_rewards` says ([`advantages`]).
+    #[default]
+    SumThenNormalize,
+    /// Each reward normalised within its group (`(r_k - mean_k) / (std_k + eps)`), the weighted
+    /// sum of those, then normalised over the whole batch (`scale_rewards` is not used): a reward
+    /// with a large range no longer drowns the others.
+    NormalizeThenSum,
+}
+
+/// The sample standard deviation, n - 1 as `torch.std` (0 for fewer than two values).
+pub(crate) fn sample_std(v: &[f64]) -> f64 {
+    if v.len() < 2 {
+        return 0.0;
+    }
+    let m = v.iter().sum::<f64>() / v.len() as f64;
+    (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64).sqrt()
+}
+
+/// `(x - mean) / scale` over `values`; 0 where they are all equal (no signal), also with a scale
+/// of 0.
+fn centred(values: &[f64], mean: f64, scale: f64) -> impl Iterator<Item = f64> + '_ {
+    let flat = values.iter().all(|r| *r == values[0]);
+    values.iter().map(move |r| if flat { 0.0 } else { (r - mean) / scale })
+}
+
+fn mean_of(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
 /// Group-relative advantages of `rewards`, laid out group after group (`group` completions per
 /// prompt). Standard deviations are unbiased (n - 1), as `torch.std` in TRL.
 pub fn advantages(rewards: &[f64], group: usize, scale: ScaleRewards, eps: f64) -> Vec<f64> {
-    let std = |v: &[f64]| -> f64 {
-        if v.len() < 2 {
-            return 0.0;
-        }
-        let m = v.iter().sum::<f64>() / v.len() as f64;
-        (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64).sqrt()
-    };
-    let batch_std = std(rewards);
+    let batch_std = sample_std(rewards);
     rewards
         .chunks(group.max(1))
         .flat_map(|g| {
-            let mean = g.iter().sum::<f64>() / g.len() as f64;
             let scale = match scale {
-                ScaleRewards::Group => std(g) + eps,
+                ScaleRewards::Group => sample_std(g) + eps,
                 ScaleRewards::Batch => batch_std + eps,
                 ScaleRewards::None => 1.0,
             };
-            // A group of equal rewards carries no signal: 0, also with eps = 0.
-            let flat = g.iter().all(|r| *r == g[0]);
-            g.iter().map(move |r| if flat { 0.0 } else { (r - mean) / scale }).collect::<Vec<_>>()
+            centred(g, mean_of(g), scale).collect::<Vec<_>>()
         })
         .collect()
+}
+
+/// TRL's `normalize_then_sum` advantages of per-completion `scores` (one value per reward
+/// function), laid out group after group: each reward standardised within its group, the
+/// weighted sum of those standardised over the whole batch.
+pub fn advantages_normalize_then_sum<S: AsRef<[f64]>>(
+    scores: &[S],
+    weights: &[f64],
+    group: usize,
+    eps: f64,
+) -> Vec<f64> {
+    let mut summed = vec![0.0; scores.len()];
+    for (k, w) in weights.iter().enumerate() {
+        let column: Vec<f64> = scores.iter().map(|s| s.as_ref()[k]).collect();
+        for (rows, g) in summed.chunks_mut(group.max(1)).zip(column.chunks(group.max(1))) {
+            for (total, z) in rows.iter_mut().zip(centred(g, mean_of(g), sample_std(g) + eps)) {
+                *total += w * z;
+            }
+        }
+    }
+    centred(&summed, mean_of(&summed), sample_std(&summed) + eps).collect()
 }
 
 #[cfg(test)]
@@ -220,5 +264,34 @@ mod tests {
         );
         assert_eq!(&a[4..], &[0.0, 0.0]);
         assert_eq!(advantages(&[1.0, 0.0], 2, ScaleRewards::None, 1e-4), vec![0.5, -0.5]);
+    }
+
+    /// TRL 1.16's `normalize_then_sum`, written out for two groups of three and two rewards:
+    /// per reward and group `(r - mean) / (std + eps)` (unbiased std), weighted sum, then the
+    /// batch's `(x - mean) / (std + eps)`.
+    #[test]
+    fn normalize_then_sum_is_trls() {
+        let scores = [[1.0, 0.0], [0.0, 0.5], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 1.0]];
+        let (weights, eps) = ([1.0, 0.5], 1e-4);
+        let got = advantages_normalize_then_sum(&scores, &weights, 3, eps);
+        // By hand: group 1, reward 0: mean 2/3, std sqrt(1/3); reward 1: mean 0.5, std 0.5.
+        // Group 2, reward 0: all 0 (flat: 0); reward 1: mean 1/3, std sqrt(1/3).
+        let z = |x: f64, m: f64, s: f64| (x - m) / (s + eps);
+        let (s1, s2) = ((1.0f64 / 3.0).sqrt(), 0.5);
+        let summed = [
+            z(1.0, 2.0 / 3.0, s1) + 0.5 * z(0.0, 0.5, s2),
+            z(0.0, 2.0 / 3.0, s1) + 0.5 * z(0.5, 0.5, s2),
+            z(1.0, 2.0 / 3.0, s1) + 0.5 * z(1.0, 0.5, s2),
+            0.5 * z(0.0, 1.0 / 3.0, s1),
+            0.5 * z(0.0, 1.0 / 3.0, s1),
+            0.5 * z(1.0, 1.0 / 3.0, s1),
+        ];
+        let m = summed.iter().sum::<f64>() / 6.0;
+        let sd = (summed.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / 5.0).sqrt();
+        for (g, x) in got.iter().zip(summed) {
+            assert!((g - (x - m) / (sd + eps)).abs() < 1e-12, "{got:?}");
+        }
+        // A flat group in every reward gets the batch's standardised 0, not 0 (as TRL).
+        assert!(got[3] != 0.0);
     }
 }

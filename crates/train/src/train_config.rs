@@ -232,6 +232,16 @@ impl TrainConfig {
                  uses one temperature for both (set loss.temperature too)"
             ));
         }
+        let g = &self.grpo;
+        let processed = g.top_k > 0 || g.top_p < 1.0 || g.min_p > 0.0 || g.repetition_penalty != 1.0;
+        if self.algo == Algo::Grpo && g.sampling_logp && processed {
+            out.push(
+                "grpo.sampling_logp hands the loss log-probabilities of softmax(logits / T) before top_k / top_p / \
+                 min_p / repetition_penalty, not of the filtered distribution the tokens were drawn from (TRL with \
+                 vLLM's processed_logprobs)"
+                    .into(),
+            );
+        }
         out
     }
 }
@@ -248,6 +258,10 @@ mod tests {
         assert!(c.warnings()[0].contains("loss.temperature"));
         c.loss.options.temperature = 0.7;
         assert!(c.warnings().is_empty());
+        c.grpo.sampling_logp = true;
+        assert!(c.warnings().is_empty());
+        c.grpo.min_p = 0.1;
+        assert!(c.warnings()[0].contains("processed"), "{:?}", c.warnings());
         assert_eq!(c.grpo.eval_temperature(), 0.7);
     }
 

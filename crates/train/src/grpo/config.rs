@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, TrainError};
 use crate::model::Sampling;
 use crate::optim::OptimConfig;
-use crate::rewards::{ScaleRewards, DEFAULT_WEIGHTS, REWARD_NAMES};
+use crate::rewards::{Aggregation, ScaleRewards, DEFAULT_WEIGHTS, REWARD_NAMES};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -40,6 +40,10 @@ pub struct GrpoConfig {
     #[serde(alias = "max_completion_length")]
     pub max_new_tokens: usize,
     pub scale_rewards: ScaleRewards,
+    /// TRL's `multi_objective_aggregation`: `sum_then_normalize` (the weighted reward, scaled as
+    /// `scale_rewards` says) or `normalize_then_sum` (each reward standardised within its group,
+    /// their weighted sum standardised over the batch).
+    pub multi_objective_aggregation: Aggregation,
     /// DAPO's dynamic sampling: drop groups whose rewards are all equal (they carry no signal) and
     /// draw more prompts in their place, up to `max_rollout_rounds` generations per step.
     pub dynamic_sampling: bool,
@@ -77,6 +81,11 @@ pub struct GrpoConfig {
     /// TRL's `mask_truncated_completions`: completions that reached `max_new_tokens` without an
     /// end-of-sequence token take no part in the loss.
     pub mask_truncated_completions: bool,
+    /// TRL's `log_completions`: every step's trained-on completions, with their rewards and
+    /// advantages, in `completions.jsonl` of the run directory.
+    pub log_completions: bool,
+    /// With `log_completions`, the first this many of each step (null: all).
+    pub num_completions_to_print: Option<usize>,
     /// TRL's adaptive entropy coefficient: after each step, `loss.entropy_coef` moves by
     /// `entropy_coef_delta` towards more bonus when the step's entropy is at or below
     /// `entropy_target` and towards less otherwise (within `[entropy_coef_min, entropy_coef_max]`),
@@ -103,6 +112,7 @@ impl Default for GrpoConfig {
             repetition_penalty: 1.0,
             max_new_tokens: 32,
             scale_rewards: ScaleRewards::Group,
+            multi_objective_aggregation: Aggregation::SumThenNormalize,
             dynamic_sampling: false,
             max_rollout_rounds: 3,
             advantage_eps: 1e-4,
@@ -116,6 +126,8 @@ impl Default for GrpoConfig {
             sampling_logp: false,
             batch_invariant: true,
             mask_truncated_completions: false,
+            log_completions: false,
+            num_completions_to_print: None,
             use_adaptive_entropy: false,
             entropy_coef_min: 0.0,
             entropy_coef_max: 1.0,

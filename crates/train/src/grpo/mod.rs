@@ -3,6 +3,7 @@
 pub mod adaptive_entropy;
 pub mod batch;
 pub mod checkpoint;
+pub mod completions_log;
 pub mod config;
 pub mod rollouts;
 pub mod trainer;

@@ -23,7 +23,7 @@ use super::config::GrpoConfig;
 use super::trainer::Prompt;
 use crate::error::Result;
 use crate::model::Qwen2;
-use crate::rewards::{advantages, score};
+use crate::rewards::{advantages, advantages_normalize_then_sum, sample_std, score, Aggregation};
 use crate::rollout::{Rollout, RowStreams};
 use crate::tokenizer::decode;
 
@@ -35,6 +35,8 @@ pub struct Groups {
     pub prompts: Vec<Vec<u32>>,
     pub completions: Vec<Vec<u32>>,
     pub advantages: Vec<f64>,
+    /// The three rewards of each of those completions.
+    pub kept_scores: Vec<[f64; 3]>,
     /// Per kept completion, what the sampler recorded: `log p` of each token and the sampling
     /// distribution's entropy ([`crate::model::Generated`]), and whether it stopped at
     /// `max_new_tokens` rather than at end-of-sequence.
@@ -88,15 +90,6 @@ pub struct RolloutSetup<'a> {
     pub comm: &'a dyn Collective,
 }
 
-/// The sample standard deviation (0 for fewer than two values).
-pub(crate) fn std_dev(v: &[f64]) -> f64 {
-    if v.len() < 2 {
-        return 0.0;
-    }
-    let m = v.iter().sum::<f64>() / v.len() as f64;
-    (v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len() - 1) as f64).sqrt()
-}
-
 impl RolloutSetup<'_> {
     /// One step's groups, prompts drawn from `rng`.
     pub fn run(&self, model: &Qwen2, rollout: &mut Rollout, rng: &mut Rng) -> Result<Groups> {
@@ -106,8 +99,8 @@ impl RolloutSetup<'_> {
         let mut out = Groups::default();
         // Every rank's kept groups' rewards (global order), and which kept groups are this rank's:
         // advantages scaled over the batch (`scale_rewards: batch`) need the whole batch.
-        let (mut kept_rewards, mut kept_here) = (Vec::new(), Vec::new());
-        let mut last_round = (Vec::new(), Vec::new(), Vec::new(), Recorded::default());
+        let (mut kept_rewards, mut kept_scores, mut kept_here) = (Vec::new(), Vec::new(), Vec::new());
+        let mut last_round = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Recorded::default());
         let rounds = if c.dynamic_sampling { c.max_rollout_rounds.max(1) } else { 1 };
         while out.rounds < rounds && out.kept_groups < target {
             out.rounds += 1;
@@ -145,30 +138,38 @@ impl RolloutSetup<'_> {
                 out.kept_groups += 1;
                 kept_here.push(mine.contains(&k));
                 kept_rewards.extend_from_slice(group);
+                kept_scores.extend_from_slice(&scores[k * g..(k + 1) * g]);
                 if !mine.contains(&k) {
                     continue;
                 }
                 let local = (k - mine.start) * g..(k - mine.start + 1) * g;
                 out.prompts.extend_from_slice(&prompts[local.clone()]);
                 out.completions.extend_from_slice(&completions[local.clone()]);
+                out.kept_scores.extend_from_slice(&scores[k * g..(k + 1) * g]);
                 recorded.append_to(&mut out, local);
             }
             out.lengths.extend(self.gather_lengths(&completions)?);
             out.scores.extend_from_slice(&scores);
             out.rewards.extend_from_slice(&rewards);
             out.reward_s += started.elapsed().as_secs_f64();
-            last_round = (prompts, completions, rewards, recorded);
+            last_round = (prompts, completions, rewards, scores, recorded);
         }
         if out.kept_groups == 0 {
             let recorded;
-            (out.prompts, out.completions, kept_rewards, recorded) = last_round;
+            (out.prompts, out.completions, kept_rewards, kept_scores, recorded) = last_round;
             let rows = 0..out.completions.len();
             recorded.append_to(&mut out, rows);
             kept_here = (0..target).map(|k| mine.contains(&k)).collect();
+            out.kept_scores = kept_scores[mine.start * g..mine.end * g].to_vec();
             out.kept_groups = target;
         }
-        let all = advantages(&kept_rewards, g, c.scale_rewards, c.advantage_eps);
-        out.advantage_std = std_dev(&all);
+        let all = match c.multi_objective_aggregation {
+            Aggregation::SumThenNormalize => advantages(&kept_rewards, g, c.scale_rewards, c.advantage_eps),
+            Aggregation::NormalizeThenSum => {
+                advantages_normalize_then_sum(&kept_scores, &c.reward_weights, g, c.advantage_eps)
+            }
+        };
+        out.advantage_std = sample_std(&all);
         out.advantages =
             all.chunks(g).zip(&kept_here).filter(|(_, &here)| here).flat_map(|(a, _)| a.to_vec()).collect();
         Ok(out)

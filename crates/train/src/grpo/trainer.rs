@@ -22,8 +22,9 @@ use tokenizers::Tokenizer;
 
 use super::adaptive_entropy::AdaptiveEntropy;
 use super::checkpoint::{checkpoint_dir, save_checkpoint, Resume, TrainerState};
+use super::completions_log;
 use super::config::GrpoConfig;
-use super::rollouts::{std_dev, RolloutSetup};
+use super::rollouts::RolloutSetup;
 use super::update::{update, EngineBuffers, Objective, UpdateBatch, UpdateInputs};
 use crate::error::{Result, TrainError};
 use crate::head_loss::LossConfig;
@@ -31,7 +32,7 @@ use crate::metrics::{self, progress_bar, record, MetricsLog};
 use crate::model::{Qwen2, Sampling};
 use crate::optim::Updater;
 use crate::parallel::{check_weights, Mesh};
-use crate::rewards::{correctness, REWARD_NAMES};
+use crate::rewards::{correctness, sample_std, REWARD_NAMES};
 use crate::rollout::{Rollout, RowStreams};
 use crate::tokenizer::{decode, SideFiles};
 
@@ -281,6 +282,9 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
     let mut eval_greedy_after = state.eval_greedy_before;
     let ckpt = checkpoint_dir(out);
     let mut engine = EngineBuffers::default();
+    let resumed_at = resume.map(|r| r.state.step);
+    let mut completions =
+        (config.log_completions && world.is_root()).then(|| completions_log::open(out, resumed_at)).transpose()?;
     while state.step < config.steps {
         let step = state.step + 1;
         let started = Instant::now();
@@ -350,7 +354,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             "step": step,
             "train/loss": mean(&losses),
             "train/reward_mean": mean(rewards),
-            "train/reward_std": std_dev(rewards),
+            "train/reward_std": sample_std(rewards),
         }));
         for (i, name) in REWARD_NAMES.iter().enumerate() {
             r.insert(format!("train/rewards/{name}"), json!(mean(&scores.iter().map(|s| s[i]).collect::<Vec<_>>())));
@@ -420,6 +424,16 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         }
         if world.is_root() {
             log.write(&r)?;
+        }
+        if let Some(c) = completions.as_mut() {
+            completions_log::write(
+                c,
+                step,
+                &groups,
+                &config.reward_weights,
+                tokenizer,
+                config.num_completions_to_print,
+            )?;
         }
         rewards_per_step.push(mean(rewards));
         update_times.push(update_s);

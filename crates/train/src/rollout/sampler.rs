@@ -254,7 +254,8 @@ fn most_likely(logits: &[f32], s: &Sampling, scratch: &mut Scratch) {
         };
         let nucleus = nucleus.map(|n| n + 1);
         let likely = if s.min_p > 0.0 { weights.iter().position(|&w| w < s.min_p) } else { None };
-        let keep = nucleus.into_iter().chain(likely).min();
+        // At least one token, as Hugging Face keeps (a `min_p` above 1 would keep none).
+        let keep = nucleus.into_iter().chain(likely).min().map(|n| n.max(1));
         if let Some(n) = keep {
             weights.truncate(n);
             kept.truncate(n);
@@ -342,9 +343,14 @@ mod tests {
         for case in 0..300 {
             let v = [5, 70, 300, 5000][case % 4];
             let logits: Vec<f32> = (0..v).map(|_| (rng.normal() * 3.0) as f32).collect();
-            let (top_k, top_p) = [(0, 0.5), (0, 0.95), (0, 0.999), (10, 1.0), (40, 0.9), (v + 3, 0.7)][case % 6];
-            // min-p: off, looser than top-p / top-k, tighter, alone (top_p 1, top_k 0 in case 3 of 6).
-            let min_p = [0.0, 1e-4, 0.05, 0.3][case % 7 % 4];
+            let (top_k, top_p) =
+                [(0, 0.5), (0, 0.95), (0, 0.999), (10, 1.0), (40, 0.9), (v + 3, 0.7), (0, 1.0)][case % 7];
+            // min-p: off, looser than top-p / top-k, tighter, alone (with top_k 0, top_p 1, every
+            // min-p but 0 comes with the last pair of the list above in some case).
+            let min_p = [0.0, 1e-4, 0.05, 0.3][case % 5 % 4];
+            if (top_k, top_p, min_p) == (0, 1.0, 0.0) {
+                continue;
+            }
             let s = Sampling { temperature: 0.8, top_k, top_p, min_p, max_new_tokens: 1, ..Default::default() };
             let mut full: Vec<usize> = (0..v).collect();
             full.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
@@ -389,6 +395,9 @@ mod tests {
         // min-p 0.5: token 3 (e^-0.1 of token 1) stays, token 2 (e^-2) goes.
         let min_p = Sampling { min_p: 0.5, ..Default::default() };
         assert!((0..200).all(|_| [1, 3].contains(&sample(&logits, none, &min_p, &mut rng))));
+        // min-p above 1 (a library caller's; configs refuse it) keeps the most likely token.
+        let above = Sampling { min_p: 2.0, ..Default::default() };
+        assert_eq!(sample(&logits, none, &above, &mut rng), 1);
         // A repetition penalty of 2 on token 1 (3.0 -> 1.5): greedy picks token 3, and token 1
         // seen twice is penalised once.
         let penalised = Sampling { repetition_penalty: 2.0, ..greedy };
