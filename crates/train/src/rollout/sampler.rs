@@ -268,7 +268,8 @@ fn most_likely(logits: &[f32], s: &Sampling, scratch: &mut Scratch) {
         cut(kept, kept_weights, total);
         return;
     }
-    let total = (0..logits.len()).map(weight).sum();
+    // The whole row's mass, for top-p only (min-p compares with the most likely token).
+    let total = if s.top_p < 1.0 { (0..logits.len()).map(weight).sum() } else { 1.0 };
     let mut k = 64;
     loop {
         top(k, order, kept);
