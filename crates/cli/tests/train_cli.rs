@@ -382,3 +382,46 @@ fn grpo_with_the_trl_1_16_options_logs_their_metrics() {
     }
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// TRL's `sync_ref_model`: with a period of 2 steps and alpha 1, the reference is synchronised at
+/// step 2 (logged) and not at step 1, and then holds the policy's weights exactly.
+#[test]
+fn sync_ref_model_moves_the_reference() {
+    let out = std::env::temp_dir().join(format!("flashgrpo-sync-ref-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut args = vec!["--set", "grpo.steps=2", "--out", out.to_str().unwrap()];
+    args.extend(TINY_GRPO);
+    args.extend([
+        "--set",
+        "loss.beta=0.04",
+        "--set",
+        "grpo.sync_ref_model=true",
+        "--set",
+        "grpo.ref_model_sync_steps=2",
+        "--set",
+        "grpo.ref_model_mixup_alpha=1.0",
+    ]);
+    let o = train(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    let synced: Vec<bool> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r.get("train/loss").is_some())
+        .map(|r| r.get("train/ref_model_synced").is_some())
+        .collect();
+    assert_eq!(synced, [false, true]);
+    let read = |dir: &str| std::fs::read(out.join("checkpoint").join(dir).join("model.safetensors")).unwrap();
+    let (policy, reference) = (read("model"), read("reference"));
+    let (policy, reference) = (
+        safetensors::SafeTensors::deserialize(&policy).unwrap(),
+        safetensors::SafeTensors::deserialize(&reference).unwrap(),
+    );
+    let mut compared = 0;
+    for (name, r) in reference.tensors() {
+        assert_eq!(r.data(), policy.tensor(&name).unwrap().data(), "{name}");
+        compared += 1;
+    }
+    assert!(compared > 3);
+    let _ = std::fs::remove_dir_all(&out);
+}

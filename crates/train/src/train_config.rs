@@ -217,6 +217,12 @@ impl TrainConfig {
                     self.sft.validate(&warm_start_loss)?;
                 }
                 self.grpo.validate()?;
+                if self.grpo.sync_ref_model && self.loss.options.beta == 0.0 {
+                    return Err(TrainError::Config {
+                        origin: "grpo.sync_ref_model".into(),
+                        why: "synchronises the reference model, which only a KL term uses: set loss.beta != 0".into(),
+                    });
+                }
             }
         }
         Ok(())
@@ -296,6 +302,10 @@ mod tests {
         assert!(e.contains("grpo.min_p"), "{e}");
         let e = grpo(serde_json::json!({"repetition_penalty": 0})).unwrap_err().to_string();
         assert!(e.contains("grpo.repetition_penalty"), "{e}");
+        let e = grpo(serde_json::json!({"sync_ref_model": true})).unwrap_err().to_string();
+        assert!(e.contains("loss.beta"), "{e}");
+        let e = grpo(serde_json::json!({"ref_model_mixup_alpha": 1.5})).unwrap_err().to_string();
+        assert!(e.contains("ref_model_mixup_alpha"), "{e}");
         // TRL's names for two settings, and both spellings at once refused.
         let c = grpo(serde_json::json!({"num_iterations": 2, "max_completion_length": 40})).unwrap();
         assert_eq!((c.grpo.ppo_epochs, c.grpo.max_new_tokens), (2, 40));

@@ -86,6 +86,12 @@ pub struct GrpoConfig {
     pub log_completions: bool,
     /// With `log_completions`, the first this many of each step (null: all).
     pub num_completions_to_print: Option<usize>,
+    /// TRL's `sync_ref_model` (TR-DPO): every `ref_model_sync_steps` optimizer steps the
+    /// reference moves to `ref_model_mixup_alpha * policy + (1 - alpha) * reference`. Needs a
+    /// reference (`loss.beta != 0`).
+    pub sync_ref_model: bool,
+    pub ref_model_mixup_alpha: f64,
+    pub ref_model_sync_steps: usize,
     /// TRL's adaptive entropy coefficient: after each step, `loss.entropy_coef` moves by
     /// `entropy_coef_delta` towards more bonus when the step's entropy is at or below
     /// `entropy_target` and towards less otherwise (within `[entropy_coef_min, entropy_coef_max]`),
@@ -126,6 +132,9 @@ impl Default for GrpoConfig {
             sampling_logp: false,
             batch_invariant: true,
             mask_truncated_completions: false,
+            sync_ref_model: false,
+            ref_model_mixup_alpha: 0.6,
+            ref_model_sync_steps: 512,
             log_completions: false,
             num_completions_to_print: None,
             use_adaptive_entropy: false,
@@ -184,6 +193,12 @@ impl GrpoConfig {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("grpo.top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.ref_model_mixup_alpha) || self.ref_model_sync_steps == 0 {
+            return bad(format!(
+                "grpo.ref_model_mixup_alpha must be in [0, 1] and grpo.ref_model_sync_steps positive, got {} and {}",
+                self.ref_model_mixup_alpha, self.ref_model_sync_steps
+            ));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
             return bad(format!("grpo.min_p must be in [0, 1], got {}", self.min_p));

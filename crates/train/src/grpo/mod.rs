@@ -5,6 +5,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod completions_log;
 pub mod config;
+pub mod ref_sync;
 pub mod rollouts;
 pub mod trainer;
 pub mod update;

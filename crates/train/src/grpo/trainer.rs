@@ -24,6 +24,7 @@ use super::adaptive_entropy::AdaptiveEntropy;
 use super::checkpoint::{checkpoint_dir, save_checkpoint, Resume, TrainerState};
 use super::completions_log;
 use super::config::GrpoConfig;
+use super::ref_sync;
 use super::rollouts::RolloutSetup;
 use super::update::{update, EngineBuffers, Objective, UpdateBatch, UpdateInputs};
 use crate::error::{Result, TrainError};
@@ -326,8 +327,18 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         });
         let objective = Objective::Grpo { advantages: &groups.advantages, old_logp, ref_logp, sampling_logp };
         let inputs = UpdateInputs { batch: &batch, objective, options: &step_options, loss, recorded_logp };
+        let steps_before = updater.steps;
         let (losses, sums, report) = update(model, &inputs, config.ppo_epochs, &mut updater, &mut engine, mesh)?;
         let update_s = update_started.elapsed().as_secs_f64();
+        let ref_synced = match reference {
+            Some(r)
+                if config.sync_ref_model && ref_sync::due(steps_before, updater.steps, config.ref_model_sync_steps) =>
+            {
+                ref_sync::mix_into(r, model, config.ref_model_mixup_alpha)?;
+                true
+            }
+            _ => false,
+        };
         let step_peak = probe.map(|p| (p.peak)());
         let update_heap = step_peak.zip(live_before).map(|(p, l)| p.saturating_sub(l));
         update_peak = update_peak.max(update_heap);
@@ -378,6 +389,9 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         }
         if let Some(c) = per_token(sums.have_clip, sums.clipped) {
             put("train/clip_ratio", json!(c));
+        }
+        if ref_synced {
+            put("train/ref_model_synced", json!(1));
         }
         if let Some(d) = sums.rollout_logp_max_abs_diff {
             put("train/rollout_logp_max_abs_diff", json!(d));
