@@ -307,8 +307,9 @@ mod tests {
         let e = grpo(serde_json::json!({"ref_model_mixup_alpha": 1.5})).unwrap_err().to_string();
         assert!(e.contains("ref_model_mixup_alpha"), "{e}");
         // TRL's names for two settings, and both spellings at once refused.
-        let c = grpo(serde_json::json!({"num_iterations": 2, "max_completion_length": 40})).unwrap();
-        assert_eq!((c.grpo.ppo_epochs, c.grpo.max_new_tokens), (2, 40));
+        let c = grpo(serde_json::json!({"num_iterations": 2, "max_completion_length": 40, "num_generations_eval": 3}))
+            .unwrap();
+        assert_eq!((c.grpo.ppo_epochs, c.grpo.max_new_tokens, c.grpo.eval_samples), (2, 40, 3));
         let e = grpo(serde_json::json!({"num_iterations": 2, "ppo_epochs": 3})).unwrap_err().to_string();
         assert!(e.contains("duplicate field"), "{e}");
     }

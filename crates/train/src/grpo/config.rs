@@ -62,7 +62,8 @@ pub struct GrpoConfig {
     /// before the first and after the last step (`eval/accuracy_greedy`).
     pub eval_temperature: Option<f64>,
     /// Completions per held-out prompt when the evaluation samples (the accuracy is their mean:
-    /// less noise than one draw per prompt).
+    /// less noise than one draw per prompt); TRL's `num_generations_eval`.
+    #[serde(alias = "num_generations_eval")]
     pub eval_samples: usize,
     /// Sequences per generation batch in the evaluation.
     pub eval_batch_size: usize,
