@@ -27,6 +27,10 @@ def main():
     ap.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     ap.add_argument("--max-new-tokens", type=int, required=True)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -48,8 +52,10 @@ def main():
     config = GenerationConfig(
         do_sample=True,
         temperature=args.temperature,
-        top_k=0,
-        top_p=1.0,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p if args.min_p > 0 else None,
+        repetition_penalty=args.repetition_penalty,
         max_new_tokens=args.max_new_tokens,
         min_new_tokens=args.max_new_tokens,
         pad_token_id=pad,

@@ -41,6 +41,15 @@ pub struct BenchRolloutArgs {
     pub new_tokens: usize,
     #[arg(long, default_value_t = 1.0)]
     pub temperature: f64,
+    /// Sampling filters, as `train`'s `grpo:` keys (both sides use them).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f64,
     /// Timed calls of each (after one warm-up call).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
@@ -84,7 +93,14 @@ pub fn main(args: BenchRolloutArgs) -> Result<()> {
     std::fs::create_dir_all(&args.out)?;
     let model = load_model(&args.model, None)?;
     let prompts = prompts(&args, model.config.vocab_size)?;
-    let s = Sampling { temperature: args.temperature, max_new_tokens: args.new_tokens, ..Sampling::default() };
+    let s = Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        max_new_tokens: args.new_tokens,
+    };
     let mut rollout = Rollout::default();
     let mut rng = Rng::new(1);
     let mut calls = |n: usize| -> Result<Vec<f64>> {
@@ -116,6 +132,9 @@ pub fn main(args: BenchRolloutArgs) -> Result<()> {
                 .arg(&file)
                 .args(["--max-new-tokens", &args.new_tokens.to_string()])
                 .args(["--temperature", &args.temperature.to_string()])
+                .args(["--top-k", &args.top_k.to_string(), "--top-p", &args.top_p.to_string()])
+                .args(["--min-p", &args.min_p.to_string()])
+                .args(["--repetition-penalty", &args.repetition_penalty.to_string()])
                 .args(["--repeats", &args.repeats.to_string()]),
             &args.out.join("bench-rollout.log"),
         )?;
@@ -127,7 +146,7 @@ pub fn main(args: BenchRolloutArgs) -> Result<()> {
     let ours_tps = tokens / ours_s;
     let c = &model.config;
     println!(
-        "model {} (H={}, layers={}, heads={}/{}, vocab={}), {} rows ({} distinct prompts of {}), {} new tokens, T={}",
+        "model {} (H={}, layers={}, heads={}/{}, vocab={}), {} rows ({} distinct prompts of {}), {} new tokens, T={} top_k={} top_p={} min_p={} repetition_penalty={}",
         args.model.display(),
         c.hidden_size,
         c.num_hidden_layers,
@@ -138,7 +157,11 @@ pub fn main(args: BenchRolloutArgs) -> Result<()> {
         prompts.len() / args.groups,
         prompts.iter().map(Vec::len).max().unwrap_or(0),
         args.new_tokens,
-        args.temperature
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.min_p,
+        args.repetition_penalty
     );
     println!("\n| impl | s per call (median) | tokens/s | / transformers |\n|---|---|---|---|");
     let mut report =

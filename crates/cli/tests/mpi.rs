@@ -224,7 +224,9 @@ fn data_parallel_sft_and_grpo_over_2_ranks_equal_one_process() {
     assert_same_grpo_run(&one_b, &two_b, 1e-5);
     // LOSSES.md's whole-batch additions: the entropy threshold, the masked-mean bonus's count and
     // verl's count of sequences with tokens are the whole batch's on every rank; the sampler's
-    // log-probabilities with a sequence-level correction; truncated completions masked.
+    // log-probabilities with a sequence-level correction; truncated completions masked; TRL's
+    // normalize_then_sum (the batch's standardisation over every rank's groups), sampling with
+    // min-p and a repetition penalty, and the reference synchronised every two steps.
     let additions = [
         from_warm.to_vec(),
         [
@@ -235,6 +237,12 @@ fn data_parallel_sft_and_grpo_over_2_ranks_equal_one_process() {
             "loss.vllm_importance_sampling_mode=sequence_mask",
             "grpo.sampling_logp=true",
             "grpo.mask_truncated_completions=true",
+            "grpo.multi_objective_aggregation=normalize_then_sum",
+            "grpo.min_p=0.05",
+            "grpo.repetition_penalty=1.1",
+            "loss.beta=0.04",
+            "grpo.sync_ref_model=true",
+            "grpo.ref_model_sync_steps=2",
         ]
         .map(String::from)
         .to_vec(),

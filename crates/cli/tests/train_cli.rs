@@ -378,18 +378,25 @@ fn grpo_with_the_trl_1_16_options_logs_their_metrics() {
             + 0.5 * rewards["tag_count"].as_f64().unwrap();
         assert!((l["reward"].as_f64().unwrap() - weighted).abs() < 1e-12, "{l}");
         assert!(l["prompt"].as_str().unwrap().contains("<|im_start|>user") && l["completion"].is_string(), "{l}");
+        // The rewards are those of the completion logged beside them: its tags counted again.
+        let completion = l["completion"].as_str().unwrap();
+        let tags = ["<think>", "</think>", "<answer>", "</answer>"];
+        let once = tags.iter().filter(|t| completion.matches(*t).count() == 1).count();
+        assert_eq!(rewards["tag_count"].as_f64().unwrap(), once as f64 * 0.25, "{l}");
         assert!(l["advantage"].as_f64().unwrap().is_finite(), "{l}");
     }
     let _ = std::fs::remove_dir_all(&out);
 }
 
 /// TRL's `sync_ref_model`: with a period of 2 steps and alpha 1, the reference is synchronised at
-/// step 2 (logged) and not at step 1, and then holds the policy's weights exactly.
+/// step 2 (logged) and not at steps 1 and 3, and then holds the policy's weights exactly: the KL
+/// term of step 3 (the policy that step 2 left against that same reference) is 0, where step 2's
+/// (the policy after step 1 against the initial reference) is not; the checkpoint keeps it.
 #[test]
 fn sync_ref_model_moves_the_reference() {
     let out = std::env::temp_dir().join(format!("flashgrpo-sync-ref-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let mut args = vec!["--set", "grpo.steps=2", "--out", out.to_str().unwrap()];
+    let mut args = vec!["--set", "grpo.steps=3", "--out", out.to_str().unwrap()];
     args.extend(TINY_GRPO);
     args.extend([
         "--set",
@@ -400,28 +407,36 @@ fn sync_ref_model_moves_the_reference() {
         "grpo.ref_model_sync_steps=2",
         "--set",
         "grpo.ref_model_mixup_alpha=1.0",
+        // Enough warm start and groups for rewards that differ, and a step large enough to move
+        // the policy measurably.
+        "--set",
+        "sft.steps=40",
+        "--set",
+        "grpo.num_generations=8",
+        "--set",
+        "grpo.optim.lr=3e-3",
     ]);
     let o = train(&args);
     assert!(o.status.success(), "{}", text(&o));
-    let synced: Vec<bool> = std::fs::read_to_string(out.join("metrics.jsonl"))
+    let steps: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .filter(|r| r.get("train/loss").is_some())
-        .map(|r| r.get("train/ref_model_synced").is_some())
         .collect();
-    assert_eq!(synced, [false, true]);
-    let read = |dir: &str| std::fs::read(out.join("checkpoint").join(dir).join("model.safetensors")).unwrap();
-    let (policy, reference) = (read("model"), read("reference"));
-    let (policy, reference) = (
-        safetensors::SafeTensors::deserialize(&policy).unwrap(),
+    let synced: Vec<bool> = steps.iter().map(|r| r.get("train/ref_model_synced").is_some()).collect();
+    assert_eq!(synced, [false, true, false]);
+    let kl: Vec<f64> = steps.iter().map(|r| r["train/kl"].as_f64().unwrap()).collect();
+    println!("KL per step: {kl:?}");
+    assert!(kl[1] > 1e-10 && kl[2].abs() < 1e-12 && kl[0].abs() < 1e-12, "{kl:?}");
+    // The checkpoint keeps the synchronised reference (no longer the warm start it began as).
+    let reference = std::fs::read(out.join("checkpoint/reference/model.safetensors")).unwrap();
+    let start = std::fs::read(out.join("warm_start/model.safetensors")).unwrap();
+    let (reference, start) = (
         safetensors::SafeTensors::deserialize(&reference).unwrap(),
+        safetensors::SafeTensors::deserialize(&start).unwrap(),
     );
-    let mut compared = 0;
-    for (name, r) in reference.tensors() {
-        assert_eq!(r.data(), policy.tensor(&name).unwrap().data(), "{name}");
-        compared += 1;
-    }
-    assert!(compared > 3);
+    let moved = reference.tensors().iter().filter(|(name, r)| r.data() != start.tensor(name).unwrap().data()).count();
+    assert!(moved > 0);
     let _ = std::fs::remove_dir_all(&out);
 }

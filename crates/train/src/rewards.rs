@@ -291,7 +291,9 @@ mod tests {
         for (g, x) in got.iter().zip(summed) {
             assert!((g - (x - m) / (sd + eps)).abs() < 1e-12, "{got:?}");
         }
-        // A flat group in every reward gets the batch's standardised 0, not 0 (as TRL).
-        assert!(got[3] != 0.0);
+        // Standardised over the batch: mean 0, unbiased std 1 (up to eps).
+        let mean = got.iter().sum::<f64>() / 6.0;
+        let var = got.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / 5.0;
+        assert!(mean.abs() < 1e-12 && (var.sqrt() - 1.0).abs() < 1e-3, "{mean} {var}");
     }
 }

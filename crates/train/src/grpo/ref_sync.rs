@@ -2,24 +2,35 @@
 //! steps the reference policy moves towards the trained one,
 //! `ref <- alpha * policy + (1 - alpha) * ref` (`ref_model_mixup_alpha`), so that the KL term
 //! anchors to a recent policy rather than the start. TRL mixes at the end of each optimizer step
-//! whose global count is a multiple of the period; here the check follows each GRPO step, whose
-//! `ppo_epochs` optimizer steps are one rollout's (the same weights when `ppo_epochs = 1`, or when
-//! the period is a multiple of `ppo_epochs`; otherwise the end of the rollout's last epoch).
+//! whose global count is a multiple of the period; here the mixes a GRPO step's `ppo_epochs`
+//! optimizer steps are due are made after it, as many as TRL makes (the same weights when
+//! `ppo_epochs = 1` or the period is a multiple of it; otherwise the rollout's last epoch's).
 
 use candle_core::DType;
 
 use crate::error::Result;
 use crate::model::Qwen2;
 
-/// Whether an optimizer step in `(before, after]` is a multiple of `every`.
-pub fn due(before: usize, after: usize, every: usize) -> bool {
-    every > 0 && after / every > before / every
+/// How many optimizer steps in `(before, after]` are multiples of `every` (0 for `every = 0`).
+pub fn due(before: usize, after: usize, every: usize) -> usize {
+    if every == 0 {
+        0
+    } else {
+        after / every - before / every
+    }
 }
 
 /// `reference <- alpha * policy + (1 - alpha) * reference`, parameter by parameter, computed in
 /// f32 and stored in the reference's dtype.
 pub fn mix_into(reference: &Qwen2, policy: &Qwen2, alpha: f64) -> Result<()> {
-    for ((name, r), (_, p)) in reference.params.iter().zip(policy.params.iter()) {
+    for ((name, r), (policy_name, p)) in reference.params.iter().zip(policy.params.iter()) {
+        if name != policy_name || r.shape() != p.shape() {
+            return Err(crate::TrainError::Other(format!(
+                "the reference's {name} {:?} does not match the policy's {policy_name} {:?}",
+                r.shape(),
+                p.shape()
+            )));
+        }
         let (r32, p32) = (r.as_tensor().to_dtype(DType::F32)?, p.as_tensor().to_dtype(DType::F32)?);
         let mixed = ((r32 * (1.0 - alpha))? + (p32 * alpha)?)?;
         r.set(&mixed.to_dtype(r.dtype())?).map_err(|e| crate::TrainError::Other(format!("{name}: {e}")))?;
@@ -34,8 +45,10 @@ mod tests {
 
     #[test]
     fn due_at_multiples_of_the_period() {
-        assert!(due(0, 1, 1) && due(3, 4, 2) && due(3, 6, 4) && !due(4, 5, 2) && !due(1, 3, 4));
-        assert!(!due(0, 10, 0));
+        assert_eq!([due(0, 1, 1), due(3, 4, 2), due(3, 6, 4), due(4, 5, 2), due(1, 3, 4)], [1, 1, 1, 0, 0]);
+        // Two epochs a rollout, a period of one: two mixes, as TRL makes after each.
+        assert_eq!(due(4, 6, 1), 2);
+        assert_eq!(due(0, 10, 0), 0);
     }
 
     /// Every parameter becomes `alpha * policy + (1 - alpha) * reference`.

@@ -130,7 +130,15 @@ impl RolloutSetup<'_> {
                 scores.iter().map(|s| s.iter().zip(&c.reward_weights).map(|(r, w)| r * w).sum()).collect();
             for (k, group) in rewards.chunks(g).enumerate() {
                 out.generated_groups += 1;
-                let flat = group.iter().all(|r| *r == group[0]);
+                // No signal: equal rewards, or with normalize_then_sum equal scores in every
+                // reward (a flat weighted sum can hide rewards that differ).
+                let flat = match c.multi_objective_aggregation {
+                    Aggregation::SumThenNormalize => group.iter().all(|r| *r == group[0]),
+                    Aggregation::NormalizeThenSum => {
+                        let s = &scores[k * g..(k + 1) * g];
+                        s.iter().all(|x| *x == s[0])
+                    }
+                };
                 out.flat_groups += usize::from(flat);
                 if (flat && c.dynamic_sampling) || out.kept_groups >= target {
                     continue;

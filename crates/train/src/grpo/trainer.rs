@@ -330,15 +330,16 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         let steps_before = updater.steps;
         let (losses, sums, report) = update(model, &inputs, config.ppo_epochs, &mut updater, &mut engine, mesh)?;
         let update_s = update_started.elapsed().as_secs_f64();
-        let ref_synced = match reference {
-            Some(r)
-                if config.sync_ref_model && ref_sync::due(steps_before, updater.steps, config.ref_model_sync_steps) =>
-            {
-                ref_sync::mix_into(r, model, config.ref_model_mixup_alpha)?;
-                true
-            }
-            _ => false,
+        // TRL's sync_ref_model: as many mixes as this step's optimizer steps are due.
+        let mixes = match config.sync_ref_model {
+            true => ref_sync::due(steps_before, updater.steps, config.ref_model_sync_steps),
+            false => 0,
         };
+        if let Some(r) = reference.filter(|_| mixes > 0) {
+            for _ in 0..mixes {
+                ref_sync::mix_into(r, model, config.ref_model_mixup_alpha)?;
+            }
+        }
         let step_peak = probe.map(|p| (p.peak)());
         let update_heap = step_peak.zip(live_before).map(|(p, l)| p.saturating_sub(l));
         update_peak = update_peak.max(update_heap);
@@ -390,8 +391,8 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         if let Some(c) = per_token(sums.have_clip, sums.clipped) {
             put("train/clip_ratio", json!(c));
         }
-        if ref_synced {
-            put("train/ref_model_synced", json!(1));
+        if mixes > 0 {
+            put("train/ref_model_synced", json!(mixes));
         }
         if let Some(d) = sums.rollout_logp_max_abs_diff {
             put("train/rollout_logp_max_abs_diff", json!(d));
