@@ -13,10 +13,9 @@ use crate::model::Qwen2;
 
 /// How many optimizer steps in `(before, after]` are multiples of `every` (0 for `every = 0`).
 pub fn due(before: usize, after: usize, every: usize) -> usize {
-    if every == 0 {
-        0
-    } else {
-        after / every - before / every
+    match (after.checked_div(every), before.checked_div(every)) {
+        (Some(a), Some(b)) => a - b,
+        _ => 0,
     }
 }
 
