@@ -187,15 +187,7 @@ fn draw_softmax_body(
     blocks: &mut Vec<f32>,
 ) -> usize {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    weights.resize(logits.len(), 0.0);
-    blocks.clear();
-    for (w, x) in weights.chunks_mut(BLOCK).zip(logits.chunks(BLOCK)) {
-        for (w, &x) in w.iter_mut().zip(x) {
-            *w = fast_exp((x - max) * inv_temperature);
-        }
-        blocks.push(sum(w));
-    }
-    let total: f64 = blocks.iter().map(|&b| b as f64).sum();
+    let total = exp_weights_body(logits, max, inv_temperature, weights, blocks);
     let mut left = u * total;
     for (b, &s) in blocks.iter().enumerate() {
         let s = s as f64;
@@ -215,34 +207,126 @@ fn draw_softmax_body(
     weights.iter().rposition(|&w| w > 0.0).unwrap_or(0)
 }
 
-/// The tokens top-k / top-p / min-p keep, most likely first (ties: lower id first), into
-/// `scratch.kept`, and their unnormalised weights into `scratch.kept_weights`. Selects instead of
-/// sorting the vocabulary: top-k sorts only its `k`; top-p and min-p sort growing prefixes (64,
-/// 256, ...) until one holds `top_p` of the mass or a token below `min_p`, which at a
-/// 151,936-token vocabulary and a peaked distribution is a few hundred tokens, not the whole row.
+avx2_or_baseline!(
+    /// Weights `exp((x - max) / T)` of the row in `weights` (f32, within two ulps), their sums per
+    /// block in `blocks`, and the row's mass (the block sums added in f64).
+    fn exp_weights(logits: &[f32], max: f32, inv_temperature: f32, weights: &mut Vec<f32>, blocks: &mut Vec<f32>) -> f64
+        => exp_weights_body
+);
+
+#[inline(always)]
+fn exp_weights_body(
+    logits: &[f32],
+    max: f32,
+    inv_temperature: f32,
+    weights: &mut Vec<f32>,
+    blocks: &mut Vec<f32>,
+) -> f64 {
+    weights.resize(logits.len(), 0.0);
+    blocks.clear();
+    for (w, x) in weights.chunks_mut(BLOCK).zip(logits.chunks(BLOCK)) {
+        for (w, &x) in w.iter_mut().zip(x) {
+            *w = fast_exp((x - max) * inv_temperature);
+        }
+        blocks.push(sum(w));
+    }
+    blocks.iter().map(|&b| b as f64).sum()
+}
+
+/// A weight every token of the nucleus (the most likely tokens whose mass first reaches `top_p`
+/// of `total`) has at least: the weights' mass by binary exponent, walked from the largest until
+/// it reaches that share, then one exponent lower for the rounding of f32 weights (0: every token).
+fn nucleus_floor(weights: &[f32], total: f64, top_p: f64) -> f32 {
+    let mut mass = [0.0f64; 256];
+    for &w in weights {
+        mass[(w.to_bits() >> 23) as usize & 0xff] += w as f64;
+    }
+    let mut cumulative = 0.0;
+    for exponent in (0..256u32).rev() {
+        cumulative += mass[exponent as usize];
+        if cumulative >= top_p * total {
+            return if exponent >= 2 { f32::from_bits((exponent - 1) << 23) } else { 0.0 };
+        }
+    }
+    0.0
+}
+
+/// The tokens top-k / top-p / min-p keep into `scratch.kept`, and their unnormalised weights
+/// `exp((x - max) / T)` (f64) into `scratch.kept_weights`: most likely first (ties: lower id
+/// first), or, with min-p alone, in id order. Selects instead of sorting the vocabulary: top-k
+/// sorts only its `k`; top-p and min-p take one vectorised pass over the row (f32 weights and the
+/// row's mass), keep the tokens whose weight reaches a floor every kept token has (min-p's, and
+/// the nucleus's from the weights' mass by binary exponent) and sort only those (min-p alone: none
+/// sorted). Should the f32 weights' rounding leave the top-p cut just outside them, the exact
+/// search over growing prefixes ([`Ranking::exact_search`]) decides.
 fn most_likely(logits: &[f32], s: &Sampling, scratch: &mut Scratch) {
-    let by_likelihood = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
-    let weight = |i: usize| ((logits[i] as f64 - max) / s.temperature).exp();
-    let Scratch { order, kept, kept_weights, .. } = scratch;
-    order.clear();
-    order.extend(0..logits.len());
-    // The `k` most likely, sorted, into `kept`.
-    let top = |k: usize, order: &mut Vec<usize>, kept: &mut Vec<usize>| {
+    let r = Ranking::new(logits, s);
+    if s.top_k > 0 {
+        r.top_k(scratch);
+        return;
+    }
+    let Scratch { weights: row, blocks, kept, kept_weights, .. } = scratch;
+    let total = exp_weights(logits, r.max, (1.0 / s.temperature) as f32, row, blocks);
+    // min-p's floor, with a margin for the f32 weights (its exact cut is made in f64), at most 1:
+    // the most likely token (weight 1) is always a candidate.
+    let min_p_floor = ((s.min_p * (1.0 - 1e-4)) as f32).min(1.0);
+    let floor = if s.top_p < 1.0 { min_p_floor.max(nucleus_floor(row, total, s.top_p)) } else { min_p_floor };
+    kept.clear();
+    kept.extend(row.iter().enumerate().filter(|(_, &w)| w >= floor).map(|(i, _)| i));
+    if s.top_p >= 1.0 {
+        r.min_p_alone(kept, kept_weights);
+        return;
+    }
+    kept.sort_unstable_by(|a, b| r.by_likelihood(a, b));
+    // Every token outside `kept` is below min-p's floor when that set the floor: a cut at its end.
+    let min_p_ends = s.min_p > 0.0 && floor == min_p_floor;
+    if r.cut(kept, kept_weights, total) || kept.len() == logits.len() || min_p_ends {
+        return;
+    }
+    r.exact_search(scratch);
+}
+
+/// A row's tokens ranked by likelihood under a sampling's filters (the reference of
+/// [`most_likely`]'s shortcuts, and its top-k).
+struct Ranking<'a> {
+    logits: &'a [f32],
+    s: &'a Sampling,
+    max: f32,
+}
+
+impl<'a> Ranking<'a> {
+    fn new(logits: &'a [f32], s: &'a Sampling) -> Self {
+        Self { logits, s, max: logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) }
+    }
+
+    /// `exp((x - max) / T)` in f64: 1 for the most likely token.
+    fn weight(&self, i: usize) -> f64 {
+        ((self.logits[i] as f64 - self.max as f64) / self.s.temperature).exp()
+    }
+
+    /// Most likely first, ties: lower id first.
+    fn by_likelihood(&self, a: &usize, b: &usize) -> std::cmp::Ordering {
+        self.logits[*b].total_cmp(&self.logits[*a]).then(a.cmp(b))
+    }
+
+    /// The `k` most likely of `order`, sorted, into `kept`.
+    fn top(&self, k: usize, order: &mut [usize], kept: &mut Vec<usize>) {
         let k = k.clamp(1, order.len());
         if k < order.len() {
-            order.select_nth_unstable_by(k - 1, by_likelihood);
+            order.select_nth_unstable_by(k - 1, |a, b| self.by_likelihood(a, b));
         }
         kept.clear();
         kept.extend_from_slice(&order[..k]);
-        kept.sort_by(by_likelihood);
-    };
-    // Cuts `kept` to the prefix top-p and min-p keep: top-p the prefix whose share of `total`
-    // first reaches `top_p`, min-p the weights at least `min_p` (the first weight is 1, the most
-    // likely token's). Whether a cut fell inside `kept` (both keep prefixes: the shorter holds).
-    let cut = |kept: &mut Vec<usize>, weights: &mut Vec<f64>, total: f64| -> bool {
+        kept.sort_by(|a, b| self.by_likelihood(a, b));
+    }
+
+    /// Cuts `kept` (sorted) to the prefix top-p and min-p keep, its weights into `weights`: top-p
+    /// the prefix whose share of `total` first reaches `top_p`, min-p the weights at least `min_p`.
+    /// Whether a cut fell inside `kept` (both keep prefixes: the shorter holds).
+    fn cut(&self, kept: &mut Vec<usize>, weights: &mut Vec<f64>, total: f64) -> bool {
+        let s = self.s;
         weights.clear();
-        weights.extend(kept.iter().map(|&i| weight(i)));
+        weights.extend(kept.iter().map(|&i| self.weight(i)));
         let nucleus = if s.top_p < 1.0 {
             let mut cumulative = 0.0;
             weights.iter().position(|w| {
@@ -261,23 +345,50 @@ fn most_likely(logits: &[f32], s: &Sampling, scratch: &mut Scratch) {
             kept.truncate(n);
         }
         keep.is_some()
-    };
-    if s.top_k > 0 {
-        top(s.top_k, order, kept);
-        let total = kept.iter().map(|&i| weight(i)).sum();
-        cut(kept, kept_weights, total);
-        return;
     }
-    // The whole row's mass, for top-p only (min-p compares with the most likely token).
-    let total = if s.top_p < 1.0 { (0..logits.len()).map(weight).sum() } else { 1.0 };
-    let mut k = 64;
-    loop {
-        top(k, order, kept);
-        let whole = kept.len() == logits.len();
-        if cut(kept, kept_weights, total) || whole {
-            return;
+
+    /// Top-k, then top-p / min-p over the `k` (top-p's mass: theirs).
+    fn top_k(&self, scratch: &mut Scratch) {
+        let Scratch { order, kept, kept_weights, .. } = scratch;
+        order.clear();
+        order.extend(0..self.logits.len());
+        self.top(self.s.top_k, order, kept);
+        let total = kept.iter().map(|&i| self.weight(i)).sum();
+        self.cut(kept, kept_weights, total);
+    }
+
+    /// Min-p alone over candidates `kept` (id order): those at least `min_p` as likely as the
+    /// most likely token (which always stays), in f64.
+    fn min_p_alone(&self, kept: &mut Vec<usize>, kept_weights: &mut Vec<f64>) {
+        kept_weights.clear();
+        kept_weights.extend(kept.iter().map(|&i| self.weight(i)));
+        let mut k = 0;
+        for j in 0..kept.len() {
+            if kept_weights[j] >= self.s.min_p || self.logits[kept[j]] == self.max {
+                (kept[k], kept_weights[k]) = (kept[j], kept_weights[j]);
+                k += 1;
+            }
         }
-        k *= 4;
+        kept.truncate(k);
+        kept_weights.truncate(k);
+    }
+
+    /// Top-p (and min-p) by sorting growing prefixes (64, 256, ...) of the most likely tokens
+    /// until a cut falls inside one, the row's mass in f64.
+    fn exact_search(&self, scratch: &mut Scratch) {
+        let Scratch { order, kept, kept_weights, .. } = scratch;
+        let total = (0..self.logits.len()).map(|i| self.weight(i)).sum();
+        order.clear();
+        order.extend(0..self.logits.len());
+        let mut k = 64;
+        loop {
+            self.top(k, order, kept);
+            let whole = kept.len() == self.logits.len();
+            if self.cut(kept, kept_weights, total) || whole {
+                return;
+            }
+            k *= 4;
+        }
     }
 }
 
@@ -341,44 +452,66 @@ mod tests {
     fn selection_equals_a_full_sort() {
         let mut rng = Rng::new(7);
         let mut scratch = Scratch::default();
-        for case in 0..300 {
-            let v = [5, 70, 300, 5000][case % 4];
-            let logits: Vec<f32> = (0..v).map(|_| (rng.normal() * 3.0) as f32).collect();
+        let mut exact = Scratch::default();
+        for case in 0..340 {
+            // Vocabularies from 5 to 40,000 tokens; logits near-uniform (the nucleus is most of
+            // the row) to peaked.
+            let v = [5, 70, 300, 5000, 40_000][case % 5];
+            let scale = [3.0, 0.05, 8.0][case % 3];
+            let logits: Vec<f32> = (0..v).map(|_| (rng.normal() * scale) as f32).collect();
             let (top_k, top_p) =
                 [(0, 0.5), (0, 0.95), (0, 0.999), (10, 1.0), (40, 0.9), (v + 3, 0.7), (0, 1.0)][case % 7];
             // min-p: off, looser than top-p / top-k, tighter, alone (with top_k 0, top_p 1, every
             // min-p but 0 comes with the last pair of the list above in some case).
-            let min_p = [0.0, 1e-4, 0.05, 0.3][case % 5 % 4];
+            let min_p = [0.0, 1e-4, 0.05, 0.3][case % 11 % 4];
             if (top_k, top_p, min_p) == (0, 1.0, 0.0) {
                 continue;
             }
             let s = Sampling { temperature: 0.8, top_k, top_p, min_p, max_new_tokens: 1, ..Default::default() };
-            let mut full: Vec<usize> = (0..v).collect();
-            full.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-            if top_k > 0 {
-                full.truncate(top_k);
-            }
-            let max = logits[full[0]] as f64;
-            let w: Vec<f64> = full.iter().map(|&i| ((logits[i] as f64 - max) / 0.8).exp()).collect();
-            let total: f64 = w.iter().sum();
-            let mut keep = w.len();
-            let mut cumulative = 0.0;
-            for (n, x) in w.iter().enumerate() {
-                cumulative += x / total;
-                if top_p < 1.0 && cumulative >= top_p {
-                    keep = n + 1;
-                    break;
-                }
-            }
-            // Hugging Face's MinPLogitsWarper after top-p: probabilities renormalised over the
-            // kept tokens, those below min_p times the largest removed.
-            let kept_total: f64 = w[..keep].iter().sum();
-            let top = w[0] / kept_total;
-            keep = w[..keep].iter().take_while(|&&x| x / kept_total >= min_p * top).count();
+            let (want, want_weights) = full_sort(&logits, &s);
             most_likely(&logits, &s, &mut scratch);
-            assert_eq!(scratch.kept, full[..keep].to_vec(), "case {case}");
-            assert_eq!(scratch.kept_weights, w[..keep].to_vec(), "case {case}");
+            if top_k == 0 && top_p >= 1.0 {
+                // min-p alone keeps its tokens in id order.
+                let mut pairs: Vec<(usize, f64)> =
+                    scratch.kept.iter().copied().zip(scratch.kept_weights.iter().copied()).collect();
+                pairs.sort_by(|a, b| logits[b.0].total_cmp(&logits[a.0]).then(a.0.cmp(&b.0)));
+                (scratch.kept, scratch.kept_weights) = pairs.into_iter().unzip();
+            }
+            assert_eq!(scratch.kept, want, "case {case}");
+            assert_eq!(scratch.kept_weights, want_weights, "case {case}");
+            // The exact search the shortcut falls back on, on its own.
+            if top_k == 0 && top_p < 1.0 {
+                Ranking::new(&logits, &s).exact_search(&mut exact);
+                assert_eq!((&exact.kept, &exact.kept_weights), (&want, &want_weights), "case {case}, exact");
+            }
         }
+    }
+
+    /// What top-k, top-p and min-p keep, by sorting the whole row: Hugging Face's warpers in their
+    /// order (min-p after top-p: probabilities renormalised over the kept tokens, those below
+    /// min_p times the largest removed), weights `exp((x - max) / T)` in f64.
+    fn full_sort(logits: &[f32], s: &Sampling) -> (Vec<usize>, Vec<f64>) {
+        let mut full: Vec<usize> = (0..logits.len()).collect();
+        full.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        if s.top_k > 0 {
+            full.truncate(s.top_k);
+        }
+        let max = logits[full[0]] as f64;
+        let w: Vec<f64> = full.iter().map(|&i| ((logits[i] as f64 - max) / s.temperature).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let mut keep = w.len();
+        let mut cumulative = 0.0;
+        for (n, x) in w.iter().enumerate() {
+            cumulative += x / total;
+            if s.top_p < 1.0 && cumulative >= s.top_p {
+                keep = n + 1;
+                break;
+            }
+        }
+        let kept_total: f64 = w[..keep].iter().sum();
+        let top = w[0] / kept_total;
+        keep = w[..keep].iter().take_while(|&&x| x / kept_total >= s.min_p * top).count();
+        (full[..keep].to_vec(), w[..keep].to_vec())
     }
 
     #[test]
