@@ -152,6 +152,28 @@ fn grpo_runs_resumes_and_the_ab_prints_its_table() {
     assert!(ab.join("ab.md").exists() && ab.join("baseline/metrics.jsonl").exists());
 }
 
+/// A tiny run of three GRPO steps with `extra` settings, in a fresh temporary directory.
+fn three_grpo_steps(name: &str, extra: &[&str]) -> PathBuf {
+    let out = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut args = vec!["--set", "grpo.steps=3", "--out", out.to_str().unwrap()];
+    args.extend(TINY_GRPO);
+    args.extend(extra);
+    let o = train(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    out
+}
+
+/// The GRPO steps' records of a run's metrics.jsonl.
+fn step_records(run: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r.get("train/loss").is_some())
+        .collect()
+}
+
 fn flashgrpo(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_flashgrpo")).current_dir(root()).args(args).output().unwrap()
 }
@@ -314,49 +336,41 @@ fn multi_process_settings_that_cannot_work_are_named() {
 /// coefficient, truncated completions masked; the recorded-vs-update metric is logged every step.
 #[test]
 fn grpo_with_the_trl_1_16_options_logs_their_metrics() {
-    let out = std::env::temp_dir().join(format!("flashgrpo-grpo-options-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    let mut args = vec!["--set", "grpo.steps=3", "--out", out.to_str().unwrap()];
-    args.extend(TINY_GRPO);
-    args.extend([
-        "--set",
-        "grpo.sampling_logp=true",
-        "--set",
-        "loss.vllm_importance_sampling_mode=token_mask",
-        "--set",
-        "loss.off_policy_mask_threshold=0.5",
-        "--set",
-        "loss.top_entropy_quantile=0.5",
-        "--set",
-        "loss.entropy_coef=0.01",
-        "--set",
-        "loss.entropy_bonus=masked_mean",
-        "--set",
-        "grpo.use_adaptive_entropy=true",
-        "--set",
-        "grpo.entropy_target=100",
-        "--set",
-        "grpo.mask_truncated_completions=true",
-        "--set",
-        "grpo.multi_objective_aggregation=normalize_then_sum",
-        "--set",
-        "grpo.min_p=0.02",
-        "--set",
-        "grpo.repetition_penalty=1.1",
-        "--set",
-        "grpo.log_completions=true",
-        "--set",
-        "grpo.num_completions_to_print=3",
-    ]);
-    let o = train(&args);
-    assert!(o.status.success(), "{}", text(&o));
-    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    let steps: Vec<serde_json::Value> = metrics
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|r| r.get("train/loss").is_some())
-        .collect();
-    assert_eq!(steps.len(), 3, "{metrics}");
+    let out = three_grpo_steps(
+        "flashgrpo-grpo-options",
+        &[
+            "--set",
+            "grpo.sampling_logp=true",
+            "--set",
+            "loss.vllm_importance_sampling_mode=token_mask",
+            "--set",
+            "loss.off_policy_mask_threshold=0.5",
+            "--set",
+            "loss.top_entropy_quantile=0.5",
+            "--set",
+            "loss.entropy_coef=0.01",
+            "--set",
+            "loss.entropy_bonus=masked_mean",
+            "--set",
+            "grpo.use_adaptive_entropy=true",
+            "--set",
+            "grpo.entropy_target=100",
+            "--set",
+            "grpo.mask_truncated_completions=true",
+            "--set",
+            "grpo.multi_objective_aggregation=normalize_then_sum",
+            "--set",
+            "grpo.min_p=0.02",
+            "--set",
+            "grpo.repetition_penalty=1.1",
+            "--set",
+            "grpo.log_completions=true",
+            "--set",
+            "grpo.num_completions_to_print=3",
+        ],
+    );
+    let steps = step_records(&out);
+    assert_eq!(steps.len(), 3, "{steps:?}");
     let coef: Vec<f64> = steps.iter().map(|r| r["train/entropy_coef"].as_f64().unwrap()).collect();
     // The entropy is below the target every step: the coefficient grows by entropy_coef_delta.
     assert!((coef[1] - coef[0] - 0.005).abs() < 1e-12 && (coef[2] - coef[1] - 0.005).abs() < 1e-12, "{coef:?}");
@@ -394,36 +408,28 @@ fn grpo_with_the_trl_1_16_options_logs_their_metrics() {
 /// (the policy after step 1 against the initial reference) is not; the checkpoint keeps it.
 #[test]
 fn sync_ref_model_moves_the_reference() {
-    let out = std::env::temp_dir().join(format!("flashgrpo-sync-ref-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    let mut args = vec!["--set", "grpo.steps=3", "--out", out.to_str().unwrap()];
-    args.extend(TINY_GRPO);
-    args.extend([
-        "--set",
-        "loss.beta=0.04",
-        "--set",
-        "grpo.sync_ref_model=true",
-        "--set",
-        "grpo.ref_model_sync_steps=2",
-        "--set",
-        "grpo.ref_model_mixup_alpha=1.0",
-        // Enough warm start and groups for rewards that differ, and a step large enough to move
-        // the policy measurably.
-        "--set",
-        "sft.steps=40",
-        "--set",
-        "grpo.num_generations=8",
-        "--set",
-        "grpo.optim.lr=3e-3",
-    ]);
-    let o = train(&args);
-    assert!(o.status.success(), "{}", text(&o));
-    let steps: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|r| r.get("train/loss").is_some())
-        .collect();
+    let out = three_grpo_steps(
+        "flashgrpo-sync-ref",
+        &[
+            "--set",
+            "loss.beta=0.04",
+            "--set",
+            "grpo.sync_ref_model=true",
+            "--set",
+            "grpo.ref_model_sync_steps=2",
+            "--set",
+            "grpo.ref_model_mixup_alpha=1.0",
+            // Enough warm start and groups for rewards that differ, and a step large enough to move
+            // the policy measurably.
+            "--set",
+            "sft.steps=40",
+            "--set",
+            "grpo.num_generations=8",
+            "--set",
+            "grpo.optim.lr=3e-3",
+        ],
+    );
+    let steps = step_records(&out);
     let synced: Vec<bool> = steps.iter().map(|r| r.get("train/ref_model_synced").is_some()).collect();
     assert_eq!(synced, [false, true, false]);
     let kl: Vec<f64> = steps.iter().map(|r| r["train/kl"].as_f64().unwrap()).collect();
