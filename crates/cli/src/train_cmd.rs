@@ -8,6 +8,7 @@ use flashgrpo_train::grpo_job::{run_grpo_job, GrpoJobSummary, JobOptions};
 use std::sync::Arc;
 
 use flashgrpo_collective::Collective;
+use flashgrpo_train::grpo::config::TRL_NAMES;
 use flashgrpo_train::sft::SftSummary;
 use flashgrpo_train::sft_job::run_sft_job;
 use flashgrpo_train::{Algo, TrainConfig};
@@ -72,7 +73,16 @@ pub fn resolve(args: &TrainArgs) -> Result<TrainConfig> {
         (None, Some(p)) => Source::File(p),
         (None, None) => Source::Defaults,
     };
-    let (mut map, origin) = load_tree(source, &args.sets)?;
+    let sets: Vec<String> = args.sets.iter().map(|s| our_name(s)).collect();
+    let (mut map, origin) = load_tree(source, &sets)?;
+    // A TRL name in the file for a setting a `--set` gives under our name: the `--set` wins.
+    if let Some(Value::Object(grpo)) = map.get_mut("grpo") {
+        for (trl, ours) in TRL_NAMES {
+            if sets.iter().any(|s| s.starts_with(&format!("grpo.{ours}="))) {
+                grpo.remove(trl);
+            }
+        }
+    }
     if let Some(algo) = args.algo {
         map.insert("algo".into(), Value::from(if matches!(algo, AlgoArg::Sft) { "sft" } else { "grpo" }));
     }
@@ -80,6 +90,17 @@ pub fn resolve(args: &TrainArgs) -> Result<TrainConfig> {
         map.insert("out".into(), Value::from(out.display().to_string()));
     }
     Ok(TrainConfig::from_value(Value::Object(map), &origin)?)
+}
+
+/// A `--set` of a `grpo:` setting under TRL's name, under ours: it then overrides the setting
+/// whichever name the file (or a resumed run's config.json) gives it.
+fn our_name(set: &str) -> String {
+    for (trl, ours) in TRL_NAMES {
+        if let Some(value) = set.strip_prefix(&format!("grpo.{trl}=")) {
+            return format!("grpo.{ours}={value}");
+        }
+    }
+    set.to_string()
 }
 
 /// What every training command sets up first: the allocator's behaviour and the heap probe.

@@ -152,6 +152,27 @@ fn grpo_runs_resumes_and_the_ab_prints_its_table() {
     assert!(ab.join("ab.md").exists() && ab.join("baseline/metrics.jsonl").exists());
 }
 
+/// TRL's names of `grpo:` settings (`num_iterations` for `ppo_epochs`): a `--set` under either
+/// name overrides a file (or a resumed run's config.json) that gives the other.
+#[test]
+fn trl_names_and_ours_override_each_other() {
+    let dir = std::env::temp_dir().join(format!("flashgrpo-trl-names-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let epochs = |file: &str, set: &str| -> String {
+        let path = dir.join("c.yaml");
+        std::fs::write(&path, file).unwrap();
+        let o = train(&["--config", path.to_str().unwrap(), "--set", set, "--print-config"]);
+        assert!(o.status.success(), "{}", text(&o));
+        let printed = String::from_utf8_lossy(&o.stdout).to_string();
+        printed.lines().find(|l| l.trim_start().starts_with("ppo_epochs:")).unwrap().trim().to_string()
+    };
+    assert_eq!(epochs("grpo:\n  ppo_epochs: 1\n", "grpo.num_iterations=3"), "ppo_epochs: 3");
+    assert_eq!(epochs("grpo:\n  num_iterations: 2\n", "grpo.ppo_epochs=3"), "ppo_epochs: 3");
+    assert_eq!(epochs("grpo:\n  num_iterations: 2\n", "grpo.num_iterations=4"), "ppo_epochs: 4");
+    assert_eq!(epochs("grpo:\n  num_iterations: 2\n", "grpo.steps=4"), "ppo_epochs: 2");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A tiny run of three GRPO steps with `extra` settings, in a fresh temporary directory.
 fn three_grpo_steps(name: &str, extra: &[&str]) -> PathBuf {
     let out = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));

@@ -8,6 +8,14 @@ use crate::model::Sampling;
 use crate::optim::OptimConfig;
 use crate::rewards::{Aggregation, ScaleRewards, DEFAULT_WEIGHTS, REWARD_NAMES};
 
+/// TRL's names of `grpo:` settings we name otherwise, each with ours (both are accepted; one
+/// section holding both is an error).
+pub const TRL_NAMES: [(&str, &str); 3] = [
+    ("num_iterations", "ppo_epochs"),
+    ("max_completion_length", "max_new_tokens"),
+    ("num_generations_eval", "eval_samples"),
+];
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GrpoConfig {
