@@ -164,12 +164,15 @@ fn micro_batches_and_implementations_agree() {
     assert!(whole[0]["train/kl"].as_f64().is_some());
 }
 
+/// A run killed after its last checkpoint resumes to the metrics (and logged completions) of a
+/// run never killed.
 #[test]
 fn a_killed_run_resumes_to_the_same_metrics() {
     let mut c = tiny("straight");
     c.grpo.steps = 4;
     c.grpo.checkpoint_every = 2;
     c.loss.options.beta = 0.04;
+    c.grpo.log_completions = true;
     run_grpo_job(&c, &JobOptions::default()).unwrap();
     let straight = deterministic(&records(&c.out));
 
@@ -181,6 +184,10 @@ fn a_killed_run_resumes_to_the_same_metrics() {
     run_grpo_job(&k, &JobOptions { resume: Some(checkpoint_dir(&k.out)), ..Default::default() }).unwrap();
     let resumed = deterministic(&records(&k.out));
     assert_eq!(straight, resumed);
+    // TRL's log_completions: step 3's lines, written before the kill, are not there twice.
+    let completions = |out: &std::path::Path| std::fs::read_to_string(out.join("completions.jsonl")).unwrap();
+    assert_eq!(completions(&c.out), completions(&k.out));
+    assert!(completions(&c.out).lines().count() >= 4);
 }
 
 /// The update scores exactly what the rollout sampled: under the update's layout (prompts
