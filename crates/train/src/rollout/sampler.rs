@@ -114,6 +114,9 @@ pub struct Scratch {
     kept_weights: Vec<f64>,
     /// The row's logits after the repetition penalty (only when one applies).
     penalised: Vec<f32>,
+    /// Top-p's weight mass by histogram bin, and the tokens of its boundary bins.
+    mass: Vec<f64>,
+    boundary: Vec<usize>,
 }
 
 /// Draws one token from `logits` (f32, `[V]`) of a row that has seen `seen`.
@@ -233,48 +236,79 @@ fn exp_weights_body(
     blocks.iter().map(|&b| b as f64).sum()
 }
 
-/// A weight every token of the nucleus (the most likely tokens whose mass first reaches `top_p`
-/// of `total`) has at least: the weights' mass by binary exponent, walked from the largest until
-/// it reaches that share, then one exponent lower for the rounding of f32 weights (0: every token).
-fn nucleus_floor(weights: &[f32], total: f64, top_p: f64) -> f32 {
-    let mut mass = [0.0f64; 256];
-    for &w in weights {
-        mass[(w.to_bits() >> 23) as usize & 0xff] += w as f64;
+/// Mantissa bits of a weight's histogram bin beside its exponent: 16 bins per octave, so that
+/// near-uniform weights still spread over many bins.
+const SUB_BITS: u32 = 4;
+
+/// The histogram bin of a weight in `[0, 1]`: its exponent and first mantissa bits (monotone in
+/// the weight).
+fn bin(w: f32) -> usize {
+    (w.to_bits() >> (23 - SUB_BITS)) as usize
+}
+
+/// The smallest weight of bin `b`.
+fn bin_floor(b: usize) -> f32 {
+    f32::from_bits((b as u32) << (23 - SUB_BITS))
+}
+
+/// The bin of the nucleus's least likely token (the most likely tokens whose mass first reaches
+/// `top_p` of `total`): the weights' mass by bin, walked from the largest bin. `None` where
+/// rounding keeps the walk short of it.
+fn nucleus_bin(weights: &[f32], total: f64, top_p: f64, mass: &mut Vec<f64>) -> Option<usize> {
+    mass.clear();
+    mass.resize(bin(1.0) + 1, 0.0);
+    // Weights below `tiny` hold less than half of `1 - top_p` of the mass all together: the
+    // nucleus is complete before any of them, so they are not binned.
+    let tiny = ((1.0 - top_p) * total / weights.len() as f64 / 2.0) as f32;
+    for &w in weights.iter().filter(|&&w| w >= tiny) {
+        mass[bin(w).min(bin(1.0))] += w as f64;
     }
     let mut cumulative = 0.0;
-    for exponent in (0..256u32).rev() {
-        cumulative += mass[exponent as usize];
-        if cumulative >= top_p * total {
-            return if exponent >= 2 { f32::from_bits((exponent - 1) << 23) } else { 0.0 };
-        }
-    }
-    0.0
+    (0..mass.len()).rev().find(|&b| {
+        cumulative += mass[b];
+        cumulative >= top_p * total
+    })
 }
 
 /// The tokens top-k / top-p / min-p keep into `scratch.kept`, and their unnormalised weights
-/// `exp((x - max) / T)` (f64) into `scratch.kept_weights`: most likely first (ties: lower id
-/// first), or, with min-p alone, in id order. Selects instead of sorting the vocabulary: top-k
-/// sorts only its `k`; top-p and min-p take one vectorised pass over the row (f32 weights and the
-/// row's mass), keep the tokens whose weight reaches a floor every kept token has (min-p's, and
-/// the nucleus's from the weights' mass by binary exponent) and sort only those (min-p alone: none
-/// sorted). Should the f32 weights' rounding leave the top-p cut just outside them, the exact
-/// search over growing prefixes ([`Ranking::exact_search`]) decides.
+/// `exp((x - max) / T)` (f64) into `scratch.kept_weights`, in an order fixed by the row (the draw
+/// walks it; any fixed order draws from the same distribution). Selects instead of sorting the
+/// vocabulary: top-k sorts only its `k` (most likely first, ties: lower id first). Top-p and
+/// min-p take one vectorised pass over the row (f32 weights and the row's mass); top-p then bins
+/// the weights' mass (16 bins an octave) to find the bin of the nucleus's last token: the tokens
+/// of the bins above are kept in id order, only those of that bin and the one below are sorted.
+/// Min-p alone keeps the tokens at or above its weight, in id order; where min-p's floor is the
+/// higher, the tokens above it are sorted and cut. Should the f32 weights' rounding leave a cut
+/// outside the tokens gathered, the exact search over growing prefixes
+/// ([`Ranking::exact_search`]) decides.
 fn most_likely(logits: &[f32], s: &Sampling, scratch: &mut Scratch) {
     let r = Ranking::new(logits, s);
     if s.top_k > 0 {
         r.top_k(scratch);
         return;
     }
-    let Scratch { weights: row, blocks, kept, kept_weights, .. } = scratch;
+    let Scratch { weights: row, blocks, kept, kept_weights, mass, boundary, .. } = scratch;
     let total = exp_weights(logits, r.max, (1.0 / s.temperature) as f32, row, blocks);
     // min-p's floor, with a margin for the f32 weights (its exact cut is made in f64), at most 1:
     // the most likely token (weight 1) is always a candidate.
     let min_p_floor = ((s.min_p * (1.0 - 1e-4)) as f32).min(1.0);
-    let floor = if s.top_p < 1.0 { min_p_floor.max(nucleus_floor(row, total, s.top_p)) } else { min_p_floor };
+    let nucleus = if s.top_p < 1.0 { nucleus_bin(row, total, s.top_p, mass) } else { None };
+    // The nucleus's floor: one bin below its last token's, for the f32 weights' rounding.
+    let nucleus_floor = nucleus.map_or(0.0, |b| bin_floor(b.saturating_sub(1)));
+    // Top-p's nucleus, then min-p within it (both keep the most likely tokens: the smaller set).
+    if let Some(b) = nucleus {
+        if r.nucleus_by_bins(row, b, total, kept, kept_weights, boundary) {
+            r.min_p_within(kept, kept_weights);
+            return;
+        }
+    }
+    let floor = min_p_floor.max(nucleus_floor);
     kept.clear();
     kept.extend(row.iter().enumerate().filter(|(_, &w)| w >= floor).map(|(i, _)| i));
     if s.top_p >= 1.0 {
-        r.min_p_alone(kept, kept_weights);
+        kept_weights.clear();
+        kept_weights.extend(kept.iter().map(|&i| r.weight(i)));
+        r.min_p_within(kept, kept_weights);
         return;
     }
     kept.sort_unstable_by(|a, b| r.by_likelihood(a, b));
@@ -357,11 +391,54 @@ impl<'a> Ranking<'a> {
         self.cut(kept, kept_weights, total);
     }
 
-    /// Min-p alone over candidates `kept` (id order): those at least `min_p` as likely as the
-    /// most likely token (which always stays), in f64.
-    fn min_p_alone(&self, kept: &mut Vec<usize>, kept_weights: &mut Vec<f64>) {
+    /// The nucleus without sorting most of it: the tokens of bins above `cut_bin` (the bin the
+    /// mass walk stopped in) are all in it, in id order; those of `cut_bin` and the bin below it
+    /// are sorted and taken until the mass reaches `top_p` of `total`. False (nothing decided)
+    /// where rounding puts the cut outside them: the sorted path then decides.
+    fn nucleus_by_bins(
+        &self,
+        row: &[f32],
+        cut_bin: usize,
+        total: f64,
+        kept: &mut Vec<usize>,
+        kept_weights: &mut Vec<f64>,
+        boundary: &mut Vec<usize>,
+    ) -> bool {
+        let floor = bin_floor(cut_bin.saturating_sub(1));
+        kept.clear();
+        boundary.clear();
+        for (i, &w) in row.iter().enumerate().filter(|(_, &w)| w >= floor) {
+            if bin(w) > cut_bin {
+                kept.push(i)
+            } else {
+                boundary.push(i)
+            }
+        }
         kept_weights.clear();
         kept_weights.extend(kept.iter().map(|&i| self.weight(i)));
+        let mut share: f64 = kept_weights.iter().map(|w| w / total).sum();
+        if share >= self.s.top_p {
+            return false;
+        }
+        boundary.sort_unstable_by(|a, b| self.by_likelihood(a, b));
+        for &i in boundary.iter() {
+            let w = self.weight(i);
+            kept.push(i);
+            kept_weights.push(w);
+            share += w / total;
+            if share >= self.s.top_p {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Min-p over `kept` in any order, `kept_weights` theirs: those at least `min_p` as likely
+    /// as the most likely token (which always stays), in f64; nothing to do without min-p.
+    fn min_p_within(&self, kept: &mut Vec<usize>, kept_weights: &mut Vec<f64>) {
+        if self.s.min_p <= 0.0 {
+            return;
+        }
         let mut k = 0;
         for j in 0..kept.len() {
             if kept_weights[j] >= self.s.min_p || self.logits[kept[j]] == self.max {
@@ -470,8 +547,8 @@ mod tests {
             let s = Sampling { temperature: 0.8, top_k, top_p, min_p, max_new_tokens: 1, ..Default::default() };
             let (want, want_weights) = full_sort(&logits, &s);
             most_likely(&logits, &s, &mut scratch);
-            if top_k == 0 && top_p >= 1.0 {
-                // min-p alone keeps its tokens in id order.
+            if top_k == 0 {
+                // Top-p and min-p keep their tokens in an order of their own.
                 let mut pairs: Vec<(usize, f64)> =
                     scratch.kept.iter().copied().zip(scratch.kept_weights.iter().copied()).collect();
                 pairs.sort_by(|a, b| logits[b.0].total_cmp(&logits[a.0]).then(a.0.cmp(&b.0)));
