@@ -103,6 +103,11 @@ pub fn tag_count(completion: &str) -> f64 {
     TAGS.iter().filter(|t| completion.matches(*t).count() == 1).count() as f64 * 0.25
 }
 
+/// The reward a completion's `scores` make under `weights` (TRL's `reward_weights`).
+pub fn weighted(scores: &[f64], weights: &[f64]) -> f64 {
+    scores.iter().zip(weights).map(|(s, w)| s * w).sum()
+}
+
 /// The three rewards of one completion.
 pub fn score(completion: &str, gold: &str) -> [f64; 3] {
     [correctness(completion, gold), strict_format(completion), tag_count(completion)]

@@ -12,7 +12,7 @@ use tokenizers::Tokenizer;
 use super::rollouts::Groups;
 use crate::error::{Result, TrainError};
 use crate::metrics::{record, MetricsLog};
-use crate::rewards::REWARD_NAMES;
+use crate::rewards::{weighted, REWARD_NAMES};
 use crate::tokenizer::decode;
 
 /// The log's file name in the run directory.
@@ -45,7 +45,7 @@ pub fn write(
         let scores = &groups.kept_scores[r];
         let rewards: serde_json::Map<String, serde_json::Value> =
             REWARD_NAMES.iter().zip(scores).map(|(name, s)| (name.to_string(), json!(s))).collect();
-        let reward: f64 = scores.iter().zip(weights).map(|(s, w)| s * w).sum();
+        let reward = weighted(scores, weights);
         log.write(&record(json!({
             "step": step,
             "prompt": prompt,

@@ -23,7 +23,7 @@ use super::config::GrpoConfig;
 use super::trainer::Prompt;
 use crate::error::Result;
 use crate::model::Qwen2;
-use crate::rewards::{advantages, advantages_normalize_then_sum, sample_std, score, Aggregation};
+use crate::rewards::{advantages, advantages_normalize_then_sum, sample_std, score, weighted, Aggregation};
 use crate::rollout::{Rollout, RowStreams};
 use crate::tokenizer::decode;
 
@@ -97,10 +97,11 @@ impl RolloutSetup<'_> {
         let (g, target) = (c.num_generations, c.prompts_per_step);
         let mine = share(target, self.comm.size(), self.comm.rank());
         let mut out = Groups::default();
-        // Every rank's kept groups' rewards (global order), and which kept groups are this rank's:
-        // advantages scaled over the batch (`scale_rewards: batch`) need the whole batch.
-        let (mut kept_rewards, mut kept_scores, mut kept_here) = (Vec::new(), Vec::new(), Vec::new());
-        let mut last_round = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Recorded::default());
+        // Every rank's kept groups' scores (global order), and which kept groups are this rank's:
+        // advantages scaled over the batch (`scale_rewards: batch`, `normalize_then_sum`) need
+        // the whole batch.
+        let (mut kept_scores, mut kept_here) = (Vec::new(), Vec::new());
+        let mut last_round = (Vec::new(), Vec::new(), Vec::new(), Recorded::default());
         let rounds = if c.dynamic_sampling { c.max_rollout_rounds.max(1) } else { 1 };
         while out.rounds < rounds && out.kept_groups < target {
             out.rounds += 1;
@@ -126,8 +127,7 @@ impl RolloutSetup<'_> {
                 .map(|(i, t)| Ok(score(&decode(self.tokenizer, t)?, &chosen[mine.start + i / g].answer)))
                 .collect::<Result<_>>()?;
             let scores = self.gather_scores(&scores)?;
-            let rewards: Vec<f64> =
-                scores.iter().map(|s| s.iter().zip(&c.reward_weights).map(|(r, w)| r * w).sum()).collect();
+            let rewards: Vec<f64> = scores.iter().map(|s| weighted(s, &c.reward_weights)).collect();
             for (k, group) in rewards.chunks(g).enumerate() {
                 out.generated_groups += 1;
                 // No signal: equal rewards, or with normalize_then_sum equal scores in every
@@ -145,7 +145,6 @@ impl RolloutSetup<'_> {
                 }
                 out.kept_groups += 1;
                 kept_here.push(mine.contains(&k));
-                kept_rewards.extend_from_slice(group);
                 kept_scores.extend_from_slice(&scores[k * g..(k + 1) * g]);
                 if !mine.contains(&k) {
                     continue;
@@ -160,11 +159,11 @@ impl RolloutSetup<'_> {
             out.scores.extend_from_slice(&scores);
             out.rewards.extend_from_slice(&rewards);
             out.reward_s += started.elapsed().as_secs_f64();
-            last_round = (prompts, completions, rewards, scores, recorded);
+            last_round = (prompts, completions, scores, recorded);
         }
         if out.kept_groups == 0 {
             let recorded;
-            (out.prompts, out.completions, kept_rewards, kept_scores, recorded) = last_round;
+            (out.prompts, out.completions, kept_scores, recorded) = last_round;
             let rows = 0..out.completions.len();
             recorded.append_to(&mut out, rows);
             kept_here = (0..target).map(|k| mine.contains(&k)).collect();
@@ -172,7 +171,10 @@ impl RolloutSetup<'_> {
             out.kept_groups = target;
         }
         let all = match c.multi_objective_aggregation {
-            Aggregation::SumThenNormalize => advantages(&kept_rewards, g, c.scale_rewards, c.advantage_eps),
+            Aggregation::SumThenNormalize => {
+                let kept_rewards: Vec<f64> = kept_scores.iter().map(|s| weighted(s, &c.reward_weights)).collect();
+                advantages(&kept_rewards, g, c.scale_rewards, c.advantage_eps)
+            }
             Aggregation::NormalizeThenSum => {
                 advantages_normalize_then_sum(&kept_scores, &c.reward_weights, g, c.advantage_eps)
             }

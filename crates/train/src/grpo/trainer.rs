@@ -331,11 +331,12 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         let (losses, sums, report) = update(model, &inputs, config.ppo_epochs, &mut updater, &mut engine, mesh)?;
         let update_s = update_started.elapsed().as_secs_f64();
         // TRL's sync_ref_model: as many mixes as this step's optimizer steps are due.
-        let mixes = match config.sync_ref_model {
-            true => ref_sync::due(steps_before, updater.steps, config.ref_model_sync_steps),
-            false => 0,
+        let mixes = if config.sync_ref_model {
+            ref_sync::due(steps_before, updater.steps, config.ref_model_sync_steps)
+        } else {
+            0
         };
-        if let Some(r) = reference.filter(|_| mixes > 0) {
+        if let Some(r) = reference {
             for _ in 0..mixes {
                 ref_sync::mix_into(r, model, config.ref_model_mixup_alpha)?;
             }
