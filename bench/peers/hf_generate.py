@@ -34,7 +34,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "f32", "bf16"],
+                    help="torch's names or flashgrpo's (model.dtype)")
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -42,7 +43,7 @@ def main():
 
     with open(args.prompts) as f:
         prompts = json.load(f)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, {"f32": "float32", "bf16": "bfloat16"}.get(args.dtype, args.dtype)))
     model.eval()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     eos = model.config.eos_token_id if model.config.eos_token_id is not None else pad

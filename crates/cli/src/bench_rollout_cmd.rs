@@ -13,10 +13,10 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::DType;
 use flashgrpo_kernels::synthetic::Rng;
 use flashgrpo_train::model::{load_model, Sampling};
 use flashgrpo_train::rollout::Rollout;
+use flashgrpo_train::train_config::parameter_dtype;
 use serde_json::{json, Value};
 
 use crate::peers::{json_lines, median, python, run_measured, script};
@@ -59,34 +59,11 @@ pub struct BenchRolloutArgs {
     /// Only flashgrpo (no peer).
     #[arg(long)]
     pub no_peer: bool,
-    /// The dtype both sides compute in (the parameters cast on load): `f32`, or `bf16` (ours on
-    /// the machine's bf16 products where it has them, torch's bf16 kernels on its side).
-    #[arg(long, value_enum, default_value_t = ModelDtype::F32)]
-    pub dtype: ModelDtype,
-}
-
-/// A model dtype both sides of the comparison take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ModelDtype {
-    F32,
-    Bf16,
-}
-
-impl ModelDtype {
-    fn candle(self) -> DType {
-        match self {
-            ModelDtype::F32 => DType::F32,
-            ModelDtype::Bf16 => DType::BF16,
-        }
-    }
-
-    /// The name `hf_generate.py --dtype` takes.
-    fn torch(self) -> &'static str {
-        match self {
-            ModelDtype::F32 => "float32",
-            ModelDtype::Bf16 => "bfloat16",
-        }
-    }
+    /// The dtype both sides compute in, the parameters cast on load (`model.dtype`'s names:
+    /// `f32` or `bf16`): ours on the machine's bf16 products where it has them, else widened;
+    /// torch's bf16 kernels on its side.
+    #[arg(long, default_value = "f32")]
+    pub dtype: flashgrpo_kernels::DType,
 }
 
 fn prompts(args: &BenchRolloutArgs, vocab: usize) -> Result<Vec<Vec<u32>>> {
@@ -120,7 +97,7 @@ fn prompts(args: &BenchRolloutArgs, vocab: usize) -> Result<Vec<Vec<u32>>> {
 pub fn main(args: BenchRolloutArgs) -> Result<()> {
     crate::train_cmd::prepare_process();
     std::fs::create_dir_all(&args.out)?;
-    let model = load_model(&args.model, Some(args.dtype.candle()))?;
+    let model = load_model(&args.model, Some(parameter_dtype(args.dtype)?))?;
     let prompts = prompts(&args, model.config.vocab_size)?;
     let s = Sampling {
         temperature: args.temperature,
@@ -165,7 +142,7 @@ pub fn main(args: BenchRolloutArgs) -> Result<()> {
                 .args(["--min-p", &args.min_p.to_string()])
                 .args(["--repetition-penalty", &args.repetition_penalty.to_string()])
                 .args(["--repeats", &args.repeats.to_string()])
-                .args(["--dtype", args.dtype.torch()]),
+                .args(["--dtype", args.dtype.name()]),
             &args.out.join("bench-rollout.log"),
         )?;
         ours.extend(calls(args.repeats)?);
@@ -176,7 +153,7 @@ pub fn main(args: BenchRolloutArgs) -> Result<()> {
     let ours_tps = tokens / ours_s;
     let c = &model.config;
     println!(
-        "model {} (H={}, layers={}, heads={}/{}, vocab={}), {} rows ({} distinct prompts of {}), {} new tokens, {:?}, T={} top_k={} top_p={} min_p={} repetition_penalty={}",
+        "model {} (H={}, layers={}, heads={}/{}, vocab={}), {} rows ({} distinct prompts of {}), {} new tokens, {}, T={} top_k={} top_p={} min_p={} repetition_penalty={}",
         args.model.display(),
         c.hidden_size,
         c.num_hidden_layers,
@@ -195,7 +172,7 @@ pub fn main(args: BenchRolloutArgs) -> Result<()> {
         args.repetition_penalty
     );
     println!("\n| impl | s per call (median) | tokens/s | / transformers |\n|---|---|---|---|");
-    let mut report = json!({"tokens": tokens, "dtype": args.dtype.torch(), "flashgrpo": {"seconds_p50": ours_s, "seconds": ours, "tokens_per_s": ours_tps}});
+    let mut report = json!({"tokens": tokens, "dtype": args.dtype.name(), "flashgrpo": {"seconds_p50": ours_s, "seconds": ours, "tokens_per_s": ours_tps}});
     if let Some(p) = &peer {
         let (ps, ptps) =
             (p["seconds_p50"].as_f64().unwrap_or(f64::NAN), p["tokens_per_s"].as_f64().unwrap_or(f64::NAN));
