@@ -8,10 +8,19 @@
 //! - [`matmul_nt`], forward: `z[n, v] = hc[n, h] @ wt[v, h]^T` (into a buffer with any row stride);
 //! - [`matmul_nn`], input gradient: `dh[n, h] (+)= dz[n, v] @ wt[v, h]`;
 //! - [`matmul_tn`], weight gradient: `dw[v, h] (+)= dz[n, v]^T @ hc[n, h]`.
+//!
+//! On AVX2 machines without AVX-512 the forward runs [`weight_rows`] instead (the weight read in
+//! place: `gemm` packs all of it on every call, a third of a rollout's decode steps there); on
+//! AVX-512 machines `gemm`'s wider kernels stay (the weight-rows kernel is AVX2 and not measured
+//! against them). Either way one machine computes every forward product with one kernel, so the
+//! sampler's products and the update's agree bit for bit.
 
 use gemm::{gemm, Parallelism};
 
 use crate::scratch::with_scratch;
+
+#[cfg(target_arch = "x86_64")]
+pub mod weight_rows;
 
 /// A row-major matrix view: `rows x cols` with `stride` elements between rows.
 #[derive(Clone, Copy)]
@@ -129,7 +138,9 @@ static BATCH_INVARIANT: std::sync::atomic::AtomicBool = std::sync::atomic::Atomi
 /// Turns the padding of small products on (the default) or off, for the whole process. Off, a
 /// decode step of one row runs `gemm`'s matrix-vector kernel: at the Qwen2.5-0.5B shape on this
 /// project's 2-core machine, one row generates 2x faster, four rows 1.4x (docs/BENCHMARKS.md), at
-/// the price of log-probabilities a few ulp from the update's for the tokens drawn there.
+/// the price of log-probabilities a few ulp from the update's for the tokens drawn there. Where
+/// the forward runs [`weight_rows`] (AVX2 machines) nothing is padded and this changes nothing:
+/// that kernel is batch-invariant by construction.
 pub fn set_batch_invariant(on: bool) {
     BATCH_INVARIANT.store(on, std::sync::atomic::Ordering::Relaxed);
 }
@@ -182,8 +193,19 @@ pub fn matmul_nt(z: &mut MatMut<'_>, accumulate: bool, hc: Mat<'_>, wt: Mat<'_>)
     hc.check();
     wt.check();
     assert!(z.rows == hc.rows && z.cols == wt.rows && hc.cols == wt.cols);
+    #[cfg(target_arch = "x86_64")]
+    if forward_reads_weight_rows() {
+        return weight_rows::product(z, accumulate, hc, wt);
+    }
     let (lhs, rhs) = (Strided { data: hc.data, rs: hc.stride, cs: 1 }, Strided { data: wt.data, rs: 1, cs: wt.stride });
     product(z, accumulate, hc.cols, lhs, rhs);
+}
+
+/// Whether [`matmul_nt`] runs [`weight_rows`] on this thread: at the AVX2 level of the row
+/// kernels ([`crate::Isa`]: an AVX2 machine, or `FLASHGRPO_ISA=avx2` / `with_isa` on a better one).
+#[cfg(target_arch = "x86_64")]
+pub fn forward_reads_weight_rows() -> bool {
+    crate::cpu::isa::current() == crate::Isa::Avx2
 }
 
 /// `dh (+)= dz @ wt`.
@@ -265,6 +287,13 @@ mod tests {
     /// rollout's decode batches shrink to one row; the update computes hundreds).
     #[test]
     fn a_rows_product_does_not_depend_on_the_batch() {
+        // Every level: `gemm` padded (generic, AVX-512) and the weight-rows kernel (AVX2).
+        for isa in crate::Isa::available() {
+            crate::with_isa(isa, a_rows_product_does_not_depend_on_the_batch_at_this_level);
+        }
+    }
+
+    fn a_rows_product_does_not_depend_on_the_batch_at_this_level() {
         for (h, v) in [(32, 97), (64, 300), (32, 16), (64, 32), (128, 64), (896, 1000)] {
             let m = 40;
             let x = normal_matrix(m, h, 1.0, 1);

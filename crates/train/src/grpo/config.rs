@@ -85,7 +85,9 @@ pub struct GrpoConfig {
     /// Batch-invariant products: each row's matrix products (and so its logits) are the same
     /// bits whatever the number of rows computed with it, so the log-probabilities the sampler
     /// records equal the update's bit for bit (`train/rollout_logp_max_abs_diff` = 0). Costs
-    /// nothing at the trainer's batch sizes; off, decode steps of a few rows run faster.
+    /// nothing at the trainer's batch sizes; off, decode steps of a few rows run faster on
+    /// AVX-512 machines (on AVX2 ones the forward products are batch-invariant anyway:
+    /// `flashgrpo_kernels::matmul::weight_rows`).
     pub batch_invariant: bool,
     /// TRL's `mask_truncated_completions`: completions that reached `max_new_tokens` without an
     /// end-of-sequence token take no part in the loss.
