@@ -64,6 +64,15 @@ pub fn product(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: Mat<'_>) {
     if m == 0 || n == 0 {
         return;
     }
+    if k == 0 {
+        // No terms: every sum is zero (and there are no steps to pack).
+        for r in 0..m {
+            for v in &mut y.data[r * y.stride..r * y.stride + n] {
+                *v = if accumulate { *v + 0.0 } else { 0.0 };
+            }
+        }
+        return;
+    }
     with_scratch(&PACKED, |packed| {
         pack_panels(packed, x);
         let rows_per_task = rows_per_task(n);
@@ -321,7 +330,8 @@ mod tests {
 
     /// Shapes ragged against every blocking: rows around the vector, panel and group sizes,
     /// weight rows around the tiles and tasks, `k` around the block.
-    const SHAPES: [(usize, usize, usize); 9] = [
+    const SHAPES: [(usize, usize, usize); 10] = [
+        (4, 5, 0),
         (1, 1, 1),
         (3, 5, 7),
         (8, 12, 128),
