@@ -20,7 +20,14 @@ fn median(mut t: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    if !Isa::available().contains(&Isa::Avx2) {
+        eprintln!("forward_product_rates: the weight-rows kernel needs AVX2 and FMA, which this CPU lacks");
+        std::process::exit(2);
+    }
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().unwrap_or_else(|_| panic!("`{a}` is not a count: usage [repeats [rows out in]]")))
+        .collect();
     let repeats = args.first().copied().unwrap_or(7);
     // `repeats rows out in`: one shape.
     let shapes: Vec<(usize, usize, usize)> = match args[..] {

@@ -187,16 +187,16 @@ unsafe fn task(
         let group = group..panels.min(group + PANELS_PER_GROUP);
         sums.clear();
         sums.resize(group.len() * nw * PANEL, 0.0);
-        let kc = if group.len() > 1 { KC } else { KC_ONE_PANEL };
+        let several = group.len() > 1;
+        let kc = if several { KC } else { KC_ONE_PANEL };
         for k0 in (0..k).step_by(kc) {
             let steps = kc.min(k - k0);
-            let in_place = w.data.as_ptr().add(rows.start * w.stride + k0);
-            let weights = if group.len() > 1 {
-                pack_weight_block(weight_block, &w.data[rows.start * w.stride + k0..], w.stride, nw, steps);
-                Weights { in_place, stride: w.stride, packed: Some(weight_block.as_ptr()) }
-            } else {
-                Weights { in_place, stride: w.stride, packed: None }
-            };
+            let first = rows.start * w.stride + k0;
+            let packed_block = several.then(|| {
+                pack_weight_block(weight_block, &w.data[first..], w.stride, nw, steps);
+                weight_block.as_ptr()
+            });
+            let weights = Weights { in_place: w.data.as_ptr().add(first), stride: w.stride, packed: packed_block };
             for (s, g) in group.clone().enumerate() {
                 let lanes = width((m - g * PANEL).min(PANEL));
                 let xt = packed.as_ptr().add(g * PANEL * k + k0 * lanes);
