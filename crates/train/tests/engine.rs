@@ -205,6 +205,47 @@ fn update_gradients_match_candle_autograd() {
     compare(&m, &want, &got, 2e-5, "gspo + entropy bonus");
 }
 
+/// A zero gradient of the final hidden states (a micro-batch whose advantages are all zero, with
+/// no KL or entropy term: GRPO's groups of equal rewards) adds nothing: every gradient buffer
+/// keeps its bits, and every layer is still handed over, the last first, as a data-parallel
+/// update waits for them.
+#[test]
+fn a_zero_hidden_gradient_adds_nothing_and_hands_over_every_layer() {
+    let m = model(true, DType::F32, 4);
+    let (prompts, completions) = batch(7);
+    let packing = Packing::new(&refs(&prompts), &refs(&completions)).unwrap();
+    let w = Weights::of(&m).unwrap();
+    let (mut ws, mut bufs) = (Workspace::default(), BackwardBuffers::default());
+    let input = Input { tokens: &packing.tokens, positions: &packing.positions, queries: &packing.queries };
+    forward(&w, input, &mut ws, Pass::Train).unwrap();
+    let mut grads = GradBuffers::new(&m.params);
+    for i in 0..m.params.len() {
+        grads.get_mut(i).iter_mut().enumerate().for_each(|(j, g)| *g = (j as f32 * 0.37 + i as f32).sin());
+    }
+    let before: Vec<Vec<f32>> = (0..m.params.len()).map(|i| grads.get(i).to_vec()).collect();
+    // The head's gradient rows of a batch whose advantages are all zero (dapo, no KL): zero.
+    let loss = LossConfig::default();
+    let mb = MicroBatch::new(&refs(&prompts), &refs(&completions), 0).unwrap();
+    let mut inputs = grpo_inputs(&mb, &LossOptions::default(), &loss, prompts.len());
+    if let LossKind::Grpo { advantages, .. } = &mut inputs.kind {
+        advantages.iter_mut().for_each(|a| *a = 0.0);
+    }
+    let rows = packing.gather(&ws.hidden, w.dims.hidden);
+    let mut d_rows = vec![1.0f32; rows.len()];
+    let mut head_grads = GradBuffers::new(&m.params);
+    let head = Head { weights: &w, lm_head: m.lm_head(), implementation: LossImpl::FusedLinear };
+    head.loss(&rows, &inputs, Some(HeadGradients { rows: &mut d_rows, grads: &mut head_grads })).unwrap();
+    assert!(d_rows.iter().all(|&g| g == 0.0), "zero advantages without KL must give a zero gradient");
+    let d_slots = packing.scatter(&d_rows, w.dims.hidden);
+    let mut handed = Vec::new();
+    backward(&w, &packing, &mut ws, &mut bufs, &d_slots, &mut grads, &mut |l, _| handed.push(l));
+    assert_eq!(handed, (0..w.dims.layers).rev().collect::<Vec<_>>());
+    for (i, (name, _)) in m.params.iter().enumerate() {
+        let same = grads.get(i).iter().zip(&before[i]).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{name}: a zero d_hidden changed its gradient");
+    }
+}
+
 /// bf16 parameters, every way this machine has (`Widened`: f32 products of the widened weights;
 /// on AMX, the layers' and the head's bf16 products with the activations rounded to bf16, the
 /// gradients split or rounded), tied and untied, against candle computing in bf16: they agree to

@@ -48,7 +48,8 @@ impl BackwardBuffers {
 /// the loss with respect to `ws.hidden` (the forward's final hidden states over `packing`), and
 /// calls `after_layer(l, grads)` as soon as layer `l`'s gradients are complete (layers in reverse
 /// order): a data-parallel update starts summing them over the ranks while the layers below are
-/// still computed (`&mut |_, _| {}` when nothing waits for them).
+/// still computed (`&mut |_, _| {}` when nothing waits for them). An all-zero `d_hidden` adds
+/// nothing and computes nothing (`after_layer` is still called for every layer).
 pub fn backward(
     w: &Weights<'_>,
     packing: &Packing,
@@ -61,6 +62,17 @@ pub fn backward(
     let d = &w.dims;
     let n = ws.rows;
     assert_eq!(ws.layers.len(), d.layers, "the forward must be a Pass::Train");
+    assert_eq!(d_hidden.len(), n * d.hidden, "d_hidden must be [rows, hidden] of the forward");
+    if d_hidden.iter().all(|&g| g == 0.0) {
+        // Nothing to add: with finite weights and activations every gradient of a zero `d_hidden`
+        // is zero, and adding zeros leaves each buffer's bits as they are. GRPO makes such
+        // micro-batches often (every group's rewards equal: all advantages zero, and no KL or
+        // entropy term), and the backward is two thirds of the layers' products.
+        for l in (0..d.layers).rev() {
+            after_layer(l, grads);
+        }
+        return;
+    }
     bufs.resize(n, d);
     bufs.dx.clear();
     bufs.dx.resize(n * d.hidden, 0.0);
