@@ -5,17 +5,20 @@
 //! column is a scalar gather, one weight row apart per element: at the Qwen2.5-0.5B shape on an
 //! AVX2-only machine that packing was 31% of a rollout (docs/BENCHMARKS.md, "On an AVX2-only
 //! machine"). Here `x` is packed instead (transposed into panels of up to 32 rows, `k` steps of
-//! one vector per 8 rows: small at a decode step) and each weight element is broadcast from its
+//! one vector per 8 rows, by 8 x 8 transposes in registers: small at a decode step) and each weight element is broadcast from its
 //! row against a panel step: 6 weight rows x 2 vectors of rows = 12 accumulators per step
 //! (fewer rows: 4 x 3, 12 x 1), the weight's rows streamed in order.
 //!
 //! Blocking (constants measured on the AVX2-only machine of docs/BENCHMARKS.md, where the
 //! results are the same bits for any of them): one task per slice of at most [`ROWS_PER_TASK`]
-//! weight rows; `k` in blocks of [`KC`] steps, so that a panel's block (8 KiB) stays in L1 while
-//! the slice's block passes it; panels in groups of [`PANELS_PER_GROUP`] whose partial sums the task
-//! keeps (`[w row][rows]`, in L2), the slice's block packed once per group for them. A decode step
-//! (one panel) reads the weight in place in longer blocks ([`KC_ONE_PANEL`]), each row a run the
-//! prefetcher follows.
+//! weight rows and group of [`PANELS_PER_GROUP`] panels (256 rows of `x`), about four tasks per
+//! thread; `k` in blocks of [`KC`] steps, so that a panel's block (8 KiB) stays in L1 while the
+//! slice's block passes it; the task keeps its group's partial sums (`[w row][rows]`, 96 KiB,
+//! in L2 with the group's blocks of `x`), the slice's block packed once per group for them.
+//! (Groups of 32 panels: 384 KiB of sums, and a large batch split into fewer tasks; at 1,024 rows
+//! the 128 key / value rows ran at 0.73-1.01x `gemm` with them, 0.82-1.11x with 8, within the
+//! VM's noise elsewhere.) A decode step (one panel) reads the weight in place in longer blocks
+//! ([`KC_ONE_PANEL`]), each row a run the prefetcher follows.
 //!
 //! Each output is one FMA chain over `k` in order, from zero: `acc = fma(x[i, p], w[j, p], acc)`
 //! for `p = 0..k` (the chain's partial value stored and reloaded exactly between blocks), then
@@ -40,8 +43,8 @@ const KC: usize = 64;
 /// Steps of `k` per block when a group is one panel (a decode step): long runs of each weight
 /// row for the prefetcher, the panel's block in L2.
 const KC_ONE_PANEL: usize = 512;
-/// Panels whose partial sums a task keeps while it passes its weight slice over them.
-const PANELS_PER_GROUP: usize = 32;
+/// Panels of a task, whose partial sums it keeps while it passes its weight slice over them.
+const PANELS_PER_GROUP: usize = 8;
 /// The most weight rows per task (a multiple of every tile's 3, 4, 6 and 12 rows).
 const ROWS_PER_TASK: usize = 96;
 
@@ -75,16 +78,23 @@ pub fn product(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: Mat<'_>) {
     }
     with_scratch(&PACKED, |packed| {
         pack_panels(packed, x);
-        let rows_per_task = rows_per_task(n);
+        let panels = m.div_ceil(PANEL);
+        let groups = panels.div_ceil(PANELS_PER_GROUP);
+        let rows_per_task = rows_per_task(n, groups);
+        let slices = n.div_ceil(rows_per_task);
         let out = OutPtr { data: y.data.as_mut_ptr(), stride: y.stride };
         let (packed, w) = (&packed[..], w);
-        (0..n.div_ceil(rows_per_task)).into_par_iter().for_each(|t| {
-            let rows = t * rows_per_task..(n.min((t + 1) * rows_per_task));
+        // Group-major: the threads share a group's packed rows while they pass their slices.
+        (0..groups * slices).into_par_iter().for_each(|t| {
+            let (g, s) = (t / slices, t % slices);
+            let rows = s * rows_per_task..(n.min((s + 1) * rows_per_task));
+            let group = g * PANELS_PER_GROUP..panels.min((g + 1) * PANELS_PER_GROUP);
             with_scratch(&SUMS, |sums| {
                 with_scratch(&WEIGHT_BLOCK, |weight_block| {
-                    // SAFETY: `available()` was asserted; tasks write disjoint columns `rows` of
-                    // `y` (bounded by `y.check()`), and read `packed` and `w` only.
-                    unsafe { task(out, accumulate, packed, m, k, w, rows, sums, weight_block) }
+                    // SAFETY: `available()` was asserted; tasks write disjoint blocks (rows of
+                    // `group`, columns `rows`) of `y` (bounded by `y.check()`), and read `packed`
+                    // and `w` only.
+                    unsafe { task(out, accumulate, packed, m, k, w, rows, group, sums, weight_block) }
                 })
             });
         });
@@ -105,10 +115,13 @@ pub fn reference(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: Mat<'_>) {
     }
 }
 
-/// Weight rows per task: about four tasks per thread for small `n` (a layer's 128 key rows on two
-/// threads), at most [`ROWS_PER_TASK`], a multiple of 12.
-fn rows_per_task(n: usize) -> usize {
-    let wanted = n.div_ceil(4 * rayon::current_num_threads()).div_ceil(12) * 12;
+/// Weight rows per task, given the groups of panels each slice of them runs against: about four
+/// tasks per thread in all (a decode step's 128 key rows on two threads: slices of 24 rows; a
+/// large batch's many groups: slices as wide as they may be), at most [`ROWS_PER_TASK`], a
+/// multiple of 12.
+fn rows_per_task(n: usize, groups: usize) -> usize {
+    let slices = (4 * rayon::current_num_threads()).div_ceil(groups);
+    let wanted = n.div_ceil(slices).div_ceil(12) * 12;
     wanted.clamp(12, ROWS_PER_TASK)
 }
 
@@ -128,25 +141,77 @@ fn width(rows: usize) -> usize {
 
 /// `x` transposed into panels of [`PANEL`] rows: panel `g` at `g * PANEL * k`, step `p` of it at
 /// `p * width` (its `width(rows)` lanes: row `i` of the panel in lane `i`, zeros past its rows).
+/// Every lane a task reads is written here (no clearing of the buffer first).
 fn pack_panels(packed: &mut Vec<f32>, x: Mat<'_>) {
     let (m, k) = (x.rows, x.cols);
-    packed.clear();
-    packed.resize(m.div_ceil(PANEL) * PANEL * k, 0.0);
-    packed.par_chunks_mut(PANEL * k).enumerate().for_each(|(g, panel)| {
-        let rows = (m - g * PANEL).min(PANEL);
-        let width = width(rows);
-        // A chunk of steps at a time, so that the chunk's packed lines (8 KiB) stay in L1 while
-        // every row writes its lane into them.
-        for p0 in (0..k).step_by(64) {
-            let steps = 64.min(k - p0);
-            for i in 0..rows {
-                let row = &x.data[(g * PANEL + i) * x.stride + p0..][..steps];
-                for (p, &v) in row.iter().enumerate() {
-                    panel[(p0 + p) * width + i] = v;
-                }
+    let len = m.div_ceil(PANEL) * PANEL * k;
+    if packed.len() < len {
+        packed.resize(len, 0.0);
+    }
+    packed[..len].par_chunks_mut(PANEL * k).enumerate().for_each(|(g, panel)| {
+        // SAFETY: `product` asserted AVX2 and FMA; `x.check()` bounds the rows read.
+        unsafe { pack_panel(panel, x, g * PANEL) }
+    });
+}
+
+/// One panel: blocks of 8 rows x 8 steps loaded as rows and stored as steps (an 8 x 8 transpose
+/// in registers), rows past `x`'s as zeros; the last `k % 8` steps element by element.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_panel(panel: &mut [f32], x: Mat<'_>, first: usize) {
+    let (rows, k) = ((x.rows - first).min(PANEL), x.cols);
+    let width = width(rows);
+    let out = panel.as_mut_ptr();
+    for i0 in (0..rows).step_by(LANES) {
+        let here = (rows - i0).min(LANES);
+        let row = |r: usize| x.data.as_ptr().add((first + i0 + r) * x.stride);
+        let mut p = 0;
+        while p + LANES <= k {
+            let mut v = [_mm256_setzero_ps(); LANES];
+            for (r, v) in v.iter_mut().enumerate().take(here) {
+                *v = _mm256_loadu_ps(row(r).add(p));
+            }
+            transpose8(&mut v);
+            for (q, v) in v.iter().enumerate() {
+                _mm256_storeu_ps(out.add((p + q) * width + i0), *v);
+            }
+            p += LANES;
+        }
+        for p in p..k {
+            for r in 0..LANES {
+                *out.add(p * width + i0 + r) = if r < here { *row(r).add(p) } else { 0.0 };
             }
         }
-    });
+    }
+}
+
+/// Eight vectors of eight lanes transposed: lane `j` of vector `i` becomes lane `i` of vector `j`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn transpose8(v: &mut [__m256; LANES]) {
+    let t0 = _mm256_unpacklo_ps(v[0], v[1]);
+    let t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    let t2 = _mm256_unpacklo_ps(v[2], v[3]);
+    let t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    let t4 = _mm256_unpacklo_ps(v[4], v[5]);
+    let t5 = _mm256_unpackhi_ps(v[4], v[5]);
+    let t6 = _mm256_unpacklo_ps(v[6], v[7]);
+    let t7 = _mm256_unpackhi_ps(v[6], v[7]);
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    v[0] = _mm256_permute2f128_ps::<0x20>(u0, u4);
+    v[1] = _mm256_permute2f128_ps::<0x20>(u1, u5);
+    v[2] = _mm256_permute2f128_ps::<0x20>(u2, u6);
+    v[3] = _mm256_permute2f128_ps::<0x20>(u3, u7);
+    v[4] = _mm256_permute2f128_ps::<0x31>(u0, u4);
+    v[5] = _mm256_permute2f128_ps::<0x31>(u1, u5);
+    v[6] = _mm256_permute2f128_ps::<0x31>(u2, u6);
+    v[7] = _mm256_permute2f128_ps::<0x31>(u3, u7);
 }
 
 /// `y`'s data for writes from several tasks, each to its own columns.
@@ -160,14 +225,14 @@ struct OutPtr {
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// One task: the weight rows `rows` against every panel, a group of panels at a time. With more
-/// than one panel in a group, each block of the weight rows is packed first as the full panels'
-/// tiles read it ([`pack_weight_block`], one stream per tile instead of six; copied once for
-/// the group's panels).
+/// One task: the weight rows `rows` against the panels of `group`. With more than one panel in
+/// the group, each block of the weight rows is packed first as the full panels' tiles read it
+/// ([`pack_weight_block`], one stream per tile instead of six; copied once for the group's
+/// panels).
 ///
 /// # Safety
 /// AVX2 and FMA must be available; `out` must hold `m` rows of at least `rows.end` columns that no
-/// other task writes in `rows`.
+/// other task writes in `rows` of the group's rows.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn task(
@@ -178,42 +243,39 @@ unsafe fn task(
     k: usize,
     w: Mat<'_>,
     rows: std::ops::Range<usize>,
+    group: std::ops::Range<usize>,
     sums: &mut Vec<f32>,
     weight_block: &mut Vec<f32>,
 ) {
-    let panels = m.div_ceil(PANEL);
     let nw = rows.len();
-    for group in (0..panels).step_by(PANELS_PER_GROUP) {
-        let group = group..panels.min(group + PANELS_PER_GROUP);
-        sums.clear();
-        sums.resize(group.len() * nw * PANEL, 0.0);
-        let several = group.len() > 1;
-        let kc = if several { KC } else { KC_ONE_PANEL };
-        for k0 in (0..k).step_by(kc) {
-            let steps = kc.min(k - k0);
-            let first = rows.start * w.stride + k0;
-            let packed_block = several.then(|| {
-                pack_weight_block(weight_block, &w.data[first..], w.stride, nw, steps);
-                weight_block.as_ptr()
-            });
-            let weights = Weights { in_place: w.data.as_ptr().add(first), stride: w.stride, packed: packed_block };
-            for (s, g) in group.clone().enumerate() {
-                let lanes = width((m - g * PANEL).min(PANEL));
-                let xt = packed.as_ptr().add(g * PANEL * k + k0 * lanes);
-                let panel_sums = sums.as_mut_ptr().add(s * nw * PANEL);
-                block(xt, lanes, weights, nw, steps, panel_sums);
-            }
+    sums.clear();
+    sums.resize(group.len() * nw * PANEL, 0.0);
+    let several = group.len() > 1;
+    let kc = if several { KC } else { KC_ONE_PANEL };
+    for k0 in (0..k).step_by(kc) {
+        let steps = kc.min(k - k0);
+        let first = rows.start * w.stride + k0;
+        let packed_block = several.then(|| {
+            pack_weight_block(weight_block, &w.data[first..], w.stride, nw, steps);
+            weight_block.as_ptr()
+        });
+        let weights = Weights { in_place: w.data.as_ptr().add(first), stride: w.stride, packed: packed_block };
+        for (s, g) in group.clone().enumerate() {
+            let lanes = width((m - g * PANEL).min(PANEL));
+            let xt = packed.as_ptr().add(g * PANEL * k + k0 * lanes);
+            let panel_sums = sums.as_mut_ptr().add(s * nw * PANEL);
+            block(xt, lanes, weights, nw, steps, panel_sums);
         }
-        for (s, g) in group.enumerate() {
-            let first = g * PANEL;
-            let lanes = width((m - first).min(PANEL));
-            let panel_sums = &sums[s * nw * PANEL..];
-            for i in 0..(m - first).min(PANEL) {
-                let y = out.data.add((first + i) * out.stride + rows.start);
-                for j in 0..nw {
-                    let acc = panel_sums[j * lanes + i];
-                    *y.add(j) = if accumulate { *y.add(j) + acc } else { acc };
-                }
+    }
+    for (s, g) in group.enumerate() {
+        let first = g * PANEL;
+        let lanes = width((m - first).min(PANEL));
+        let panel_sums = &sums[s * nw * PANEL..];
+        for i in 0..(m - first).min(PANEL) {
+            let y = out.data.add((first + i) * out.stride + rows.start);
+            for j in 0..nw {
+                let acc = panel_sums[j * lanes + i];
+                *y.add(j) = if accumulate { *y.add(j) + acc } else { acc };
             }
         }
     }
