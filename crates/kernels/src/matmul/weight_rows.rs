@@ -5,9 +5,10 @@
 //! column is a scalar gather, one weight row apart per element: at the Qwen2.5-0.5B shape on an
 //! AVX2-only machine that packing was 31% of a rollout (docs/BENCHMARKS.md, "On an AVX2-only
 //! machine"). Here `x` is packed instead (transposed into panels of up to 32 rows, `k` steps of
-//! one vector per 8 rows, by 8 x 8 transposes in registers: small at a decode step) and each weight element is broadcast from its
-//! row against a panel step: 6 weight rows x 2 vectors of rows = 12 accumulators per step
-//! (fewer rows: 4 x 3, 12 x 1), the weight's rows streamed in order.
+//! one vector per 8 rows, by 8 x 8 transposes in registers: small at a decode step) and each
+//! weight element is broadcast from its row against a panel step: 6 weight rows x 2 vectors of
+//! rows = 12 accumulators per step (fewer rows: 4 x 3, 12 x 1), the weight's rows streamed in
+//! order.
 //!
 //! Blocking (constants measured on the AVX2-only machine of docs/BENCHMARKS.md, where the
 //! results are the same bits for any of them): one task per slice of at most [`ROWS_PER_TASK`]
@@ -231,8 +232,8 @@ unsafe impl Sync for OutPtr {}
 /// panels).
 ///
 /// # Safety
-/// AVX2 and FMA must be available; `out` must hold `m` rows of at least `rows.end` columns that no
-/// other task writes in `rows` of the group's rows.
+/// AVX2 and FMA must be available; `out` must hold `m` rows of at least `rows.end` columns, and no
+/// other task may write the group's rows at columns `rows`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn task(

@@ -65,7 +65,7 @@ pub fn backward(
     assert_eq!(d_hidden.len(), n * d.hidden, "d_hidden must be [rows, hidden] of the forward");
     if d_hidden.iter().all(|&g| g == 0.0) {
         // Nothing to add: with finite weights and activations every gradient of a zero `d_hidden`
-        // is zero, and adding zeros leaves each buffer's bits as they are. GRPO makes such
+        // is zero, and adding zeros changes no buffer's value. GRPO makes such
         // micro-batches often (every group's rewards equal: all advantages zero, and no KL or
         // entropy term), and the backward is two thirds of the layers' products.
         for l in (0..d.layers).rev() {
