@@ -135,6 +135,11 @@ thread_local! {
     static WEIGHT_BLOCK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// The rows of `x` (of `m`) in panel `g`.
+fn panel_rows(m: usize, g: usize) -> usize {
+    (m - g * PANEL).min(PANEL)
+}
+
 /// The lanes a panel of `rows` rows is packed with: a whole number of vectors.
 fn width(rows: usize) -> usize {
     rows.div_ceil(LANES) * LANES
@@ -151,15 +156,15 @@ fn pack_panels(packed: &mut Vec<f32>, x: Mat<'_>) {
     }
     packed[..len].par_chunks_mut(PANEL * k).enumerate().for_each(|(g, panel)| {
         // SAFETY: `product` asserted AVX2 and FMA; `x.check()` bounds the rows read.
-        unsafe { pack_panel(panel, x, g * PANEL) }
+        unsafe { pack_panel(panel, x, g) }
     });
 }
 
-/// One panel: blocks of 8 rows x 8 steps loaded as rows and stored as steps (an 8 x 8 transpose
+/// Panel `g`: blocks of 8 rows x 8 steps loaded as rows and stored as steps (an 8 x 8 transpose
 /// in registers), rows past `x`'s as zeros; the last `k % 8` steps element by element.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pack_panel(panel: &mut [f32], x: Mat<'_>, first: usize) {
-    let (rows, k) = ((x.rows - first).min(PANEL), x.cols);
+unsafe fn pack_panel(panel: &mut [f32], x: Mat<'_>, g: usize) {
+    let (first, rows, k) = (g * PANEL, panel_rows(x.rows, g), x.cols);
     let width = width(rows);
     let out = panel.as_mut_ptr();
     for i0 in (0..rows).step_by(LANES) {
@@ -262,17 +267,17 @@ unsafe fn task(
         });
         let weights = Weights { in_place: w.data.as_ptr().add(first), stride: w.stride, packed: packed_block };
         for (s, g) in group.clone().enumerate() {
-            let lanes = width((m - g * PANEL).min(PANEL));
+            let lanes = width(panel_rows(m, g));
             let xt = packed.as_ptr().add(g * PANEL * k + k0 * lanes);
             let panel_sums = sums.as_mut_ptr().add(s * nw * PANEL);
             block(xt, lanes, weights, nw, steps, panel_sums);
         }
     }
     for (s, g) in group.enumerate() {
-        let first = g * PANEL;
-        let lanes = width((m - first).min(PANEL));
+        let (first, rows_here) = (g * PANEL, panel_rows(m, g));
+        let lanes = width(rows_here);
         let panel_sums = &sums[s * nw * PANEL..];
-        for i in 0..(m - first).min(PANEL) {
+        for i in 0..rows_here {
             let y = out.data.add((first + i) * out.stride + rows.start);
             for j in 0..nw {
                 let acc = panel_sums[j * lanes + i];
