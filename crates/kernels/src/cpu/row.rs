@@ -8,10 +8,10 @@
 //! Two ways to produce a row's gradient:
 //! - [`gradient`] recomputes `p_j = exp(u_j - lse)` from the logits (after all rows' statistics,
 //!   for sequence-level objectives and vocabulary shards; in base 2 for 16-bit outputs on
-//!   AVX-512, [`Recompute`]);
+//!   AVX-512 and AVX2, [`Recompute`]);
 //! - [`sweep`] keeps `exp(u_j - m_tile)` from the statistics pass in a per-thread scratch row
-//!   (`m_tile` the reference the tile was summed against; on AVX-512 the kept values are `2^t`,
-//!   [`Base2`]) and rescales it once the objective has given `lse` and the row's scalars: one
+//!   (`m_tile` the reference the tile was summed against; on AVX-512 and AVX2 the kept values
+//!   are `2^t`, [`Base2`]) and rescales it once the objective has given `lse` and the row's scalars: one
 //!   exponential per element instead of two, and the logits are read from memory once.
 //!
 //! Everything is `#[inline(always)]` and generic: `mod.rs` compiles it once per instruction set.
@@ -299,7 +299,8 @@ impl<S: Simd> VectorSums<S> {
 /// at or near the tile's maximum ([`statistics_natural`] only requires `max u <= m + HEADROOM`);
 /// in base 2, per 16 logits the widening, one FMA, `exp2` (7 operations on AVX-512) and two sums:
 /// 12 vector operations where natural units take 16 (no subtraction, clamp or rounding trick),
-/// the maximum only where it is reported (tracking it cost 7% in cache on cpu-2c).
+/// the maximum only where it is reported (tracking it cost 7% in cache on cpu-2c). On AVX2, per 8
+/// logits, 17 where natural units take 25 (its `exp2` 12 operations, `exp` 18).
 #[inline(always)]
 fn tile_sums<S: Simd, T: Element, E: Exponent<S>, const STORE: bool, const SUM_U: bool, const MAX: bool>(
     s: S,
@@ -441,7 +442,8 @@ fn statistics_natural<S: Simd, T: Element, const STORE: bool, const SUM_U: bool,
 
 /// The statistics pass in base 2: `t = x a - r`, with `a = inv_t log2 e` rounded to f32 and `r`
 /// a reference in the same units, so that one FMA takes a raw logit to the exponent of `exp2`
-/// (temperature, shift and change of base at once) and AVX-512's `exp2` needs no clamp. In the
+/// (temperature, shift and change of base at once) and AVX-512's `exp2` needs no clamp (AVX2's
+/// clamps to [-127, 128], its exponent field's range). In the
 /// units of `u = x inv_t`: `u - r w = t w` with `w = inv_t / a` (in f64; ~ln 2), up to the
 /// rounding of `t` (half an ulp: at most 2.4e-7 for the `t` in [-4, 4] that carry the sums).
 #[derive(Clone, Copy)]
@@ -1242,7 +1244,7 @@ mod tests {
     /// subnormal range (which AVX512-BF16's conversion flushes) and a zero gradient.
     fn recomputed_gradient<T: Element>(isa: Isa) {
         // f32 to its accuracy; 16-bit outputs to their rounding (half an ulp: 2^-9, 2^-11) and a
-        // margin for `p`'s own error (base 2 on AVX-512).
+        // margin for `p`'s own error (base 2 on AVX-512 and AVX2).
         let tolerance = match T::DTYPE {
             DType::F32 => 4e-6,
             DType::BF16 => 4.5e-3,

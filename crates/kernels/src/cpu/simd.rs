@@ -1,8 +1,9 @@
 //! Sixteen f32 lanes, three ways: portable arrays that LLVM autovectorises for whatever the
 //! calling function is compiled for (the baseline kernels; with FMA, the reference the AVX2 ones
 //! are tested against bit for bit), AVX2 intrinsics on two 8-lane registers (the portable
-//! arithmetic written out), and AVX-512 intrinsics (whose `exp` uses `vscalefps` and so needs no
-//! exponent bit tricks, range clamp on the high side, or underflow fix-up). The row kernels are
+//! arithmetic written out, and an `exp2` of their own with AVX-512's polynomial), and AVX-512
+//! intrinsics (whose `exp` and `exp2` use `vscalefps` and so need no exponent bit tricks, range
+//! clamp on the high side, or underflow fix-up). The row kernels are
 //! written once over [`Simd`]; a token value of the implementation selects it, at no cost.
 
 use super::math;
@@ -30,12 +31,12 @@ pub(crate) trait Simd: Copy {
     fn max(self, a: Self::V, b: Self::V) -> Self::V;
     fn exp(self, x: Self::V) -> Self::V;
     /// Whether [`Simd::exp2`] is this level's own, cheaper than `exp` and exact in its range
-    /// reduction (AVX-512): only then does the statistics pass work in base 2.
+    /// reduction (AVX-512 and AVX2): only then does the statistics pass work in base 2.
     const NATIVE_EXP2: bool = false;
     /// `2^t`: 0 for `-inf` and below the subnormals (the default: below about -125.5, where
     /// `exp` clamps), `NaN` for `NaN`. By default `exp(t ln 2)` (the product's rounding adds
-    /// ~`|t| 2^-24` to the relative error); AVX-512 has a cheaper one of its own
-    /// ([`Simd::NATIVE_EXP2`]).
+    /// ~`|t| 2^-24` to the relative error); AVX-512 and AVX2 have a cheaper one of their own
+    /// ([`Simd::NATIVE_EXP2`]; AVX2's 0 below 2^-126).
     #[inline(always)]
     fn exp2(self, t: Self::V) -> Self::V {
         self.exp(self.mul(t, self.splat(std::f32::consts::LN_2)))
@@ -534,6 +535,20 @@ mod tests {
         worst
     }
 
+    /// `S::exp2` of every integer power of two in [-140, 130], against f64: exact (the
+    /// polynomial's constant term is 1), but below 2^-126 where the level `flushes` to 0, and
+    /// inf from 2^128 on.
+    fn exp2_powers<S: Simd>(s: S, flushes: bool) {
+        for first in (-140..=130).step_by(LANES) {
+            let t: [f32; LANES] = std::array::from_fn(|k| (first + k as i32) as f32);
+            let got = s.to_array(s.exp2(s.load(&t)));
+            for (g, &t) in got.iter().zip(&t) {
+                let want = if flushes && t < -126.0 { 0.0 } else { (t as f64).exp2() };
+                assert_eq!(*g as f64, if want >= 2f64.powi(128) { f64::INFINITY } else { want }, "2^{t}");
+            }
+        }
+    }
+
     #[test]
     fn vector_exp2_is_accurate_on_every_instruction_set() {
         // The default, `exp(t ln 2)`: the product's rounding (half an ulp of |t ln 2|) adds up
@@ -544,33 +559,48 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx2 {
             #[target_feature(enable = "avx2,fma,f16c")]
-            fn avx2_worst(slope: f64) -> f64 {
-                exp2_worst(unsafe { Avx2::new() }, slope)
+            fn avx2() -> f64 {
+                let s = unsafe { Avx2::new() };
+                exp2_powers(s, true);
+                exp2_worst(s, 0.0)
             }
             // SAFETY: AVX2, FMA and F16C were detected.
-            let w = unsafe { avx2_worst(slope) };
-            assert!(w < 3e-7, "AVX2 exp2 worst relative error beyond the slope {w}");
+            let w = unsafe { avx2() };
+            assert!(w < 1.6e-7, "AVX2 exp2 worst relative error {w}");
         }
         #[cfg(target_arch = "x86_64")]
         if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx512 {
             #[target_feature(enable = "avx512f,avx512dq")]
-            fn avx512_worst() -> f64 {
-                exp2_worst(unsafe { Avx512::<false>::new() }, 0.0)
+            fn avx512() -> f64 {
+                let s = unsafe { Avx512::<false>::new() };
+                exp2_powers(s, false);
+                exp2_worst(s, 0.0)
             }
             // SAFETY: AVX-512F and DQ were detected.
-            let w = unsafe { avx512_worst() };
+            let w = unsafe { avx512() };
             assert!(w < 1.6e-7, "AVX-512 exp2 worst relative error {w}");
-            // An integer power of two is exact (the polynomial's constant term is 1).
-            #[target_feature(enable = "avx512f,avx512dq")]
-            fn powers() -> [f32; LANES] {
-                let s = unsafe { Avx512::<false>::new() };
-                s.to_array(s.exp2(s.load(&std::array::from_fn::<f32, LANES, _>(|k| k as f32 * 9.0 - 140.0))))
+        }
+    }
+
+    /// AVX2's `exp2` gives AVX-512's bits wherever the result is a normal number (the same
+    /// fraction, polynomial and power of two), so the base-2 statistics agree across the two.
+    #[test]
+    fn avx2_exp2_matches_avx512_where_normal() {
+        #[cfg(target_arch = "x86_64")]
+        if super::super::isa::Isa::detected() >= super::super::isa::Isa::Avx512 {
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+            fn check() {
+                let (a, b) = (unsafe { Avx2::new() }, unsafe { Avx512::<false>::new() });
+                let mut t = -126.0f32;
+                while t < 127.0 {
+                    let lanes: [f32; LANES] = std::array::from_fn(|k| t + k as f32 * 0.000_37);
+                    let (x, y) = (a.to_array(a.exp2(a.load(&lanes))), b.to_array(b.exp2(b.load(&lanes))));
+                    assert_eq!(x.map(f32::to_bits), y.map(f32::to_bits), "exp2 of {lanes:?}");
+                    t += 0.0071;
+                }
             }
-            // SAFETY: as above.
-            let got = unsafe { powers() };
-            for (k, g) in got.iter().enumerate() {
-                assert_eq!(*g as f64, (k as f64 * 9.0 - 140.0).exp2(), "2^{}", k as f32 * 9.0 - 140.0);
-            }
+            // SAFETY: AVX2, FMA, F16C (every AVX-512 CPU has them), AVX-512F and DQ were detected.
+            unsafe { check() };
         }
     }
 }
@@ -913,7 +943,7 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::math::{EXP_POLY, LN2_HI, LN2_LO, MAX_ARG, MIN_ARG, ROUND_MAGIC};
+    use super::super::math::{EXP2_POLY_DEG5, EXP_POLY, LN2_HI, LN2_LO, MAX_ARG, MIN_ARG, ROUND_MAGIC};
     use super::{streamed_dtype, Avx2, Simd, LANES};
     use crate::element::{DType, Element};
 
@@ -952,6 +982,33 @@ mod avx2 {
         }
     }
 
+    /// 2^23 + 127: added to an integer `n` in [-127, 128] (exactly), it leaves `n + 127` in the
+    /// low mantissa bits, which a shift by 23 moves into the exponent field of `2^n`.
+    const EXPONENT_MAGIC: f32 = 8_388_735.0;
+
+    /// `2^t` on 8 lanes, AVX-512's `exp2` written for AVX2: `f = t - floor t` (exact),
+    /// `math::EXP2_POLY_DEG5` for `2^f`, times `2^floor t` built in the exponent bits. So the
+    /// same bits as AVX-512's wherever the result is a normal number; `t` is clamped to
+    /// [-127, 128] first (a NaN stays), so that below 2^-126 the result is 0 (the exponent
+    /// field 0; AVX-512 gives the subnormals) and from 2^128 on it is inf. 12 operations where
+    /// `exp8` takes 18, and no range reduction by `ln 2` in two parts.
+    #[inline(always)]
+    fn exp2_8(t: __m256) -> __m256 {
+        // SAFETY: compiled into AVX2 + FMA kernels only (see `Avx2`).
+        unsafe {
+            // maxps / minps return their second operand when either is NaN: a NaN stays.
+            let t = _mm256_min_ps(_mm256_set1_ps(128.0), _mm256_max_ps(_mm256_set1_ps(-127.0), t));
+            let floor = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+            let f = _mm256_sub_ps(t, floor);
+            let mut p = _mm256_set1_ps(EXP2_POLY_DEG5[0]);
+            for &c in &EXP2_POLY_DEG5[1..] {
+                p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+            }
+            let biased = _mm256_castps_si256(_mm256_add_ps(floor, _mm256_set1_ps(EXPONENT_MAGIC)));
+            _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+        }
+    }
+
     /// The 8 bf16 at `p`, widened.
     ///
     /// # Safety
@@ -982,6 +1039,7 @@ mod avx2 {
     // stores index slices of at least 16 elements (checked by the slice indexing).
     impl Simd for Avx2 {
         type V = Pair;
+        const NATIVE_EXP2: bool = true;
 
         #[inline(always)]
         fn splat(self, x: f32) -> Pair {
@@ -1024,6 +1082,10 @@ mod avx2 {
         #[inline(always)]
         fn exp(self, x: Pair) -> Pair {
             (exp8(x.0), exp8(x.1))
+        }
+        #[inline(always)]
+        fn exp2(self, t: Pair) -> Pair {
+            (exp2_8(t.0), exp2_8(t.1))
         }
         #[inline(always)]
         fn load_t<T: Element>(self, src: &[T]) -> Pair {
