@@ -31,7 +31,8 @@ pub(crate) const EXP_POLY_DEG5: [f32; 6] = [8.312_525e-3, 4.189_011_5e-2, 1.666_
 /// `2^f` on `[0, 1)`, degree 5, highest degree first: `1` fixed (so that `2^n` is exact for an
 /// integer `n`) and the rest fitted for the least maximum relative error (8.2e-8 in exact
 /// arithmetic, 1.4e-7 evaluated in f32 with FMA; `bench/tools/fit_exp2_poly.py` fits and checks
-/// it). The AVX-512 `exp2` uses it after `vreduceps` leaves `f = t - floor t`.
+/// it). The AVX-512 and AVX2 `exp2` use it after `vreduceps` (or `vroundps` and a subtraction)
+/// leaves `f = t - floor t`.
 pub(crate) const EXP2_POLY_DEG5: [f32; 6] =
     [1.867_132_4e-3, 9.017_025e-3, 5.579_991_6e-2, 2.401_644_4e-1, 6.931_513e-1, 1.0];
 

@@ -300,7 +300,7 @@ impl<S: Simd> VectorSums<S> {
 /// in base 2, per 16 logits the widening, one FMA, `exp2` (7 operations on AVX-512) and two sums:
 /// 12 vector operations where natural units take 16 (no subtraction, clamp or rounding trick),
 /// the maximum only where it is reported (tracking it cost 7% in cache on cpu-2c). On AVX2, per 8
-/// logits, 17 where natural units take 25 (its `exp2` 12 operations, `exp` 18).
+/// logits, 17 where natural units take 25-26 (its `exp2` 12 operations, `exp` 19).
 #[inline(always)]
 fn tile_sums<S: Simd, T: Element, E: Exponent<S>, const STORE: bool, const SUM_U: bool, const MAX: bool>(
     s: S,
@@ -878,7 +878,7 @@ struct RowPass<'g> {
 /// How [`recomputed`] takes a logit to `p`: in natural units, `u = x inv_t` and `p = exp(u - lse)`;
 /// in base 2, where the output is 16-bit and `exp2` is native ([`Simd::NATIVE_EXP2`]),
 /// `t = x (inv_t log2 e) - lse log2 e` in one FMA and `p = 2^t` (8 operations where natural units
-/// take 11-12). Base 2's `t` carries the rounding of both scaled terms, up to ~3e-6 relative in
+/// take 11-12 on AVX-512; on AVX2 13 where they take 20-21 per 8 logits). Base 2's `t` carries the rounding of both scaled terms, up to ~3e-6 relative in
 /// `p` at logits near 30: far below a bf16 or f16 output's own rounding (2^-9, 2^-11), and kept
 /// away from f32 outputs, which stay in natural units, and from rows whose `|lse log2 e|` reaches
 /// 2^10 (logits in the thousands: the shift's rounding would approach f16's) or whose scale is
