@@ -11,8 +11,9 @@
 //!   AVX-512 and AVX2, [`Recompute`]);
 //! - [`sweep`] keeps `exp(u_j - m_tile)` from the statistics pass in a per-thread scratch row
 //!   (`m_tile` the reference the tile was summed against; on AVX-512 and AVX2 the kept values
-//!   are `2^t`, [`Base2`]) and rescales it once the objective has given `lse` and the row's scalars: one
-//!   exponential per element instead of two, and the logits are read from memory once.
+//!   are `2^t`, [`Base2`]) and rescales it once the objective has given `lse` and the row's
+//!   scalars: one exponential per element instead of two, and the logits are read from memory
+//!   once.
 //!
 //! Everything is `#[inline(always)]` and generic: `mod.rs` compiles it once per instruction set.
 //! A gradient (16-bit; f32 too on AMD CPUs) written into a new buffer of 64 MiB or more (the
@@ -443,9 +444,9 @@ fn statistics_natural<S: Simd, T: Element, const STORE: bool, const SUM_U: bool,
 /// The statistics pass in base 2: `t = x a - r`, with `a = inv_t log2 e` rounded to f32 and `r`
 /// a reference in the same units, so that one FMA takes a raw logit to the exponent of `exp2`
 /// (temperature, shift and change of base at once) and AVX-512's `exp2` needs no clamp (AVX2's
-/// clamps to [-127, 128], its exponent field's range). In the
-/// units of `u = x inv_t`: `u - r w = t w` with `w = inv_t / a` (in f64; ~ln 2), up to the
-/// rounding of `t` (half an ulp: at most 2.4e-7 for the `t` in [-4, 4] that carry the sums).
+/// clamps to [-127, 128], its exponent field's range). In the units of `u = x inv_t`:
+/// `u - r w = t w` with `w = inv_t / a` (in f64; ~ln 2), up to the rounding of `t` (half an
+/// ulp: at most 2.4e-7 for the `t` in [-4, 4] that carry the sums).
 #[derive(Clone, Copy)]
 struct Base2 {
     a: f32,
@@ -876,13 +877,14 @@ struct RowPass<'g> {
 }
 
 /// How [`recomputed`] takes a logit to `p`: in natural units, `u = x inv_t` and `p = exp(u - lse)`;
-/// in base 2, where the output is 16-bit and `exp2` is native ([`Simd::NATIVE_EXP2`]),
-/// `t = x (inv_t log2 e) - lse log2 e` in one FMA and `p = 2^t` (8 operations where natural units
-/// take 11-12 on AVX-512; on AVX2 13 where they take 20-21 per 8 logits). Base 2's `t` carries the rounding of both scaled terms, up to ~3e-6 relative in
-/// `p` at logits near 30: far below a bf16 or f16 output's own rounding (2^-9, 2^-11), and kept
-/// away from f32 outputs, which stay in natural units, and from rows whose `|lse log2 e|` reaches
-/// 2^10 (logits in the thousands: the shift's rounding would approach f16's) or whose scale is
-/// not a normal number. The scalar tail (under 16 logits) stays in natural units.
+/// in base 2, where the output is 16-bit and `exp2` is native ([`Simd::NATIVE_EXP2`]), `t = x
+/// (inv_t log2 e) - lse log2 e` in one FMA and `p = 2^t` (8 operations where natural units take
+/// 11-12 on AVX-512; on AVX2 13 where they take 20-21 per 8 logits). Base 2's `t` carries the
+/// rounding of both scaled terms, up to ~3e-6 relative in `p` at logits near 30: far below a bf16
+/// or f16 output's own rounding (2^-9, 2^-11), and kept away from f32 outputs, which stay in
+/// natural units, and from rows whose `|lse log2 e|` reaches 2^10 (logits in the thousands: the
+/// shift's rounding would approach f16's) or whose scale is not a normal number. The scalar tail
+/// (under 16 logits) stays in natural units.
 #[derive(Clone, Copy)]
 struct Recompute {
     base2: bool,

@@ -268,7 +268,8 @@ impl<const BF16: bool> Avx512<BF16> {
 
 /// AVX2 + FMA + F16C intrinsics, 16 lanes as two 8-lane registers. Only constructed by kernels
 /// compiled with those features, after run-time detection. The same arithmetic as
-/// [`Portable<true>`] (its `exp` included, Cephes' clamp and bit tricks), written out: LLVM
+/// [`Portable<true>`] (its `exp` included, Cephes' clamp and bit tricks; `exp2` is AVX2's own,
+/// AVX-512's written for 8 lanes), written out: LLVM
 /// split the portable 16-lane arrays into 128-bit halves and spilled them, and the AVX2 kernels
 /// ran ~3.3x slower per logit than AVX-512's (issue 17).
 /// As for [`Avx512`], [`Avx2::new`] is the only way to make one.
