@@ -31,7 +31,8 @@ pub(crate) trait Simd: Copy {
     fn max(self, a: Self::V, b: Self::V) -> Self::V;
     fn exp(self, x: Self::V) -> Self::V;
     /// Whether [`Simd::exp2`] is this level's own, cheaper than `exp` and exact in its range
-    /// reduction (AVX-512 and AVX2): only then does the statistics pass work in base 2.
+    /// reduction but for the last bit of some `t` in (-0.5, 0) (AVX-512 and AVX2): only then
+    /// does the statistics pass work in base 2.
     const NATIVE_EXP2: bool = false;
     /// `2^t`: 0 for `-inf` and below the subnormals (the default: below about -125.5, where
     /// `exp` clamps), `NaN` for `NaN`. By default `exp(t ln 2)` (the product's rounding adds
