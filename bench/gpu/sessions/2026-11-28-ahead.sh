@@ -5,6 +5,8 @@
 # against the default, alternated, B=16 T=2048 and B=1 T=4096, in place and not; (3) the CUDA tests
 # and the gradchecks under AHEAD=1 (the same bits are expected: same elements, same order). Stops
 # starting runs at DEADLINE_S (default 540) seconds; every result line is written to $OUT at once.
+# The switch gave nothing (docs/BENCHMARKS.md, "Fifth GPU session") and was removed after this call:
+# run this script with a binary built at 4d20691, which has it.
 set -u
 FINAL=${OUT:-/tmp/gpu-out}; mkdir -p "$FINAL"
 DEADLINE_S=${DEADLINE_S:-540}

@@ -46,12 +46,6 @@
 #ifndef FLASHGRPO_FAST_EXP
 #define FLASHGRPO_FAST_EXP 1
 #endif
-// Body vectors whose loads the statistics pass issues ahead of the one it adds up (0: none; each is
-// 16 bytes of registers a thread): more bytes in flight per thread without the larger vectors'
-// registers for their widened values.
-#ifndef FLASHGRPO_STATS_AHEAD
-#define FLASHGRPO_STATS_AHEAD 0
-#endif
 
 // NVRTC has no <cmath>: the constants by their bits.
 #define FLASHGRPO_NEG_INF __int_as_float(0xff800000)
@@ -180,63 +174,18 @@ __device__ __forceinline__ void walk_row(RowSplit split, int vocab, Scalar scala
     for (int j = body_end + threadIdx.x; j < vocab; j += blockDim.x) scalar(j);
 }
 
-// `W` elements of `T` as loaded, before widening: whole 16-byte words.
-template <int W, typename T> struct RawVector {
-    static_assert(W % (16 / sizeof(T)) == 0, "a vector is whole 16-byte loads");
-    uint4 words[W * sizeof(T) / 16];
-};
-
-// `W` elements from 16-byte aligned `p`, as loaded.
-template <int W, typename T>
-__device__ __forceinline__ RawVector<W, T> load_raw(const T *p) {
-    RawVector<W, T> r;
-#pragma unroll
-    for (int k = 0; k < (int)(W * sizeof(T) / 16); ++k) r.words[k] = reinterpret_cast<const uint4 *>(p)[k];
-    return r;
-}
-
-// A loaded vector widened to f32.
-template <int W, typename T>
-__device__ __forceinline__ void widen(const RawVector<W, T> &r, float (&v)[W]) {
-    constexpr int PER = 16 / sizeof(T);
-#pragma unroll
-    for (int k = 0; k < W / PER; ++k) {
-        const T *e = reinterpret_cast<const T *>(&r.words[k]);
-#pragma unroll
-        for (int i = 0; i < PER; ++i) v[k * PER + i] = to_float(e[i]);
-    }
-}
-
 // `W` elements from 16-byte aligned `p`, widened to f32.
 template <int W, typename T>
 __device__ __forceinline__ void load_vector(const T *p, float (&v)[W]) {
-    widen<W, T>(load_raw<W, T>(p), v);
-}
-
-// `walk_row` with each body vector's load issued `AHEAD` vectors before `vector(raw)` uses it (a
-// ring of loaded words in registers): the same elements in the same order, so the same bits.
-template <int W, int AHEAD, typename T, typename Scalar, typename Vector>
-__device__ __forceinline__ void walk_row_ahead(const T *z, RowSplit split, int vocab, Scalar scalar,
-                                               Vector vector) {
-    static_assert(AHEAD > 0, "AHEAD = 0 is walk_row");
-    const int body_end = split.head + split.vectors * W;
-    for (int j = threadIdx.x; j < split.head; j += blockDim.x) scalar(j);
-    const int stride = blockDim.x;
-    RawVector<W, T> ring[AHEAD];
+    constexpr int PER = 16 / sizeof(T);
+    static_assert(W % PER == 0, "a vector is whole 16-byte loads");
 #pragma unroll
-    for (int a = 0; a < AHEAD; ++a) {
-        const int k = threadIdx.x + a * stride;
-        if (k < split.vectors) ring[a] = load_raw<W, T>(z + split.head + k * W);
-    }
-    for (int k = threadIdx.x; k < split.vectors; k += stride) {
-        const RawVector<W, T> current = ring[0];
+    for (int k = 0; k < W / PER; ++k) {
+        const uint4 raw = reinterpret_cast<const uint4 *>(p)[k];
+        const T *e = reinterpret_cast<const T *>(&raw);
 #pragma unroll
-        for (int a = 0; a + 1 < AHEAD; ++a) ring[a] = ring[a + 1];
-        const int next = k + AHEAD * stride;
-        if (next < split.vectors) ring[AHEAD - 1] = load_raw<W, T>(z + split.head + next * W);
-        vector(current);
+        for (int i = 0; i < PER; ++i) v[k * PER + i] = to_float(e[i]);
     }
-    for (int j = body_end + threadIdx.x; j < vocab; j += blockDim.x) scalar(j);
 }
 
 // `W` values rounded to `T`, stored at 16-byte aligned `p`.
@@ -303,20 +252,15 @@ __device__ void row_stats(const T *__restrict__ logits, int vocab, float inv_tem
     }
     const T *z = logits + row * (long long)vocab;
     Partial p = {FLASHGRPO_NEG_INF, 0.0f, 0.0f, 0.0f};
-    const auto push_scalar = [&](int j) { push(p, to_float(z[j]) * inv_temperature); };
-    const auto push_raw = [&](const RawVector<W, T> &raw) {
-        float u[W];
-        widen<W, T>(raw, u);
+    walk_row<W>(
+        split_row<W>(z, z, vocab), vocab, [&](int j) { push(p, to_float(z[j]) * inv_temperature); },
+        [&](int j0) {
+            float u[W];
+            load_vector<W>(z + j0, u);
 #pragma unroll
-        for (int i = 0; i < W; ++i) u[i] *= inv_temperature;
-        push_vector<W>(p, u);
-    };
-#if FLASHGRPO_STATS_AHEAD > 0
-    walk_row_ahead<W, FLASHGRPO_STATS_AHEAD>(z, split_row<W>(z, z, vocab), vocab, push_scalar, push_raw);
-#else
-    walk_row<W>(split_row<W>(z, z, vocab), vocab, push_scalar,
-                [&](int j0) { push_raw(load_raw<W, T>(z + j0)); });
-#endif
+            for (int i = 0; i < W; ++i) u[i] *= inv_temperature;
+            push_vector<W>(p, u);
+        });
     partials[threadIdx.x] = p;
     __syncthreads();
     for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
