@@ -56,8 +56,9 @@ pub(crate) trait Simd: Copy {
     /// Whether [`Simd::load_pair_t`] splits 32 logits of `T` into their even and odd positions:
     /// AVX-512 with bf16, where one shift and one `and` of a 64-byte load widen 32 logits and
     /// `vpmovzxwd` plus a shift per 16 competed with the statistics loop's FMAs (the loop 12-13%
-    /// faster on AMD Zen 4: docs/BENCHMARKS.md, "Even and odd positions"). Elsewhere a pair is
-    /// two vectors in order, and every `*_pair` method below is the two 16-value ones.
+    /// faster on AMD Zen 4: docs/BENCHMARKS.md, "Even and odd positions"); AVX2 with bf16, where
+    /// the gain is the rounding back in order without a pack and a lane permute. Elsewhere a pair
+    /// is two vectors in order, and every `*_pair` method below is the two 16-value ones.
     #[inline(always)]
     fn splits<T: Element>(self) -> bool {
         false
@@ -416,6 +417,65 @@ mod tests {
                 unsafe { bf16() };
             }
         }
+    }
+
+    /// AVX2's bf16 pairs (even and odd positions apart, rounded back in order by
+    /// `interleaved_bf16`) round special values as `Element::from_f32` does, bit for bit: NaNs
+    /// quieted with their sign and payload's high bits, infinities, signed zeros, subnormals,
+    /// ties to even, the largest finite values rounding to infinity; by `store_pair_t` and by
+    /// `stream_rescaled_pairs` (aligned: streamed; one element off: plain stores).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_bf16_pairs_round_special_values_as_element() {
+        if super::super::isa::Isa::detected() < super::super::isa::Isa::Avx2 {
+            return;
+        }
+        let special = [
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7F80_0001), // signalling, low payload
+            f32::from_bits(0xFF81_2345), // signalling, negative, payload in the high bits
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+            f32::from_bits(1),           // the smallest subnormal
+            f32::from_bits(0x0000_8000), // a subnormal at a tie
+            f32::from_bits(0x3F80_8000), // 1 + 2^-8: a tie, to even (1)
+            f32::from_bits(0x3F81_8000), // a tie, to even (up)
+            f32::from_bits(0x3F80_8001), // just above a tie
+            f32::MAX,                    // rounds to infinity
+            f32::MIN,
+            f32::MIN_POSITIVE,
+        ];
+        let values: Vec<f32> = (0..2 * LANES).map(|q| special.get(q).copied().unwrap_or(q as f32 * -0.37)).collect();
+        let want: Vec<u16> = values.iter().map(|&x| <half::bf16 as Element>::from_f32(x).to_bits()).collect();
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn check(values: &[f32], want: &[u16]) {
+            let s = unsafe { Avx2::new() };
+            let mut laid = [0.0f32; 2 * LANES];
+            for (q, &x) in values.iter().enumerate() {
+                laid[s.pair_lane::<half::bf16>(q)] = x;
+            }
+            let (a, b) = (s.load(&laid[..LANES]), s.load(&laid[LANES..]));
+            let mut out = [half::bf16::ZERO; 2 * LANES];
+            s.store_pair_t(a, b, &mut out);
+            assert_eq!(out.map(half::bf16::to_bits), want, "store_pair_t");
+            let (kb, d) = (1.0f32, 0.0f32);
+            let rescaled: Vec<u16> =
+                values.iter().map(|&x| <half::bf16 as Element>::from_f32(x.mul_add(kb, d)).to_bits()).collect();
+            for offset in [0, 1] {
+                // A 32-byte aligned start (offset 0) and one element past it.
+                let mut buffer = [half::bf16::ZERO; 4 * LANES];
+                let start = buffer.as_ptr().align_offset(32) + offset;
+                s.stream_rescaled_pairs(&laid, kb, d, &mut buffer[start..start + 2 * LANES]);
+                s.stream_fence();
+                let got: Vec<u16> = buffer[start..start + 2 * LANES].iter().map(|x| x.to_bits()).collect();
+                assert_eq!(got, rescaled, "stream_rescaled_pairs at offset {offset}");
+            }
+        }
+        // SAFETY: AVX2, FMA and F16C were detected.
+        unsafe { check(&values, &want) };
     }
 
     /// The AVX2 intrinsics compute what the portable arrays with FMA compute, bit for bit, on
@@ -1032,15 +1092,46 @@ mod avx2 {
     #[inline(always)]
     fn bf16_bits8(v: __m256) -> __m256i {
         // SAFETY: compiled into AVX2 kernels only.
+        unsafe { _mm256_srli_epi32::<16>(bf16_high8(v)) }
+    }
+
+    /// [`bf16_bits8`] left in the high half of each lane (the low half is left over): the
+    /// odd positions of [`interleaved_bf16`] go there as they are, the even ones one shift down.
+    #[inline(always)]
+    fn bf16_high8(v: __m256) -> __m256i {
+        // SAFETY: compiled into AVX2 kernels only.
         unsafe {
             let bits = _mm256_castps_si256(v);
-            let high = _mm256_srli_epi32::<16>(bits);
-            let odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
-            let bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
-            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(bits, bias));
-            let quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+            let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+            let rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+            let quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x0040_0000));
             let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
             _mm256_blendv_epi8(rounded, quiet, nan)
+        }
+    }
+
+    /// 16 values given as their even positions `even` and odd ones `odd` (8 each, as
+    /// `load_pair_t` splits bf16), rounded to bf16 in order: 32 bytes, each lane's even value
+    /// in its low half and its odd one above, by a shift, an `and` and an `or` where rounding in
+    /// order ([`packed16`]) takes a shift each, a pack and a lane permute.
+    #[inline(always)]
+    fn interleaved_bf16(even: __m256, odd: __m256) -> __m256i {
+        // SAFETY: compiled into AVX2 kernels only.
+        unsafe {
+            let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+            _mm256_or_si256(_mm256_srli_epi32::<16>(bf16_high8(even)), _mm256_and_si256(bf16_high8(odd), high))
+        }
+    }
+
+    /// Two vectors of 8, one of 8 even positions and one of the 8 odd positions after them,
+    /// interleaved in order: positions 0..8 and 8..16.
+    #[inline(always)]
+    fn interleaved8(even: __m256, odd: __m256) -> Pair {
+        // SAFETY: compiled into AVX2 kernels only.
+        unsafe {
+            // Within each 128-bit lane: [e0 o0 e1 o1 | e4 o4 e5 o5] and [e2 o2 e3 o3 | e6 o6 e7 o7].
+            let (low, high) = (_mm256_unpacklo_ps(even, odd), _mm256_unpackhi_ps(even, odd));
+            (_mm256_permute2f128_ps::<0x20>(low, high), _mm256_permute2f128_ps::<0x31>(low, high))
         }
     }
 
@@ -1115,6 +1206,86 @@ mod avx2 {
         fn store_t<T: Element>(self, v: Pair, dst: &mut [T]) {
             // SAFETY: 16 elements of `T` are writable at the start of `dst`.
             unsafe { put::<T, false>(v, dst[..LANES].as_mut_ptr()) }
+        }
+        /// bf16, as on AVX-512: 32 logits by two 32-byte loads, a shift and an `and` each (the
+        /// even positions' bits moved up, the odd ones' kept in place), where widening them in
+        /// order takes a `vpmovzxwd` and a shift per 8. The gain is in the rounding back
+        /// ([`interleaved_bf16`]): in a replica of the in-place sweep on Zen 3 the gradient loop
+        /// took 15% less time, the whole sweep 5% (docs/BENCHMARKS.md).
+        #[inline(always)]
+        fn splits<T: Element>(self) -> bool {
+            T::DTYPE == DType::BF16
+        }
+        /// bf16: the even positions' vector is logits 0, 2, .., 30 (16 lanes, as on AVX-512),
+        /// the odd one 1, 3, .., 31.
+        #[inline(always)]
+        fn load_pair_t<T: Element>(self, src: &[T]) -> (Pair, Pair) {
+            if T::DTYPE != DType::BF16 {
+                return (self.load_t(&src[..LANES]), self.load_t(&src[LANES..2 * LANES]));
+            }
+            let p = src[..2 * LANES].as_ptr();
+            // SAFETY: 32 two-byte elements are readable at `p`.
+            unsafe {
+                let (x0, x1) = (_mm256_loadu_si256(p.cast()), _mm256_loadu_si256(p.add(LANES).cast()));
+                let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+                let even = (_mm256_slli_epi32::<16>(x0), _mm256_slli_epi32::<16>(x1));
+                let odd = (_mm256_and_si256(x0, high), _mm256_and_si256(x1, high));
+                (
+                    (_mm256_castsi256_ps(even.0), _mm256_castsi256_ps(even.1)),
+                    (_mm256_castsi256_ps(odd.0), _mm256_castsi256_ps(odd.1)),
+                )
+            }
+        }
+        #[inline(always)]
+        fn pair_lane<T: Element>(self, q: usize) -> usize {
+            if T::DTYPE == DType::BF16 {
+                q % 2 * LANES + q / 2
+            } else {
+                q
+            }
+        }
+        #[inline(always)]
+        fn pair_in_order<T: Element>(self, a: Pair, b: Pair) -> (Pair, Pair) {
+            if T::DTYPE != DType::BF16 {
+                return (a, b);
+            }
+            (interleaved8(a.0, b.0), interleaved8(a.1, b.1))
+        }
+        #[inline(always)]
+        fn store_pair_t<T: Element>(self, a: Pair, b: Pair, dst: &mut [T]) {
+            if T::DTYPE != DType::BF16 {
+                let (a, b) = self.pair_in_order::<T>(a, b);
+                self.store_t(a, &mut dst[..LANES]);
+                return self.store_t(b, &mut dst[LANES..2 * LANES]);
+            }
+            let p = dst[..2 * LANES].as_mut_ptr();
+            // SAFETY: 32 two-byte elements are writable at `p`.
+            unsafe {
+                _mm256_storeu_si256(p.cast(), interleaved_bf16(a.0, b.0));
+                _mm256_storeu_si256(p.add(LANES).cast(), interleaved_bf16(a.1, b.1));
+            }
+        }
+        /// bf16 by non-temporal stores of whole 32-byte pieces where `dst` starts on one (every
+        /// row of a vocabulary that is a multiple of 16, in a buffer aligned as allocators align
+        /// large ones); elsewhere by plain stores (unlike AVX-512's, no shifting across pairs:
+        /// AVX2 has no word permute across its lanes).
+        #[inline(always)]
+        fn stream_rescaled_pairs<T: Element>(self, kept: &[f32], kb: f32, d: f32, dst: &mut [T]) {
+            if T::DTYPE != DType::BF16 || !(dst.as_ptr() as usize).is_multiple_of(32) {
+                return super::plain_rescaled_pairs(self, kept, kb, d, dst);
+            }
+            let (kb, d) = (self.splat(kb), self.splat(d));
+            for (k, out) in kept.chunks_exact(2 * LANES).zip(dst.chunks_exact_mut(2 * LANES)) {
+                let a = self.mul_add(self.load(&k[..LANES]), kb, d);
+                let b = self.mul_add(self.load(&k[LANES..]), kb, d);
+                let p = out.as_mut_ptr().cast::<__m256i>();
+                // SAFETY: 32 two-byte elements are writable at `p`, which is 32-byte aligned
+                // (`dst` is, and each pair is 64 bytes).
+                unsafe {
+                    _mm256_stream_si256(p, interleaved_bf16(a.0, b.0));
+                    _mm256_stream_si256(p.add(1), interleaved_bf16(a.1, b.1));
+                }
+            }
         }
         #[inline(always)]
         fn streams<T: Element>(self) -> bool {
