@@ -101,7 +101,7 @@ fn kept_index<S: Simd, T: Element>(s: S, q: usize, len: usize) -> usize {
 
 /// Writes `kept * kb + d` ([`Rescaled`]) over a tile kept in [`Simd::load_pair_t`]'s layout:
 /// each pair rescaled and stored in order by [`Simd::store_pair_t`] (where [`Simd::splits`] `T`:
-/// one rounding of 32 values and one interleave), or with `stream` by
+/// the even and odd positions rounded and interleaved at once), or with `stream` by
 /// [`Simd::stream_rescaled_pairs`]; the values after the pairs as [`plain_stores`].
 #[inline(always)]
 fn write_rescaled_pairs<S: Simd, T: Element>(s: S, kept: &[f32], kb: f32, d: f32, dst: &mut [T], stream: bool) {

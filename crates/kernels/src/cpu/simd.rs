@@ -90,11 +90,12 @@ pub(crate) trait Simd: Copy {
     }
     /// `kept * kb + d` over whole pairs of values kept in [`Simd::load_pair_t`]'s layout
     /// (`kept` and `dst` whole pairs long), rounded to `T` and written in order. Where
-    /// [`Simd::splits`] `T`, by non-temporal stores of whole 64-byte lines wherever `dst` starts
-    /// (each line from two pairs where `dst` does not start on one; the partial lines at its two
-    /// ends by plain stores, as [`Simd::stream_t`]'s callers write them); by default by plain
-    /// stores (the sweep streams the other outputs through [`Simd::stream_t`]). The caller owes
-    /// the [`Simd::stream_fence`].
+    /// [`Simd::splits`] `T`, by non-temporal stores of whole 64-byte lines: on AVX-512 wherever
+    /// `dst` starts (each line from two pairs where `dst` does not start on one), on AVX2 where
+    /// `dst` starts on 32 bytes (plain stores elsewhere); the partial lines at its two ends by
+    /// plain stores, as [`Simd::stream_t`]'s callers write them. By default by plain stores (the
+    /// sweep streams the other outputs through [`Simd::stream_t`]). The caller owes the
+    /// [`Simd::stream_fence`].
     #[inline(always)]
     fn stream_rescaled_pairs<T: Element>(self, kept: &[f32], kb: f32, d: f32, dst: &mut [T]) {
         plain_rescaled_pairs(self, kept, kb, d, dst)
@@ -154,8 +155,9 @@ pub(crate) trait Simd: Copy {
     }
 }
 
-/// [`Simd::stream_rescaled_pairs`] by plain stores ([`Simd::store_pair_t`]): its default, and
-/// AVX-512's for the dtypes it does not split.
+/// [`Simd::stream_rescaled_pairs`] by plain stores ([`Simd::store_pair_t`]): its default,
+/// AVX-512's for the dtypes it does not split, and AVX2's also for bf16 rows that do not start on
+/// 32 bytes.
 #[inline(always)]
 fn plain_rescaled_pairs<S: Simd, T: Element>(s: S, kept: &[f32], kb: f32, d: f32, dst: &mut [T]) {
     let (kb, d) = (s.splat(kb), s.splat(d));
@@ -1265,25 +1267,37 @@ mod avx2 {
                 _mm256_storeu_si256(p.add(LANES).cast(), interleaved_bf16(a.1, b.1));
             }
         }
-        /// bf16 by non-temporal stores of whole 32-byte pieces where `dst` starts on one (every
-        /// row of a vocabulary that is a multiple of 16, in a buffer aligned as allocators align
-        /// large ones); elsewhere by plain stores (unlike AVX-512's, no shifting across pairs:
-        /// AVX2 has no word permute across its lanes).
+        /// bf16 where `dst` starts on 32 bytes (every row of a vocabulary that is a multiple of
+        /// 16, in a buffer aligned as allocators align large ones): each pair's two 32-byte
+        /// pieces by non-temporal stores, which fill whole lines one after another, but for a
+        /// half line at either end when `dst` starts half way into a line (plain stores there,
+        /// as `stream_t`'s callers write partial lines). Elsewhere by plain stores: unlike
+        /// AVX-512's, no shifting of the pairs onto lines (AVX2 has no word permute across its
+        /// 128-bit lanes).
         #[inline(always)]
         fn stream_rescaled_pairs<T: Element>(self, kept: &[f32], kb: f32, d: f32, dst: &mut [T]) {
-            if T::DTYPE != DType::BF16 || !(dst.as_ptr() as usize).is_multiple_of(32) {
+            let start = dst.as_ptr() as usize;
+            if T::DTYPE != DType::BF16 || !start.is_multiple_of(32) {
                 return super::plain_rescaled_pairs(self, kept, kb, d, dst);
             }
+            // The pieces that are half lines: the first (when `dst` starts half way into a line)
+            // and then the last.
+            let half_lines = !start.is_multiple_of(64);
+            let last = (dst.len() / LANES).saturating_sub(1);
             let (kb, d) = (self.splat(kb), self.splat(d));
-            for (k, out) in kept.chunks_exact(2 * LANES).zip(dst.chunks_exact_mut(2 * LANES)) {
-                let a = self.mul_add(self.load(&k[..LANES]), kb, d);
-                let b = self.mul_add(self.load(&k[LANES..]), kb, d);
+            for (k, (kept, out)) in kept.chunks_exact(2 * LANES).zip(dst.chunks_exact_mut(2 * LANES)).enumerate() {
+                let a = self.mul_add(self.load(&kept[..LANES]), kb, d);
+                let b = self.mul_add(self.load(&kept[LANES..]), kb, d);
                 let p = out.as_mut_ptr().cast::<__m256i>();
-                // SAFETY: 32 two-byte elements are writable at `p`, which is 32-byte aligned
-                // (`dst` is, and each pair is 64 bytes).
+                // (No closure: closures are not compiled with the kernel's target features.)
+                let (first, second) = (2 * k, 2 * k + 1);
+                let first_whole = !half_lines || (first != 0 && first != last);
+                let second_whole = !half_lines || second != last;
+                // SAFETY: 64 bytes are writable at `p` (a pair), which is 32-byte aligned (`dst`
+                // is).
                 unsafe {
-                    _mm256_stream_si256(p, interleaved_bf16(a.0, b.0));
-                    _mm256_stream_si256(p.add(1), interleaved_bf16(a.1, b.1));
+                    put32_streamed_if(p, interleaved_bf16(a.0, b.0), first_whole);
+                    put32_streamed_if(p.add(1), interleaved_bf16(a.1, b.1), second_whole);
                 }
             }
         }
@@ -1320,6 +1334,21 @@ mod avx2 {
                 put32::<STREAM>(p.add(1), _mm256_castps_si256(v.1));
             },
             DType::BF16 | DType::F16 => unsafe { put32::<STREAM>(p, packed16::<T>(v)) },
+        }
+    }
+
+    /// One 32-byte store, non-temporal if `stream` (decided at run time, unlike [`put32`]).
+    ///
+    /// # Safety
+    /// 32 bytes writable at `p`, 32-byte aligned.
+    #[inline(always)]
+    unsafe fn put32_streamed_if(p: *mut __m256i, x: __m256i, stream: bool) {
+        unsafe {
+            if stream {
+                _mm256_stream_si256(p, x)
+            } else {
+                _mm256_storeu_si256(p, x)
+            }
         }
     }
 
