@@ -70,10 +70,15 @@ pub(crate) trait Simd: Copy {
         (self.load_t(&src[..LANES]), self.load_t(&src[LANES..2 * LANES]))
     }
     /// Where element `q` (< 32) of a pair lies in [`Simd::load_pair_t`]'s two vectors, read as
-    /// one 32-value array.
+    /// one 32-value array: in order, or, where [`Simd::splits`], the even positions in the first
+    /// vector and the odd ones in the second, in order (the layout is the same on every ISA).
     #[inline(always)]
     fn pair_lane<T: Element>(self, q: usize) -> usize {
-        q
+        if self.splits::<T>() {
+            q % 2 * LANES + q / 2
+        } else {
+            q
+        }
     }
     /// Two vectors laid out as [`Simd::load_pair_t`] lays them out, put in order.
     #[inline(always)]
@@ -836,14 +841,6 @@ mod avx512 {
             }
         }
         #[inline(always)]
-        fn pair_lane<T: Element>(self, q: usize) -> usize {
-            if T::DTYPE == DType::BF16 {
-                q % 2 * LANES + q / 2
-            } else {
-                q
-            }
-        }
-        #[inline(always)]
         fn pair_in_order<T: Element>(self, a: __m512, b: __m512) -> (__m512, __m512) {
             if T::DTYPE != DType::BF16 {
                 return (a, b);
@@ -1236,14 +1233,6 @@ mod avx2 {
                     (_mm256_castsi256_ps(even.0), _mm256_castsi256_ps(even.1)),
                     (_mm256_castsi256_ps(odd.0), _mm256_castsi256_ps(odd.1)),
                 )
-            }
-        }
-        #[inline(always)]
-        fn pair_lane<T: Element>(self, q: usize) -> usize {
-            if T::DTYPE == DType::BF16 {
-                q % 2 * LANES + q / 2
-            } else {
-                q
             }
         }
         #[inline(always)]
