@@ -1210,7 +1210,10 @@ mod avx2 {
         /// even positions' bits moved up, the odd ones' kept in place), where widening them in
         /// order takes a `vpmovzxwd` and a shift per 8. The gain is in the rounding back
         /// ([`interleaved_bf16`]): in a replica of the in-place sweep on Zen 3 the gradient loop
-        /// took 15% less time, the whole sweep 5% (docs/BENCHMARKS.md).
+        /// took 15% less time, the whole sweep 5%, flashgrpo's in-place bf16 step 19-22%
+        /// (docs/BENCHMARKS.md). Rows whose gradient needs `log p` (an entropy term) put the
+        /// kept values back in order first ([`Simd::pair_in_order`]: four shuffles per 16),
+        /// which cost ~5% in cache there.
         #[inline(always)]
         fn splits<T: Element>(self) -> bool {
             T::DTYPE == DType::BF16
