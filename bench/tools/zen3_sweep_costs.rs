@@ -26,17 +26,28 @@ const V: usize = 151_936;
 const ROWS: usize = 16;
 const POLY: [f32; 6] = [1.867_132_4e-3, 9.017_025e-3, 5.579_991_6e-2, 2.401_644_4e-1, 6.931_513e-1, 1.0];
 
+/// `2^t` as AVX2's `exp2_8` builds it from `t` (already clamped, or not): `f = t - floor t`,
+/// the polynomial `$poly(f)`, times `2^floor t` made in the exponent bits.
+macro_rules! exp2_from {
+    ($t:expr, $poly:expr) => {{
+        let t = $t;
+        let floor = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+        let f = _mm256_sub_ps(t, floor);
+        let biased = _mm256_castps_si256(_mm256_add_ps(floor, _mm256_set1_ps(8_388_735.0)));
+        _mm256_mul_ps($poly(f), _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+    }};
+}
+
+/// `t` clamped to [-127, 128], the exponent field's range.
+#[inline(always)]
+unsafe fn clamped(t: __m256) -> __m256 {
+    _mm256_min_ps(_mm256_set1_ps(128.0), _mm256_max_ps(_mm256_set1_ps(-127.0), t))
+}
+
+/// `cpu::simd`'s AVX2 `exp2_8`.
 #[inline(always)]
 unsafe fn exp2_8(t: __m256) -> __m256 {
-    let t = _mm256_min_ps(_mm256_set1_ps(128.0), _mm256_max_ps(_mm256_set1_ps(-127.0), t));
-    let floor = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
-    let f = _mm256_sub_ps(t, floor);
-    let mut p = _mm256_set1_ps(POLY[0]);
-    for &c in &POLY[1..] {
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
-    }
-    let biased = _mm256_castps_si256(_mm256_add_ps(floor, _mm256_set1_ps(8_388_735.0)));
-    _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+    exp2_from!(clamped(t), poly5)
 }
 
 #[inline(always)]
@@ -134,22 +145,23 @@ unsafe fn poly(f: __m256, degree: usize) -> __m256 {
     }
     p
 }
+#[inline(always)]
+unsafe fn poly5(f: __m256) -> __m256 {
+    poly(f, 5)
+}
+#[inline(always)]
+unsafe fn poly4(f: __m256) -> __m256 {
+    poly(f, 4)
+}
 /// `exp2_8` without its clamps (wrong below 2^-127 and above 2^128).
 #[inline(always)]
 unsafe fn exp2_noclamp(t: __m256) -> __m256 {
-    let floor = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
-    let f = _mm256_sub_ps(t, floor);
-    let biased = _mm256_castps_si256(_mm256_add_ps(floor, _mm256_set1_ps(8_388_735.0)));
-    _mm256_mul_ps(poly(f, 5), _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+    exp2_from!(t, poly5)
 }
 /// The clamp below alone (the one the statistics' `t` may need: it is at most a few units above 0).
 #[inline(always)]
 unsafe fn exp2_lowclamp(t: __m256) -> __m256 {
-    let t = _mm256_max_ps(_mm256_set1_ps(-127.0), t);
-    let floor = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
-    let f = _mm256_sub_ps(t, floor);
-    let biased = _mm256_castps_si256(_mm256_add_ps(floor, _mm256_set1_ps(8_388_735.0)));
-    _mm256_mul_ps(poly(f, 5), _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+    exp2_from!(_mm256_max_ps(_mm256_set1_ps(-127.0), t), poly5)
 }
 /// `t` rounded to nearest by adding 1.5 2^23 (+ 127: the biased exponent in the low bits), `f` in
 /// [-0.5, 0.5]: no `vroundps`, one addition more. (The polynomial is fitted on [0, 1): the cost,
@@ -167,11 +179,7 @@ unsafe fn exp2_nearest(t: __m256) -> __m256 {
 /// `exp2_8` with a degree-4 polynomial (one FMA less in the chain; not accurate enough).
 #[inline(always)]
 unsafe fn exp2_deg4(t: __m256) -> __m256 {
-    let t = _mm256_min_ps(_mm256_set1_ps(128.0), _mm256_max_ps(_mm256_set1_ps(-127.0), t));
-    let floor = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
-    let f = _mm256_sub_ps(t, floor);
-    let biased = _mm256_castps_si256(_mm256_add_ps(floor, _mm256_set1_ps(8_388_735.0)));
-    _mm256_mul_ps(poly(f, 4), _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+    exp2_from!(clamped(t), poly4)
 }
 /// Estrin: (c5 + c4 f) + f2 (c3 + c2 f) + f4 (c1 + c0 f), POLY[0] the highest coefficient.
 #[inline(always)]
@@ -197,20 +205,12 @@ unsafe fn poly_half(f: __m256) -> __m256 {
 /// `exp2_8` with Estrin's scheme (a shorter chain, two multiplies more).
 #[inline(always)]
 unsafe fn exp2_estrin(t: __m256) -> __m256 {
-    let t = _mm256_min_ps(_mm256_set1_ps(128.0), _mm256_max_ps(_mm256_set1_ps(-127.0), t));
-    let floor = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
-    let f = _mm256_sub_ps(t, floor);
-    let biased = _mm256_castps_si256(_mm256_add_ps(floor, _mm256_set1_ps(8_388_735.0)));
-    _mm256_mul_ps(poly_estrin(f), _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+    exp2_from!(clamped(t), poly_estrin)
 }
 /// `exp2_8` with the half-Estrin scheme (three FMAs in the chain after `f^2`, one multiply more).
 #[inline(always)]
 unsafe fn exp2_half(t: __m256) -> __m256 {
-    let t = _mm256_min_ps(_mm256_set1_ps(128.0), _mm256_max_ps(_mm256_set1_ps(-127.0), t));
-    let floor = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
-    let f = _mm256_sub_ps(t, floor);
-    let biased = _mm256_castps_si256(_mm256_add_ps(floor, _mm256_set1_ps(8_388_735.0)));
-    _mm256_mul_ps(poly_half(f), _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+    exp2_from!(clamped(t), poly_half)
 }
 /// Part 2: the statistics loop's arithmetic over `row` (in L1) with `exp2`, 32 logits a step in four
 /// independent chains of sums, nothing stored.
