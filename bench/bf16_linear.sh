@@ -18,6 +18,8 @@ rounds=${1:-3}
 bin=target/release/flashgrpo
 [ -x "$bin" ] || cargo build --release
 python=$(bench/peers/setup.sh | tail -1)
+# The PyTorch drop-in arm runs the wheel of this checkout (an incremental build once built).
+crates/python/install.sh "$python" >/dev/null
 case ${2:-n1024} in
   n1024) config=configs/bench-linear-grpo-n1024-f32.yaml shape=(--n 1024 --hidden 896) hidden=896 ;;
   original) config=configs/bench-linear-original.yaml shape=(--n 2048 --hidden 1536) hidden=1536 ;;

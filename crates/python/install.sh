@@ -6,6 +6,9 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 python=${1:-$(bash "$root/bench/peers/setup.sh" | tail -1)}
+# Absolute (not resolved: a venv's python is a link to the base interpreter), so that pip's build
+# subprocess, in another directory, finds the venv's maturin on PATH.
+python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")"
 if ! "$python" -c "import maturin" 2>/dev/null; then
   "$python" -m pip install -q --disable-pip-version-check "maturin>=1.9,<2" >&2
 fi
