@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
 bin=target/release/flashgrpo
-[ -x "$bin" ] || cargo build --release
+cargo build --release --quiet  # a no-op when up to date: every arm measures this checkout
 python=$(bench/peers/setup.sh | tail -1)
 # The PyTorch drop-in arm runs the wheel of this checkout (an incremental build once built).
 crates/python/install.sh "$python" >/dev/null

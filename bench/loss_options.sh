@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 config=${1:-configs/bench-grpo-n1024-f32.yaml}
 rounds=${2:-3}
 bin=target/release/flashgrpo
-[ -x "$bin" ] || cargo build --release
+cargo build --release --quiet  # a no-op when up to date: every arm measures this checkout
 declare -A arms=(
   [dapo]=""
   [luspo]="--set loss_type=luspo"
