@@ -5,6 +5,8 @@
 # Prints `round|arm|binary|step p50 (s) x-the-floor copy-GB/s` per run (`flashgrpo bench`).
 # ARMS=REGEX runs only the arms whose name matches (e.g. ARMS=bf16).
 # Build the binaries first (e.g. `cargo build --release && cp target/release/flashgrpo /tmp/new`).
+# Every other round runs the binaries in reverse (A B, B A): the first of two back-to-back runs was
+# ~10% slower on the AMX host of 2026-11-29, so a fixed order favours the later binaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=$1
@@ -24,7 +26,12 @@ for r in $(seq "$rounds"); do
     name=${arm%%|*}
     [[ -n ${ARMS:-} && ! $name =~ ${ARMS} ]] && continue
     read -ra args <<<"${arm#*|}"
-    for bin in "$@"; do
+    bins=("$@")
+    if ((r % 2 == 0)); then
+      bins=()
+      for ((i = $#; i >= 1; i--)); do bins+=("${!i}"); done
+    fi
+    for bin in "${bins[@]}"; do
       v=$("$bin" bench "${args[@]}" 2>/dev/null |
         awk '/step_s_p50/{s=$2}/p50_over_floor/{f=$2}/copy_gbps/{c=$2}END{printf "%.4f %.2f %.1f", s, f, c}')
       echo "$r|$name|$bin|$v"

@@ -33,8 +33,13 @@ peer() { "$python" bench/peers/peer_loss.py --framework "$1" "${shape[@]}" --dty
 declare -A times
 order=(flashgrpo-f32 flashgrpo-bf16 flashgrpo-bf16-rounded flashgrpo-bf16-widened flashgrpo-torch-bf16 torch-eager-bf16
   liger-bf16)
+# Every other round runs the arms in reverse (A B ... B A): on the AMX host of 2026-11-29 the first
+# of two back-to-back runs of one binary was ~10% slower, so a fixed order favours the later arms.
+reversed=()
+for ((i = ${#order[@]} - 1; i >= 0; i--)); do reversed+=("${order[i]}"); done
 for r in $(seq "$rounds"); do
-  for arm in "${order[@]}"; do
+  if ((r % 2)); then arms=("${order[@]}"); else arms=("${reversed[@]}"); fi
+  for arm in "${arms[@]}"; do
     case $arm in
       flashgrpo-f32) t=$(ours) ;;
       flashgrpo-bf16) t=$(ours --set dtype=bf16) ;;
