@@ -21,16 +21,14 @@ arms=(
   "original-bf16 fused-inplace|--config configs/bench-grpo-original.yaml"
   "original-bf16 fused|--config configs/bench-grpo-original.yaml --set impl=fused"
 )
+reversed=()
+for ((i = $#; i >= 1; i--)); do reversed+=("${!i}"); done
 for r in $(seq "$rounds"); do
   for arm in "${arms[@]}"; do
     name=${arm%%|*}
     [[ -n ${ARMS:-} && ! $name =~ ${ARMS} ]] && continue
     read -ra args <<<"${arm#*|}"
-    bins=("$@")
-    if ((r % 2 == 0)); then
-      bins=()
-      for ((i = $#; i >= 1; i--)); do bins+=("${!i}"); done
-    fi
+    if ((r % 2)); then bins=("$@"); else bins=("${reversed[@]}"); fi
     for bin in "${bins[@]}"; do
       v=$("$bin" bench "${args[@]}" 2>/dev/null |
         awk '/step_s_p50/{s=$2}/p50_over_floor/{f=$2}/copy_gbps/{c=$2}END{printf "%.4f %.2f %.1f", s, f, c}')
