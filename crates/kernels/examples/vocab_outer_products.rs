@@ -1,0 +1,100 @@
+//! Times the bf16 products of a fused-linear step in the vocabulary-outer order (Cut
+//! Cross-Entropy's), to decide on a machine whether a streamer in that order would beat today's
+//! row chunks (issue 17): per vocabulary tile, every row block's logits (the statistics pass),
+//! then every row block's logits again with `d hidden` and the tile's `d weight`, which is written
+//! once instead of read and rewritten by every row chunk. Today's order reads the weight twice
+//! and `d weight` (f32) once each way per chunk of rows and writes and reads the chunk's f32
+//! logits; this order keeps a tile's logits in the caches and pays a second logits product.
+//!
+//! Timing only: the row sweep between the products is left out (its time is the same in both
+//! orders), the logits stand in for their gradient, and each `d hidden` block is overwritten
+//! rather than summed over the tiles. Compare the time printed with the step of
+//! `flashgrpo bench --config configs/bench-linear-grpo-n1024-f32.yaml --set dtype=bf16` on the
+//! same way (`FLASHGRPO_BF16_PRODUCTS`), alternating the two.
+//!
+//! `cargo run --release -p flashgrpo-kernels --example vocab_outer_products -- [ROWS] [HIDDEN] [VOCAB] [REPEATS] [TILE] [ROW_BLOCK]`
+//! (defaults: 1024 rows, Qwen2.5-0.5B's 896 x 151936, 3 repeats, vocabulary tiles of 256, row
+//! blocks of 1024); the tiles are dealt to the threads in turn.
+
+use flashgrpo_kernels::matmul::{Mat, MatMut};
+use flashgrpo_kernels::matmul_bf16::{self, PackedHidden};
+use flashgrpo_kernels::synthetic::normal_matrix;
+use rayon::prelude::*;
+use std::time::Instant;
+
+fn bf16_bits(x: Vec<f32>) -> Vec<u16> {
+    x.into_iter().map(|x| half::bf16::from_f32(x).to_bits()).collect()
+}
+
+/// `d weight`, shared by the threads: each writes the rows of its own tiles only.
+struct WeightGradient(*mut f32);
+
+// SAFETY: the threads write disjoint tiles' rows (`rows`).
+unsafe impl Sync for WeightGradient {}
+
+impl WeightGradient {
+    /// Rows `start..start + rows` of a `_ x h` gradient.
+    ///
+    /// # Safety
+    /// No other thread uses these rows meanwhile; they are inside the buffer.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn rows(&self, start: usize, rows: usize, h: usize) -> &mut [f32] {
+        // SAFETY: the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start * h), rows * h) }
+    }
+}
+
+fn main() {
+    let arg = |i: usize, default: usize| std::env::args().nth(i).map_or(default, |s| s.parse().expect("a number"));
+    let (n, h, v) = (arg(1, 1024), arg(2, 896), arg(3, 151936));
+    let (repeats, tile, row_block) = (arg(4, 3).max(1), arg(5, 256).max(1), arg(6, 1024).max(1));
+    let products = matmul_bf16::current();
+    if !products.packed() {
+        println!("{products:?}: the bf16 products are widened to f32 on this machine");
+        return;
+    }
+    let hc = bf16_bits(normal_matrix(n, h, 1.0, 1));
+    let weight = bf16_bits(normal_matrix(v, h, 0.05, 2));
+    let blocks: Vec<(usize, PackedHidden)> = (0..n)
+        .step_by(row_block)
+        .map(|start| {
+            let rows = row_block.min(n - start);
+            let mut packed = PackedHidden::default();
+            packed.pack(&hc[start * h..(start + rows) * h], rows, h, products);
+            (rows, packed)
+        })
+        .collect();
+    let mut dw = vec![1.0f32; v * h]; // Touched before timing: first writes would count page faults.
+    let dw = WeightGradient(dw.as_mut_ptr());
+    let threads = rayon::current_num_threads();
+    let tiles: Vec<Vec<usize>> =
+        (0..threads).map(|t| (0..v.div_ceil(tile)).filter(|i| i % threads == t).collect()).collect();
+    let counted = 2.0 * (n * h * v) as f64 / 1e9;
+    // Two logits products, and the gradient products (twice the terms where `dz` is split).
+    let executed = counted * (2.0 + if products.rounded() { 2.0 } else { 4.0 });
+    println!("{products:?}, {n} rows, H = {h}, V = {v}, vocabulary tiles of {tile}, row blocks of {row_block}:");
+    for _ in 0..repeats {
+        let start = Instant::now();
+        tiles.par_iter().for_each(|mine| {
+            let (mut z, mut dh, mut partials) = (vec![0.0f32; row_block * tile], vec![0.0f32; row_block * h], vec![]);
+            for &t in mine {
+                let cols = tile.min(v - t * tile);
+                let w = &weight[t * tile * h..(t * tile + cols) * h];
+                for (rows, packed) in &blocks {
+                    matmul_bf16::logits(&mut MatMut::new(&mut z[..rows * cols], *rows, cols), false, packed, w, tile);
+                }
+                // SAFETY: tile t's rows of `d weight` are this thread's.
+                let dw_tile = unsafe { dw.rows(t * tile, cols, h) };
+                for (b, (rows, packed)) in blocks.iter().enumerate() {
+                    let z = &mut z[..rows * cols];
+                    matmul_bf16::logits(&mut MatMut::new(z, *rows, cols), false, packed, w, tile);
+                    let dh = &mut MatMut::new(&mut dh[..rows * h], *rows, h);
+                    let dz = Mat::new(z, *rows, cols);
+                    matmul_bf16::gradients(dh, Some(&mut *dw_tile), b > 0, dz, w, packed, tile, &mut partials);
+                }
+            }
+        });
+        let seconds = start.elapsed().as_secs_f64();
+        println!("  {seconds:.3} s, {executed:.0} GFLOP executed at {:.0} GFLOP/s", executed / seconds);
+    }
+}
