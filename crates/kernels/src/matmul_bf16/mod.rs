@@ -144,10 +144,16 @@ thread_local! {
 /// If this machine cannot run `products`.
 pub fn with_bf16_products<R>(products: Bf16Products, f: impl FnOnce() -> R) -> R {
     assert!(Bf16Products::available().contains(&products), "this machine cannot run {products:?}");
-    let previous = OVERRIDE.with(|o| o.replace(Some(products)));
-    let result = f();
-    OVERRIDE.with(|o| o.set(previous));
-    result
+    /// Puts the thread's previous way back when dropped, also when `f` panics and the panic is
+    /// caught (a test's `catch_unwind`, a Python call's error), so the way does not leak.
+    struct Restore(Option<Bf16Products>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            OVERRIDE.with(|o| o.set(self.0));
+        }
+    }
+    let _restore = Restore(OVERRIDE.with(|o| o.replace(Some(products))));
+    f()
 }
 
 /// The way calls from this thread run now.

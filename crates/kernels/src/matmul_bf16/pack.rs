@@ -165,12 +165,12 @@ macro_rules! vectorised {
             #[inline(always)]
             fn body($($arg: $ty),*) $body
             #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx512bw") {
+            if std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vl") {
                 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
                 unsafe fn wide($($arg: $ty),*) {
                     body($($arg),*)
                 }
-                // SAFETY: AVX-512 F/BW were detected.
+                // SAFETY: AVX-512 F/BW/VL were detected (BW implies F).
                 return unsafe { wide($($arg),*) };
             }
             body($($arg),*)

@@ -326,3 +326,11 @@ fn the_front_ends_default_rounds_only_gradients_handed_back_in_bf16() {
         assert_eq!(with_bf16_products(way, || Bf16Choice::default_for(true)), Bf16Choice::Auto, "{way:?}");
     }
 }
+
+#[test]
+fn the_way_named_for_a_call_is_restored_after_a_caught_panic() {
+    let before = current();
+    let caught = std::panic::catch_unwind(|| with_bf16_products(Bf16Products::Widened, || panic!("inside")));
+    assert!(caught.is_err());
+    assert_eq!(current(), before, "the way named inside the panicking call leaked out of it");
+}
