@@ -6,14 +6,13 @@
 //! (defaults: 256 rows, Qwen2.5-0.5B's 896 x 151936, 5 repeats, tiles of 1024 vocabulary rows);
 //! prints the median of the repeats.
 
+#[path = "common/chunk_inputs.rs"]
+mod chunk_inputs;
+
+use chunk_inputs::{arg, hidden_and_weight, packed_products};
 use flashgrpo_kernels::matmul::{Mat, MatMut};
 use flashgrpo_kernels::matmul_bf16::{self, PackedHidden};
-use flashgrpo_kernels::synthetic::normal_matrix;
 use std::time::Instant;
-
-fn bf16_bits(x: Vec<f32>) -> Vec<u16> {
-    x.into_iter().map(|x| half::bf16::from_f32(x).to_bits()).collect()
-}
 
 fn median(mut times: Vec<f64>) -> f64 {
     times.sort_by(f64::total_cmp);
@@ -21,15 +20,9 @@ fn median(mut times: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let arg = |i: usize, default: usize| std::env::args().nth(i).map_or(default, |s| s.parse().expect("a number"));
     let (n, h, v, repeats, tile) = (arg(1, 256), arg(2, 896), arg(3, 151936), arg(4, 5).max(1), arg(5, 1024));
-    let products = matmul_bf16::current();
-    if !products.packed() {
-        println!("{products:?}: the bf16 products are widened to f32 on this machine");
-        return;
-    }
-    let hc = bf16_bits(normal_matrix(n, h, 1.0, 1));
-    let weight = bf16_bits(normal_matrix(v, h, 0.05, 2));
+    let Some(products) = packed_products() else { return };
+    let (hc, weight) = hidden_and_weight(n, h, v);
     // Touched before timing: first writes would count page faults.
     let (mut z, mut dh, mut dw) = (vec![1.0f32; n * v], vec![1.0f32; n * h], vec![1.0f32; v * h]);
     let mut partials = vec![];

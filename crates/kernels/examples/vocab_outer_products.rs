@@ -16,15 +16,14 @@
 //! (defaults: 1024 rows, Qwen2.5-0.5B's 896 x 151936, 3 repeats, vocabulary tiles of 256, row
 //! blocks of 1024); the tiles are dealt to the threads in turn.
 
+#[path = "common/chunk_inputs.rs"]
+mod chunk_inputs;
+
+use chunk_inputs::{arg, hidden_and_weight, packed_products};
 use flashgrpo_kernels::matmul::{Mat, MatMut};
 use flashgrpo_kernels::matmul_bf16::{self, PackedHidden};
-use flashgrpo_kernels::synthetic::normal_matrix;
 use rayon::prelude::*;
 use std::time::Instant;
-
-fn bf16_bits(x: Vec<f32>) -> Vec<u16> {
-    x.into_iter().map(|x| half::bf16::from_f32(x).to_bits()).collect()
-}
 
 /// `d weight`, shared by the threads: each writes the rows of its own tiles only.
 struct WeightGradient(*mut f32);
@@ -45,16 +44,10 @@ impl WeightGradient {
 }
 
 fn main() {
-    let arg = |i: usize, default: usize| std::env::args().nth(i).map_or(default, |s| s.parse().expect("a number"));
     let (n, h, v) = (arg(1, 1024), arg(2, 896), arg(3, 151936));
     let (repeats, tile, row_block) = (arg(4, 3).max(1), arg(5, 256).max(1), arg(6, 1024).max(1));
-    let products = matmul_bf16::current();
-    if !products.packed() {
-        println!("{products:?}: the bf16 products are widened to f32 on this machine");
-        return;
-    }
-    let hc = bf16_bits(normal_matrix(n, h, 1.0, 1));
-    let weight = bf16_bits(normal_matrix(v, h, 0.05, 2));
+    let Some(products) = packed_products() else { return };
+    let (hc, weight) = hidden_and_weight(n, h, v);
     let blocks: Vec<(usize, PackedHidden)> = (0..n)
         .step_by(row_block)
         .map(|start| {
