@@ -14,7 +14,7 @@
 //!
 //! `cargo run --release -p flashgrpo-kernels --example vocab_outer_products -- [ROWS] [HIDDEN] [VOCAB] [REPEATS] [TILE] [ROW_BLOCK]`
 //! (defaults: 1024 rows, Qwen2.5-0.5B's 896 x 151936, 3 repeats, vocabulary tiles of 256, row
-//! blocks of 1024); the tiles are dealt to the threads in turn.
+//! blocks of 1024); the tiles are spread over the threads.
 
 #[path = "common/chunk_inputs.rs"]
 mod chunk_inputs;
@@ -24,24 +24,6 @@ use flashgrpo_kernels::matmul::{Mat, MatMut};
 use flashgrpo_kernels::matmul_bf16::{self, PackedHidden};
 use rayon::prelude::*;
 use std::time::Instant;
-
-/// `d weight`, shared by the threads: each writes the rows of its own tiles only.
-struct WeightGradient(*mut f32);
-
-// SAFETY: the threads write disjoint tiles' rows (`rows`).
-unsafe impl Sync for WeightGradient {}
-
-impl WeightGradient {
-    /// Rows `start..start + rows` of a `_ x h` gradient.
-    ///
-    /// # Safety
-    /// No other thread uses these rows meanwhile; they are inside the buffer.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn rows(&self, start: usize, rows: usize, h: usize) -> &mut [f32] {
-        // SAFETY: the caller's promise.
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(start * h), rows * h) }
-    }
-}
 
 fn main() {
     let (n, h, v) = (arg(1, 1024), arg(2, 896), arg(3, 151936));
@@ -57,34 +39,28 @@ fn main() {
             (rows, packed)
         })
         .collect();
-    let mut dw = vec![1.0f32; v * h]; // Touched before timing: first writes would count page faults.
-    let dw = WeightGradient(dw.as_mut_ptr());
-    let threads = rayon::current_num_threads();
-    let tiles: Vec<Vec<usize>> =
-        (0..threads).map(|t| (0..v.div_ceil(tile)).filter(|i| i % threads == t).collect()).collect();
+    // Touched before timing: first writes would count page faults.
+    let mut dw = vec![1.0f32; v * h];
     let counted = 2.0 * (n * h * v) as f64 / 1e9;
     // Two logits products, and the gradient products (twice the terms where `dz` is split).
     let executed = counted * (2.0 + if products.rounded() { 2.0 } else { 4.0 });
     println!("{products:?}, {n} rows, H = {h}, V = {v}, vocabulary tiles of {tile}, row blocks of {row_block}:");
     for _ in 0..repeats {
         let start = Instant::now();
-        tiles.par_iter().for_each(|mine| {
-            let (mut z, mut dh, mut partials) = (vec![0.0f32; row_block * tile], vec![0.0f32; row_block * h], vec![]);
-            for &t in mine {
-                let cols = tile.min(v - t * tile);
-                let w = &weight[t * tile * h..(t * tile + cols) * h];
-                for (rows, packed) in &blocks {
-                    matmul_bf16::logits(&mut MatMut::new(&mut z[..rows * cols], *rows, cols), false, packed, w, tile);
-                }
-                // SAFETY: tile t's rows of `d weight` are this thread's.
-                let dw_tile = unsafe { dw.rows(t * tile, cols, h) };
-                for (b, (rows, packed)) in blocks.iter().enumerate() {
-                    let z = &mut z[..rows * cols];
-                    matmul_bf16::logits(&mut MatMut::new(z, *rows, cols), false, packed, w, tile);
-                    let dh = &mut MatMut::new(&mut dh[..rows * h], *rows, h);
-                    let dz = Mat::new(z, *rows, cols);
-                    matmul_bf16::gradients(dh, Some(&mut *dw_tile), b > 0, dz, w, packed, tile, &mut partials);
-                }
+        // Each tile's rows of `d weight` are its own; the scratch is made per rayon job, not per tile.
+        let scratch = || (vec![0.0f32; row_block * tile], vec![0.0f32; row_block * h], vec![]);
+        dw.par_chunks_mut(tile * h).enumerate().for_each_init(scratch, |(z, dh, partials), (t, dw_tile)| {
+            let cols = dw_tile.len() / h;
+            let w = &weight[t * tile * h..(t * tile + cols) * h];
+            for (rows, packed) in &blocks {
+                matmul_bf16::logits(&mut MatMut::new(&mut z[..rows * cols], *rows, cols), false, packed, w, tile);
+            }
+            for (b, (rows, packed)) in blocks.iter().enumerate() {
+                let z = &mut z[..rows * cols];
+                matmul_bf16::logits(&mut MatMut::new(z, *rows, cols), false, packed, w, tile);
+                let dh = &mut MatMut::new(&mut dh[..rows * h], *rows, h);
+                let dz = Mat::new(z, *rows, cols);
+                matmul_bf16::gradients(dh, Some(&mut *dw_tile), b > 0, dz, w, packed, tile, partials);
             }
         });
         let seconds = start.elapsed().as_secs_f64();

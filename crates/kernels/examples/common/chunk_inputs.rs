@@ -1,6 +1,6 @@
 //! What the bf16 product examples (`bf16_products`, `vocab_outer_products`) share: their
-//! arguments, the way they time, and one fused-linear chunk's synthetic bf16 inputs, so that both
-//! time the same products on the same numbers.
+//! arguments, the bf16 way they run, and one fused-linear chunk's synthetic bf16 inputs, so that
+//! both time the same products on the same numbers.
 
 use flashgrpo_kernels::matmul_bf16::{self, Bf16Products};
 use flashgrpo_kernels::synthetic::normal_matrix;
