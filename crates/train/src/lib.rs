@@ -16,6 +16,7 @@ pub mod model;
 pub mod optim;
 pub mod parallel;
 pub mod plot;
+pub mod progress;
 pub mod prompt;
 pub mod rewards;
 pub mod rollout;

@@ -140,19 +140,6 @@ pub fn record(value: Value) -> Record {
     }
 }
 
-/// A training loop's progress bar, `label` first, starting at `done` of `steps` (hidden when
-/// `show` is false; indicatif hides it by itself when the terminal is not one).
-pub fn progress_bar(label: &str, steps: usize, done: usize, show: bool) -> indicatif::ProgressBar {
-    if !show {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(steps as u64);
-    let template = format!("{label} {{bar:30}} {{pos}}/{{len}} [{{elapsed_precise}}<{{eta_precise}}] {{msg}}");
-    bar.set_style(indicatif::ProgressStyle::with_template(&template).expect("a valid template"));
-    bar.set_position(done as u64);
-    bar
-}
-
 /// A compact terminal line of the named metrics present in `record`.
 pub fn summary_line(record: &Record, names: &[(&str, &str)]) -> String {
     names

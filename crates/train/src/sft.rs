@@ -16,9 +16,10 @@ use crate::engine::Workspace;
 use crate::error::{Result, TrainError};
 use crate::grpo::update::{batch_loss, update, EngineBuffers, UpdateBatch, UpdateInputs};
 use crate::head_loss::LossConfig;
-use crate::metrics::{self, progress_bar, record, MetricsLog, Record};
+use crate::metrics::{self, record, MetricsLog, Record};
 use crate::model::Qwen2;
 use crate::optim::{OptimConfig, Updater};
+use crate::progress::Progress;
 use crate::tokenizer::encode;
 
 /// The `sft:` section.
@@ -226,7 +227,7 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
     if let Some(e) = eval_before {
         write(&record(json!({"step": 0, "eval/loss": e})))?;
     }
-    let bar = progress_bar("sft", config.steps, 0, progress);
+    let mut bar = Progress::new("sft", config.steps, 0, progress, world.is_root());
     let (mut losses, mut times) = (Vec::new(), Vec::new());
     let mut eval_after = eval_before;
     metrics::reset_peak_rss();
@@ -254,7 +255,7 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
         losses.push(total);
         times.push(step_s);
         if report.skipped {
-            bar.println(format!("warning: step {step} skipped (non-finite loss or gradient)"));
+            bar.warn(&format!("warning: step {step} skipped (non-finite loss or gradient)"));
         }
         let mut r = record(json!({
             "step": step,
@@ -284,7 +285,7 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
             &r,
             &[("train/loss", "loss"), ("train/lr", "lr"), ("eval/loss", "eval")],
         ));
-        bar.inc(1);
+        bar.inc();
     }
     bar.finish();
     let tail = &losses[losses.len().saturating_sub(10)..];

@@ -29,10 +29,11 @@ use super::rollouts::RolloutSetup;
 use super::update::{update, EngineBuffers, Objective, UpdateBatch, UpdateInputs};
 use crate::error::{Result, TrainError};
 use crate::head_loss::LossConfig;
-use crate::metrics::{self, progress_bar, record, MetricsLog};
+use crate::metrics::{self, record, MetricsLog};
 use crate::model::{Qwen2, Sampling};
 use crate::optim::Updater;
 use crate::parallel::{check_weights, Mesh};
+use crate::progress::Progress;
 use crate::rewards::{correctness, sample_std, REWARD_NAMES};
 use crate::rollout::{Rollout, RowStreams};
 use crate::tokenizer::{decode, SideFiles};
@@ -274,7 +275,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
     let mut adaptive =
         config.use_adaptive_entropy.then(|| state.adaptive_entropy.unwrap_or_else(|| AdaptiveEntropy::start(&options)));
     let rollouts = RolloutSetup { config, train, tokenizer, eos, comm };
-    let bar = progress_bar("grpo", config.steps, state.step, progress);
+    let mut bar = Progress::new("grpo", config.steps, state.step, progress, world.is_root());
     let probe = metrics::heap_probe();
     metrics::reset_peak_rss();
     let (mut rewards_per_step, mut update_times) = (Vec::new(), Vec::new());
@@ -354,9 +355,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             state.recent_step_s.remove(0);
         }
         if report.skipped {
-            bar.println(format!(
-                "warning: step {step} skipped (non-finite loss or gradient); the weights are unchanged"
-            ));
+            bar.warn(&format!("warning: step {step} skipped (non-finite loss or gradient); the weights are unchanged"));
         }
 
         // Metrics.
@@ -463,7 +462,7 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
             &r,
             &[("train/reward_mean", "reward"), ("train/accuracy", "acc"), ("eval/accuracy", "eval")],
         ));
-        bar.inc(1);
+        bar.inc();
         if stop_after == Some(step) {
             break;
         }
