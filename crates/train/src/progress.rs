@@ -1,20 +1,27 @@
 //! A training loop's progress on stderr, wherever stderr goes. On a terminal, an `indicatif` bar
-//! with the latest metrics. Elsewhere (a log file, CI, `| tee`), where `indicatif` draws nothing,
-//! a plain line after the first step, every [`PLAIN_EVERY`] and at the last step, so that a run started from a script
-//! does not look hung for minutes. Warnings (a skipped step) are printed either way, above the bar
-//! on a terminal: `indicatif`'s own `println` drops them when its bar is hidden.
+//! with the latest metrics. Where `indicatif` draws nothing (stderr a log file, CI, `| tee`; or a
+//! terminal with `TERM` unset or `dumb`), a plain line after the first step, every
+//! [`PLAIN_EVERY`] and at the end, so that a run started from a script does not look hung for
+//! minutes. Warnings (a skipped step) are printed either way on rank 0, above the bar on a
+//! terminal: `indicatif`'s own `println` drops them when its bar is hidden.
 
-use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
-/// How often the plain form prints its line (besides the first and the last step).
+/// How often the plain form prints its line (besides the first step and the end).
 pub const PLAIN_EVERY: Duration = Duration::from_secs(30);
 
-/// How a loop reports: `Bar` on a terminal, `Plain` lines elsewhere, or `Quiet` (progress not
-/// asked for, or a rank other than 0): warnings only.
+/// How a loop reports: `Bar` where `indicatif` draws, `Plain` lines elsewhere, or `Quiet`
+/// (progress not asked for, or a rank other than 0): no progress, warnings as [`Progress`] says.
 enum Form {
     Bar(indicatif::ProgressBar),
-    Plain { started: Instant, last_line: Instant, first: usize },
+    /// `first`: the steps done before this run (a resumed run); `printed`: the count of the last
+    /// line printed.
+    Plain {
+        started: Instant,
+        last_line: Instant,
+        first: usize,
+        printed: usize,
+    },
     Quiet,
 }
 
@@ -33,10 +40,10 @@ impl Progress {
     /// Starts at `done` of `steps` (a resumed run). `show`: progress asked for, on this rank;
     /// `warnings`: this rank prints warnings.
     pub fn new(label: &str, steps: usize, done: usize, show: bool, warnings: bool) -> Self {
-        let form = match (show, std::io::stderr().is_terminal()) {
-            (false, _) => Form::Quiet,
-            (true, true) => Form::Bar(bar(label, steps, done)),
-            (true, false) => Form::Plain { started: Instant::now(), last_line: Instant::now(), first: done },
+        let form = match show.then(|| bar(label, steps, done)) {
+            None => Form::Quiet,
+            Some(bar) if !bar.is_hidden() => Form::Bar(bar),
+            Some(_) => Form::Plain { started: Instant::now(), last_line: Instant::now(), first: done, printed: done },
         };
         Self { form, label: label.to_string(), steps, done, message: String::new(), warnings }
     }
@@ -54,11 +61,9 @@ impl Progress {
         self.done += 1;
         match &mut self.form {
             Form::Bar(bar) => bar.inc(1),
-            Form::Plain { started, last_line, first } => {
+            Form::Plain { last_line, first, .. } => {
                 if self.done == *first + 1 || self.done >= self.steps || last_line.elapsed() >= PLAIN_EVERY {
-                    *last_line = Instant::now();
-                    let line = plain_line(&self.label, self.done, self.steps, *first, started.elapsed(), &self.message);
-                    eprintln!("{line}");
+                    self.print_plain();
                 }
             }
             Form::Quiet => {}
@@ -67,16 +72,29 @@ impl Progress {
 
     /// A line for the user (a skipped step), above the bar on a terminal.
     pub fn warn(&self, line: &str) {
+        if !self.warnings {
+            return;
+        }
         match &self.form {
             Form::Bar(bar) => bar.println(line),
-            _ if self.warnings => eprintln!("{line}"),
+            _ => eprintln!("{line}"),
+        }
+    }
+
+    /// The end of the loop: the bar left full, or the plain line of the last step done if it
+    /// was not printed (a run stopped early).
+    pub fn finish(&mut self) {
+        match &self.form {
+            Form::Bar(bar) => bar.finish(),
+            Form::Plain { printed, .. } if *printed != self.done => self.print_plain(),
             _ => {}
         }
     }
 
-    pub fn finish(&self) {
-        if let Form::Bar(bar) = &self.form {
-            bar.finish();
+    fn print_plain(&mut self) {
+        if let Form::Plain { started, last_line, first, printed } = &mut self.form {
+            (*last_line, *printed) = (Instant::now(), self.done);
+            eprintln!("{}", plain_line(&self.label, self.done, self.steps, *first, started.elapsed(), &self.message));
         }
     }
 }
@@ -94,7 +112,12 @@ fn bar(label: &str, steps: usize, done: usize) -> indicatif::ProgressBar {
 /// rate so far, then the metrics.
 fn plain_line(label: &str, done: usize, steps: usize, first: usize, elapsed: Duration, message: &str) -> String {
     let run = done.saturating_sub(first);
-    let left = if run == 0 { Duration::ZERO } else { elapsed.mul_f64(steps.saturating_sub(done) as f64 / run as f64) };
+    let left = if run == 0 {
+        Duration::ZERO
+    } else {
+        let seconds = elapsed.as_secs_f64() * steps.saturating_sub(done) as f64 / run as f64;
+        Duration::try_from_secs_f64(seconds).unwrap_or(Duration::MAX)
+    };
     let line = format!("{label} {done}/{steps} [{}<{}]", clock(elapsed), clock(left));
     if message.is_empty() {
         line
@@ -103,7 +126,7 @@ fn plain_line(label: &str, done: usize, steps: usize, first: usize, elapsed: Dur
     }
 }
 
-/// `HH:MM:SS`, as the bar writes it.
+/// `HH:MM:SS` (hours past 99 as they are), as the bar writes a time under a day.
 fn clock(d: Duration) -> String {
     let s = d.as_secs();
     format!("{:02}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
@@ -124,5 +147,11 @@ mod tests {
     fn a_plain_line_before_any_step_of_this_run_has_no_estimate_and_no_message() {
         assert_eq!(plain_line("sft", 0, 2000, 0, Duration::ZERO, ""), "sft 0/2000 [00:00:00<00:00:00]");
         assert_eq!(clock(Duration::from_secs(3 * 3600 + 62)), "03:01:02");
+    }
+
+    #[test]
+    fn an_estimate_past_what_a_duration_holds_is_the_largest_one() {
+        let line = plain_line("grpo", 1, usize::MAX, 0, Duration::from_secs(1 << 40), "");
+        assert!(line.starts_with("grpo 1/18446744073709551615 [305419896:"), "{line}");
     }
 }

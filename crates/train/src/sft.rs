@@ -185,7 +185,7 @@ pub struct SftRun<'a> {
     pub pad: u32,
     pub seed: u64,
     pub log: Option<&'a mut MetricsLog>,
-    /// A progress bar on the terminal (hidden when it is not one).
+    /// Progress on stderr (`crate::progress`): a bar on a terminal, plain lines elsewhere.
     pub progress: bool,
     /// The processes: each data group trains on its share of every step's examples, the
     /// gradients summed; rank 0 writes the log.

@@ -153,8 +153,8 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Output directory: metrics, the resolved config, the trained model.
     pub out: PathBuf,
-    /// Show progress on stderr: a bar on a terminal, elsewhere a plain line every 30 s
-    /// (`crate::progress`).
+    /// Show progress on stderr: a bar on a terminal, elsewhere a plain line after the first
+    /// step, every 30 s and at the end (`crate::progress`).
     pub progress: bool,
     pub task: TaskSection,
     pub model: ModelSection,
