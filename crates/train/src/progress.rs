@@ -7,6 +7,8 @@
 
 use std::time::{Duration, Instant};
 
+use indicatif::FormattedDuration;
+
 /// How often the plain form prints its line (besides the first step and the end).
 pub const PLAIN_EVERY: Duration = Duration::from_secs(30);
 
@@ -109,7 +111,7 @@ fn bar(label: &str, steps: usize, done: usize) -> indicatif::ProgressBar {
 
 /// `grpo 120/500 [00:01:02<00:03:16] reward 1.3  acc 0.33`: the count, the time since this run's
 /// first step (`first` steps were done before it: a resumed run) and the time left at this run's
-/// rate so far, then the metrics.
+/// rate so far (written as the bar writes them, `indicatif::FormattedDuration`), then the metrics.
 fn plain_line(label: &str, done: usize, steps: usize, first: usize, elapsed: Duration, message: &str) -> String {
     let run = done.saturating_sub(first);
     let left = if run == 0 {
@@ -118,18 +120,13 @@ fn plain_line(label: &str, done: usize, steps: usize, first: usize, elapsed: Dur
         let seconds = elapsed.as_secs_f64() * steps.saturating_sub(done) as f64 / run as f64;
         Duration::try_from_secs_f64(seconds).unwrap_or(Duration::MAX)
     };
-    let line = format!("{label} {done}/{steps} [{}<{}]", clock(elapsed), clock(left));
+    let (elapsed, left) = (FormattedDuration(elapsed), FormattedDuration(left));
+    let line = format!("{label} {done}/{steps} [{elapsed}<{left}]");
     if message.is_empty() {
         line
     } else {
         format!("{line} {message}")
     }
-}
-
-/// `HH:MM:SS` (hours past 99 as they are), as the bar writes a time under a day.
-fn clock(d: Duration) -> String {
-    let s = d.as_secs();
-    format!("{:02}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
 }
 
 #[cfg(test)]
@@ -146,12 +143,11 @@ mod tests {
     #[test]
     fn a_plain_line_before_any_step_of_this_run_has_no_estimate_and_no_message() {
         assert_eq!(plain_line("sft", 0, 2000, 0, Duration::ZERO, ""), "sft 0/2000 [00:00:00<00:00:00]");
-        assert_eq!(clock(Duration::from_secs(3 * 3600 + 62)), "03:01:02");
     }
 
     #[test]
     fn an_estimate_past_what_a_duration_holds_is_the_largest_one() {
         let line = plain_line("grpo", 1, usize::MAX, 0, Duration::from_secs(1 << 40), "");
-        assert!(line.starts_with("grpo 1/18446744073709551615 [305419896:"), "{line}");
+        assert!(line.starts_with("grpo 1/18446744073709551615 [12725829d 00:36:16<"), "{line}");
     }
 }
