@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{assert_matches_reference, Case, IsRatioKind, MaskKind, Op};
+use common::{assert_data_matches_reference, assert_matches_reference, Case, IsRatioKind, MaskKind, Op};
 use flashgrpo_kernels::{
     Aggregation, EntropyBonus, ImportanceSamplingLevel, KlEstimator, LossType, Reduction, RolloutCorrection,
 };
@@ -325,6 +325,51 @@ fn large_logits_stay_accurate() {
         let mut case = Case::new(op, 2, 3, 5000).with(|o| o.beta = 0.04);
         case.logit_std = 30.0;
         assert_matches_reference::<f32>(&case.data(), 1e-5);
+    }
+}
+
+/// Rows near one-hot (the target's probability 0.92-0.97) with logits far from 0: a row's
+/// gradient is then a difference of nearly equal terms (`a + p_y b`), and the f32 rounding of
+/// `lse` (half an ulp: 1.9e-6 at 40) moved every `p` by as much, 2-5e-5 of the gradient's norm,
+/// until `GradTerms::finish` folded it into `b` and `c` (found by bench/tools/logits_fuzz.py).
+#[test]
+fn near_one_hot_rows_far_from_zero() {
+    for (op, offset, vocab) in
+        [(Op::Grpo, 40.0f32, 2), (Op::Grpo, -40.0, 3), (Op::CrossEntropy, 40.0, 2), (Op::Logprob, -40.0, 2)]
+    {
+        let mut case = Case::new(op, 3, 4, vocab).with(|o| o.beta = 0.04);
+        case.mask = MaskKind::None;
+        let mut data = case.data();
+        for (i, row) in data.logits.chunks_mut(vocab).enumerate() {
+            for (j, x) in row.iter_mut().enumerate() {
+                *x = if j == 0 { offset } else { offset - 2.5 - 0.1 * i as f32 - j as f32 };
+            }
+        }
+        data.targets.fill(0);
+        assert_data_matches_reference::<f32>(&data, 1e-5);
+    }
+}
+
+/// A one-token vocabulary: `lse = u`, `log p = 0` and `H = 0` exactly, so that TRL's
+/// high-entropy mask, whose entropies all tie at 0, keeps every token as the reference does (the
+/// base-2 statistics left ~1e-8 there and the mask kept some), and cross-entropy's z-loss, the
+/// one term with a gradient, is not lost among terms that cancel.
+#[test]
+fn one_token_vocabulary_is_exact() {
+    let grpo = Case::new(Op::Grpo, 3, 4, 1).with(|o| {
+        o.top_entropy_quantile = 0.5;
+        o.entropy_coef = 0.02;
+    });
+    let ce = Case::new(Op::CrossEntropy, 3, 4, 1).with(|o| {
+        o.z_loss = 1e-4;
+        o.label_smoothing = 0.3;
+    });
+    for case in [grpo, ce] {
+        check_all_dtypes(&case);
+        let data = case.data();
+        let (got, _) = common::fused::<f32>(&data, &data.logits);
+        assert!(got.entropy.iter().all(|&h| h == 0.0), "entropy {:?}", got.entropy);
+        assert!(got.logp.unwrap().iter().all(|&l| l == 0.0), "{:?}", case);
     }
 }
 

@@ -656,7 +656,13 @@ fn statistics_impl<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, co
     tile_ref: &mut [f64],
 ) -> PartialRowStats {
     let units = Base2::new(inv_t);
-    if S::NATIVE_EXP2 && units.usable() {
+    // A row part shorter than a vector (no vector work to save) in natural units, where each
+    // term is `exp(u - m)` of a difference: a one-token vocabulary gets `lse = u`, `log p = 0`
+    // and `H = 0` exactly, and rows equal up to a shift (exact differences) the same bits, as
+    // the references give them. In base 2 the reference's rounding enters `2^t` (~1e-7), which
+    // broke such ties: a TRL high-entropy mask over one-token rows, whose entropies all tie at
+    // 0, kept only some of them (bench/tools/logits_fuzz.py).
+    if S::NATIVE_EXP2 && units.usable() && row.len() >= LANES {
         statistics_base2::<S, T, STORE, SUM_U, SCALED, MAX>(s, row, units, inv_t, target, scratch, tile_ref)
     } else {
         statistics_natural::<S, T, STORE, SUM_U, SCALED>(s, row, inv_t, target, scratch, tile_ref)

@@ -27,9 +27,15 @@ impl<'a> CrossEntropy<'a> {
         let (s, z, w) = (self.options.label_smoothing, self.options.z_loss, self.weight);
         let loss = -(1.0 - s) * st.logp.unwrap_or(0.0) + s * (st.lse - st.mean_u) + z * st.lse * st.lse;
         let mut terms = GradTerms::default();
-        terms.logp(-(1.0 - s) * w);
-        terms.lse((s + 2.0 * z * st.lse) * w);
-        terms.mean_u(-s * w, self.vocab);
+        if self.vocab == 1 {
+            // One class: `log p` and `lse - mean u` are constants (0), so only the z-loss has a
+            // gradient; their terms would cancel around it in f32 (~1e-7 of `w`).
+            terms.lse(2.0 * z * st.lse * w);
+        } else {
+            terms.logp(-(1.0 - s) * w);
+            terms.lse((s + 2.0 * z * st.lse) * w);
+            terms.mean_u(-s * w, self.vocab);
+        }
         RowOutcome {
             loss,
             weighted_loss: w * loss,
