@@ -19,16 +19,17 @@ pub(crate) fn trains(threshold: Option<f64>, h: f64) -> bool {
     threshold.is_none_or(|t| ranked_entropy(h) >= t)
 }
 
-/// `torch.quantile(values, q)` (linear interpolation, torch's `lerp`); `values` sorted, not empty.
+/// `torch.quantile(values, q)` of f32 `values` (TRL's entropies), as torch computes it: `q`, the
+/// rank, the weight and the linear interpolation (torch's `lerp`) in f32; `values` sorted, not
+/// empty. In f64 the threshold could fall a hair above a value that torch's f32 interpolation
+/// rounds it back onto, and that token, which TRL keeps (`>=`), was dropped
+/// (bench/tools/logits_fuzz.py). Matches `torch.quantile` on 20000 random cases.
 pub fn quantile(sorted: &[f64], q: f64) -> f64 {
-    let pos = q * (sorted.len() - 1) as f64;
+    let pos = q as f32 * (sorted.len() - 1) as f32;
     let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
-    let (a, b, w) = (sorted[lo], sorted[hi], pos - pos.floor());
-    if w < 0.5 {
-        a + w * (b - a)
-    } else {
-        b - (b - a) * (1.0 - w)
-    }
+    let (a, b, w) = (sorted[lo] as f32, sorted[hi.min(sorted.len() - 1)] as f32, pos - pos.floor());
+    let v = if w < 0.5 { a + w * (b - a) } else { b - (b - a) * (1.0 - w) };
+    v as f64
 }
 
 /// verl's `kl_cov` / `clip_cov` token selection, from the detached `logp` and log-ratios of every
@@ -113,4 +114,35 @@ pub(crate) fn high_entropy_counts(
         (Some(thr), None) => (0..active.len()).filter(|&i| active[i] && trains(Some(thr), entropy(i))).count() as f64,
     };
     (threshold, bonus_rows.max(1.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quantile;
+
+    /// `torch.quantile` of f32 values (torch 2.15), where the same interpolation in f64 gives
+    /// another value: `(sorted values, q, torch's result)`.
+    #[test]
+    fn quantile_is_torch_s_in_f32() {
+        let cases: [(&[f32], f64, f32); 4] = [
+            (
+                &[7.6200767, 7.6201077, 7.620159, 7.6201954, 7.6202073, 7.620252, 7.6202526],
+                0.775_958_567_435_716_9,
+                7.620237,
+            ),
+            (&[7.6200337, 7.6201406, 7.620195, 7.6202703], 0.246_572_832_619_830_32, 7.620113),
+            (
+                &[7.6200304, 7.6200547, 7.6200747, 7.6201167, 7.6201224, 7.620219, 7.6202602],
+                0.761_925_427_594_386,
+                7.6201777,
+            ),
+            (&[7.620038, 7.620042, 7.6201854], 0.001_774_862_202_534_643_9, 7.620038),
+        ];
+        for (values, q, want) in cases {
+            let sorted: Vec<f64> = values.iter().map(|&v| v as f64).collect();
+            assert_eq!(quantile(&sorted, q), want as f64, "{values:?} at {q}");
+        }
+        assert_eq!(quantile(&[2.0], 0.3), 2.0);
+        assert_eq!(quantile(&[1.0, 3.0], 1.0), 3.0);
+    }
 }
