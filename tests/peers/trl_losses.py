@@ -85,33 +85,34 @@ def stand_in(o, logits, T):
     return s
 
 
-def trl_loss(o, logits, targets, mask, adv, old, ref, sampling):
-    """TRL's loss and its gradient with respect to the logits (float64)."""
+def trl_loss(o, logits, targets, mask, adv, old, ref, sampling, dtype=torch.float64):
+    """TRL's loss and its gradient with respect to the logits (float64, or `dtype`: TRL's own
+    rounding in float32, for bench/tools/logits_fuzz.py)."""
     B, T, V = logits.shape
-    x = logits.double().requires_grad_(True)
+    x = logits.to(dtype).requires_grad_(True)
     logsm = torch.log_softmax(x / o["temperature"], -1)
     logp = logsm.gather(-1, targets[..., None]).squeeze(-1)
     entropy = -(logsm.exp() * logsm).sum(-1)
     # TRL's entropies are float32 (its threshold is taken over `entropies[mask].float()`): the
     # values rounded to float32, the gradient of the float64 ones.
-    entropy = entropy + (entropy.float().double() - entropy).detach()
+    entropy = entropy + (entropy.float().to(dtype) - entropy).detach()
     s = stand_in(o, logits, T)
     s._get_per_token_logps_and_entropies = lambda *a, **k: (logp, entropy, None)
     m = mask.long()
     inputs = {"prompt_ids": torch.zeros(B, 0, dtype=torch.long), "prompt_mask": torch.zeros(B, 0, dtype=torch.long),
-              "completion_ids": targets, "completion_mask": m, "advantages": adv.double(),
-              "num_items_in_batch": mask.sum().double()}
+              "completion_ids": targets, "completion_mask": m, "advantages": adv.to(dtype),
+              "num_items_in_batch": mask.sum().to(dtype)}
     # TRL always scores the old policy when it corrects for the sampler; on-policy it is logp itself.
-    old_ = logp.detach() if old is None else old.double()
+    old_ = logp.detach() if old is None else old.to(dtype)
     if old is not None:
         inputs["old_per_token_logps"] = old_
     if ref is not None:
-        inputs["ref_per_token_logps"] = ref.double()
+        inputs["ref_per_token_logps"] = ref.to(dtype)
     if sampling is not None:
-        inputs["sampling_per_token_logps"] = sampling.double()
+        inputs["sampling_per_token_logps"] = sampling.to(dtype)
         if o["mode"] is not None:
             env = {"self": s, "torch": torch, "math": math, "old_per_token_logps": old_,
-                   "sampling_per_token_logps": sampling.double(), "completion_mask": m, "tool_mask": None}
+                   "sampling_per_token_logps": sampling.to(dtype), "completion_mask": m, "tool_mask": None}
             exec(ROLLOUT_CORRECTION, env)
             inputs["importance_sampling_ratio"] = env["vllm_importance_sampling_ratio"]
     loss = GRPOTrainer._compute_loss(s, None, inputs)
