@@ -5,6 +5,9 @@ independent references in float64 on the same input values:
   without the bias-corrected KL, temperature, the high-entropy mask, the off-policy mask, TRL's
   entropy bonus, the four rollout-correction modes; on- and off-policy), its `logp` and `entropy`
   against `log_softmax` on the rows that take part;
+- `grpo_loss` with verl's options (dual-clip PPO, gpg, geo_mean, kl_cov, clip_cov; the four
+  aggregation modes, the KL estimators, rollout weights) against tests/peers/verl_losses.py's copy
+  of verl's code;
 - `cross_entropy` against `F.cross_entropy` (label smoothing, ignore_index, mean / sum / none) plus
   Liger's z-loss, `logprob` against `log_softmax`'s gather, `entropy` against its definition.
 
@@ -19,8 +22,10 @@ uses a third of the gate or more and ours is within 3x of its error: then the ca
 ill-conditioned for any float32 implementation (a softmax within ~1e-6 of one-hot, whose gradient is a difference of
 nearly equal numbers; vespo's weight, which amplifies a log-probability's float32 rounding; a
 gradient in f16's subnormal range), and it is counted apart, as "like float32". A GRPO case
-whose high-entropy mask hangs on a near-tie at TRL's threshold (tie_at_threshold) is not compared
-beyond its per-token outputs, and counted.
+whose high-entropy mask hangs on a near-tie at TRL's threshold (tie_at_threshold), or whose verl
+`kl_cov` selection does at its k-th covariance (covariance_tie), is not compared beyond its
+per-token outputs, and counted; so is a verl case without a token, where verl's seq-mean modes
+give NaN (ours: 0, LOSSES.md).
 
 Usage, from the repository root, with the peers' venv (`bench/peers/setup.sh`) and the wheel
 (`crates/python/install.sh .venv-peers/bin/python`):
@@ -42,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from trl_losses import options, our_sets, trl_loss  # noqa: E402
+from verl_losses import KL_NAMES, verl_loss  # noqa: E402
 
 import flashgrpo.torch as ft  # noqa: E402
 
@@ -50,21 +56,37 @@ VOCABS = [1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 100, 511, 2047, 2048, 2049, 2080,
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 
 
-CHECKS, FAILURES, LIKE_F32, TIES = [0], [], [], []
+CHECKS, FAILURES, LIKE_F32, TIES, UNDEFINED = [0], [], [], [], []
+
+
+def covariance_tie(logp, adv, mask, ratio):
+    """Whether verl's `kl_cov` selection (the `k` largest covariances, by `torch.topk`, whose order
+    among equal values is its own) hangs on a near-tie at its `k`-th value: one sequence's tokens
+    alone (every covariance 0), a one-token vocabulary (every `logp` 0), or two within 1e-6."""
+    valid = mask.bool()
+    a = adv.double()[:, None].expand_as(logp)[valid]
+    lp = logp[valid]
+    cov = ((a - a.mean()) * (lp - lp.mean())).sort(descending=True).values
+    k = max(1, int(cov.numel() * ratio))
+    if cov.numel() <= k:
+        return False
+    return (cov[k - 1] - cov[k]).abs().item() <= 1e-6 * cov.abs().max().item() + 1e-12
 
 
 def tie_at_threshold(entropies, top_entropy_quantile):
-    """Whether TRL's high-entropy mask hangs on a near-tie: besides tokens of one same entropy
-    (equal rows, one-token vocabularies: exact in both), an entropy within 1e-6 (relative) of the
-    threshold, where the float32 rounding of each entropy (ours carry ~3e-7 absolute at ~7)
-    decides which side it falls. `entropies`: the unmasked rows' float64 values."""
+    """Whether TRL's high-entropy mask hangs on a near-tie, where the float32 rounding of each
+    entropy (ours carry ~3e-7 absolute at ~7) decides which side a token falls: an entropy within
+    1e-6 (relative) of the threshold but not on it, or several on it (except one-token
+    vocabularies, whose entropies are exactly 0 in both). `entropies`: the unmasked rows' float64
+    values."""
     if entropies.numel() == 0:
         return False
     ranked = entropies.float()
     threshold = torch.quantile(ranked, 1 - top_entropy_quantile)
     near = (ranked - threshold).abs() <= 1e-6 * threshold.abs()
-    values = entropies[near].unique()
-    return near.any().item() and not (values.numel() == 1 and (ranked[near] == threshold).all().item())
+    on = ranked == threshold
+    several_on = on.sum().item() >= 2 and not (entropies[on] == 0).all().item()
+    return (near & ~on).any().item() or several_on
 
 
 def scaled_error(got, want, mask=None):
@@ -186,6 +208,55 @@ def check_grpo(case_no, rng, gen):
           lambda: max(norm_error(f32()[1], grad), norm_error(grad.to(x.dtype), grad)))
 
 
+def check_verl(case_no, rng, gen):
+    """verl's policy losses (dual-clip PPO, gpg, geo_mean, kl_cov, clip_cov with every candidate
+    kept), its four aggregation modes and KL estimators, rollout importance weights, against
+    tests/peers/verl_losses.py's copy of verl's code in float64 (temperature 1, as there)."""
+    policy = rng.choice(["vanilla", "gpg", "geo_mean", "kl_cov", "clip_cov"])
+    mode = rng.choice(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+    kl = rng.choice([None, None] + list(KL_NAMES))
+    with_is = rng.random() < 0.3
+    logits, targets, mask, dtype = random_batch(rng, gen)
+    B, T, V = logits.shape
+    p = dict(epsilon_low=rng.uniform(0.05, 0.4), epsilon_high=rng.uniform(0.05, 0.5),
+             clip_ratio_c=rng.choice([3.0, rng.uniform(1.05, 5.0)]), beta=rng.uniform(0.001, 0.3),
+             kl_cov_ratio=rng.uniform(0.01, 0.5), ppo_kl_coef=rng.uniform(0.0, 1.0),
+             clip_cov_lb=rng.uniform(-1.0, 0.0), clip_cov_ub=rng.uniform(0.0, 1.0))
+    adv = torch.randn(B, generator=gen)
+    true = torch.log_softmax(logits.double(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    old = (true + 0.3 * torch.randn(B, T, generator=gen)).float()
+    ref = (true + 0.3 * torch.randn(B, T, generator=gen)).float() if kl else None
+    is_w = (0.5 + torch.rand(B, T, generator=gen)).float() if with_is else None
+    ours = {"vanilla": "bnpo", "gpg": "gpg", "geo_mean": "geo_mean", "kl_cov": "kl_cov", "clip_cov": "clip_cov"}
+    sets = dict(loss_type=ours[policy], loss_agg_mode=mode, epsilon_low=p["epsilon_low"],
+                epsilon_high=p["epsilon_high"], beta=p["beta"] if kl else 0.0, kl_loss_type=KL_NAMES.get(kl, "k3"),
+                kl_cov_ratio=p["kl_cov_ratio"], ppo_kl_coef=p["ppo_kl_coef"], clip_cov_ratio=1.0,
+                clip_cov_lb=p["clip_cov_lb"], clip_cov_ub=p["clip_cov_ub"], max_completion_length=T)
+    if policy == "vanilla":
+        sets["clip_ratio_c"] = p["clip_ratio_c"]
+    in_place = rng.random() < 0.5
+    case = f"#{case_no} verl {policy} {mode} kl={kl} is={with_is} {p} B={B} T={T} V={V} {dtype} in_place={in_place}"
+    x = logits.clone().requires_grad_()
+    try:
+        out = ft.grpo_loss(x, targets, adv, mask, old_logp=old, ref_logp=ref, is_ratio=is_w, in_place=in_place,
+                           **sets)
+        out.loss.backward()
+    except Exception as e:  # noqa: BLE001
+        fail(case, f"{type(e).__name__}: {e}")
+        return
+    loss, grad = verl_loss(policy, mode, logits, targets, mask, adv, old, ref, is_w, kl, p)
+    if not torch.isfinite(loss):
+        UNDEFINED.append(case)  # verl's seq-mean modes over a batch without a token: 0 / 0
+        return
+    if policy == "kl_cov" and covariance_tie(true, adv, mask, p["kl_cov_ratio"]):
+        TIES.append(case)
+        return
+    f32 = cached(lambda: verl_loss(policy, mode, logits, targets, mask, adv, old, ref, is_w, kl, p, torch.float32))
+    judge(case, "loss", scaled_error(out.loss.detach(), loss), 1e-5, lambda: scaled_error(f32()[0], loss))
+    judge(case, "grad_logits", norm_error(x.grad, grad), 1e-5 if dtype == "f32" else 1e-2,
+          lambda: max(norm_error(f32()[1], grad), norm_error(grad.to(x.dtype), grad)))
+
+
 def check_cross_entropy(case_no, rng, gen):
     logits, targets, _, dtype = random_batch(rng, gen)
     B, T, V = logits.shape
@@ -263,7 +334,7 @@ def main():
     ap.add_argument("--cases", type=int, default=300)
     args = ap.parse_args()
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
-    checks = [check_grpo, check_grpo, check_grpo, check_cross_entropy, check_logprob_entropy]
+    checks = [check_grpo, check_grpo, check_grpo, check_verl, check_cross_entropy, check_logprob_entropy]
     for n in range(args.cases):
         rng.choice(checks)(n, rng, gen)
     for line in LIKE_F32:
@@ -271,8 +342,9 @@ def main():
     for line in FAILURES[:40]:
         print("FAIL", line)
     print(f"logits fuzz, seed {args.seed}, {args.cases} cases: {CHECKS[0]} checks, {len(FAILURES)} failures, "
-          f"{len(LIKE_F32)} ill-conditioned as in float32, {len(TIES)} GRPO cases not compared (a near-tie "
-          "at the entropy threshold)")
+          f"{len(LIKE_F32)} ill-conditioned as in float32, {len(TIES)} cases not compared (a near-tie at the "
+          f"entropy threshold or kl_cov's k-th covariance), {len(UNDEFINED)} verl cases whose reference is "
+          "undefined (no token)")
     sys.exit(1 if FAILURES else 0)
 
 

@@ -188,13 +188,14 @@ def kl_penalty_forward(logprob, ref_logprob, kl_penalty):
 KL_NAMES = {"k1": "k1", "mse": "k2", "abs": "abs", "low_var_kl": "low_var_kl"}
 
 
-def verl_loss(policy, mode, logits, targets, mask, adv, old, ref, is_w, kl, p):
-    x = logits.double().requires_grad_(True)
+def verl_loss(policy, mode, logits, targets, mask, adv, old, ref, is_w, kl, p, dtype=torch.float64):
+    """verl's loss and its gradient with respect to the logits, in float64 (or `dtype`)."""
+    x = logits.to(dtype).requires_grad_(True)
     logp = torch.log_softmax(x, -1).gather(-1, targets[..., None]).squeeze(-1)
-    A = adv.double()[:, None].expand_as(logp)
-    m = mask.double()
-    old = old.double()
-    w = None if is_w is None else is_w.double()
+    A = adv.to(dtype)[:, None].expand_as(logp)
+    m = mask.to(dtype)
+    old = old.to(dtype)
+    w = None if is_w is None else is_w.to(dtype)
     lo, hi = p["epsilon_low"], p["epsilon_high"]
     if policy == "vanilla":
         pg = policy_loss_vanilla(old, logp, A, m, mode, lo, hi, p["clip_ratio_c"], w)
@@ -208,7 +209,7 @@ def verl_loss(policy, mode, logits, targets, mask, adv, old, ref, is_w, kl, p):
         pg = policy_loss_clip_cov(old, logp, A, m, mode, 1.0, lo, hi, p["clip_cov_lb"], p["clip_cov_ub"], w)
     loss = pg
     if kl is not None:
-        loss = loss + p["beta"] * agg_loss(kl_penalty_forward(logp, ref.double(), kl), m, mode)
+        loss = loss + p["beta"] * agg_loss(kl_penalty_forward(logp, ref.to(dtype), kl), m, mode)
     loss.backward()
     return loss.detach(), x.grad
 
