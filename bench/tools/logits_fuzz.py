@@ -31,6 +31,7 @@ Usage, from the repository root, with the peers' venv (`bench/peers/setup.sh`) a
 (`crates/python/install.sh .venv-peers/bin/python`):
 
     .venv-peers/bin/python bench/tools/logits_fuzz.py --seed 1 --cases 300
+    .venv-peers/bin/python bench/tools/logits_fuzz.py --seed 1 --cases 300 --front jax   # grpo_loss of flashgrpo.jax
 
 Prints each failed check, then the counts; exits 1 if any check failed.
 """
@@ -44,6 +45,7 @@ import warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "peers"))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from trl_losses import options, our_sets, trl_loss  # noqa: E402
@@ -173,6 +175,46 @@ def random_batch(rng, gen):
     return logits, targets, mask, dtype
 
 
+def torch_front(x, targets, adv, mask, **kw):
+    """`flashgrpo.torch.grpo_loss`: (loss, gradient, logp, entropy) as torch tensors."""
+    logits = x.clone().requires_grad_()
+    out = ft.grpo_loss(logits, targets, adv, mask, **kw)
+    out.loss.backward()
+    return out.loss.detach(), logits.grad, out.logp, out.entropy
+
+
+def jax_front(x, targets, adv, mask, **kw):
+    """`flashgrpo.jax.grpo_loss` under `jax.value_and_grad`, its results as torch tensors."""
+    import jax
+    import jax.numpy as jnp
+
+    import flashgrpo.jax as fj
+
+    dtypes = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
+
+    def arr(t):
+        return None if t is None else jnp.asarray(t.float().numpy() if t.is_floating_point() else t.numpy())
+
+    tensors = {k: arr(v) for k, v in kw.items() if isinstance(v, torch.Tensor) or (v is None and k.endswith("logp"))}
+    tensors.update({k: None for k, v in kw.items() if v is None and k == "is_ratio"})
+    options = {k: v for k, v in kw.items() if k not in tensors and k != "in_place"}
+
+    def loss_of(lg):
+        return fj.grpo_loss(lg, arr(targets), arr(adv), arr(mask), return_outputs=True,
+                            in_place=kw.get("in_place", False), **tensors, **options)
+
+    logits = jnp.asarray(x.float().numpy()).astype(dtypes[x.dtype])
+    (loss, per_token), grad = jax.value_and_grad(loss_of, has_aux=True)(logits)
+
+    def back(a):
+        return torch.from_numpy(np.asarray(jnp.asarray(a, jnp.float32)).copy())
+
+    return back(loss), back(grad).to(x.dtype), back(per_token["logp"]), back(per_token["entropy"])
+
+
+FRONT = [torch_front]
+
+
 def check_grpo(case_no, rng, gen):
     o = random_options(rng)
     logits, targets, mask, dtype = random_batch(rng, gen)
@@ -185,27 +227,25 @@ def check_grpo(case_no, rng, gen):
     uses_sampling = o["mode"] is not None or o["off_policy_mask_threshold"] is not None
     sampling = (true + 0.1 * torch.randn(B, T, generator=gen)).float() if uses_sampling else None
     case = f"#{case_no} grpo {o} B={B} T={T} V={V} {dtype} in_place={in_place} old={old is not None}"
-    x = logits.clone().requires_grad_()
     try:
-        out = ft.grpo_loss(x, targets, adv, mask, old_logp=old, ref_logp=ref, sampling_logp=sampling,
-                           in_place=in_place, **our_sets(o, T))
-        out.loss.backward()
+        got, got_grad, got_logp, got_entropy = FRONT[0](logits, targets, adv, mask, old_logp=old, ref_logp=ref,
+                                                        sampling_logp=sampling, in_place=in_place, **our_sets(o, T))
     except Exception as e:  # noqa: BLE001 (every refusal is a failed case here)
         fail(case, f"{type(e).__name__}: {e}")
         return
     logsm = torch.log_softmax(logits.double() / o["temperature"], -1)
     unmasked = mask.bool()
     entropy = -(logsm.exp() * logsm).sum(-1)
-    judge(case, "logp", scaled_error(out.logp, logsm.gather(-1, targets[..., None]).squeeze(-1), unmasked), 1e-5)
-    judge(case, "entropy", scaled_error(out.entropy, entropy, unmasked), 1e-5)
+    judge(case, "logp", scaled_error(got_logp, logsm.gather(-1, targets[..., None]).squeeze(-1), unmasked), 1e-5)
+    judge(case, "entropy", scaled_error(got_entropy, entropy, unmasked), 1e-5)
     if o["top_entropy_quantile"] < 1 and tie_at_threshold(entropy[unmasked], o["top_entropy_quantile"]):
         TIES.append(case)
         return
     loss, grad = trl_loss(o, logits, targets, mask, adv, old, ref, sampling)
     f32 = cached(lambda: trl_loss(o, logits, targets, mask, adv, old, ref, sampling, dtype=torch.float32))
-    judge(case, "loss", scaled_error(out.loss.detach(), loss), 1e-5, lambda: scaled_error(f32()[0], loss))
-    judge(case, "grad_logits", norm_error(x.grad, grad), 1e-5 if dtype == "f32" else 1e-2,
-          lambda: max(norm_error(f32()[1], grad), norm_error(grad.to(x.dtype), grad)))
+    judge(case, "loss", scaled_error(got, loss), 1e-5, lambda: scaled_error(f32()[0], loss))
+    judge(case, "grad_logits", norm_error(got_grad, grad), 1e-5 if dtype == "f32" else 1e-2,
+          lambda: max(norm_error(f32()[1], grad), norm_error(grad.to(logits.dtype), grad)))
 
 
 def check_verl(case_no, rng, gen):
@@ -236,11 +276,9 @@ def check_verl(case_no, rng, gen):
         sets["clip_ratio_c"] = p["clip_ratio_c"]
     in_place = rng.random() < 0.5
     case = f"#{case_no} verl {policy} {mode} kl={kl} is={with_is} {p} B={B} T={T} V={V} {dtype} in_place={in_place}"
-    x = logits.clone().requires_grad_()
     try:
-        out = ft.grpo_loss(x, targets, adv, mask, old_logp=old, ref_logp=ref, is_ratio=is_w, in_place=in_place,
-                           **sets)
-        out.loss.backward()
+        got, got_grad, _, _ = FRONT[0](logits, targets, adv, mask, old_logp=old, ref_logp=ref, is_ratio=is_w,
+                                       in_place=in_place, **sets)
     except Exception as e:  # noqa: BLE001
         fail(case, f"{type(e).__name__}: {e}")
         return
@@ -252,9 +290,9 @@ def check_verl(case_no, rng, gen):
         TIES.append(case)
         return
     f32 = cached(lambda: verl_loss(policy, mode, logits, targets, mask, adv, old, ref, is_w, kl, p, torch.float32))
-    judge(case, "loss", scaled_error(out.loss.detach(), loss), 1e-5, lambda: scaled_error(f32()[0], loss))
-    judge(case, "grad_logits", norm_error(x.grad, grad), 1e-5 if dtype == "f32" else 1e-2,
-          lambda: max(norm_error(f32()[1], grad), norm_error(grad.to(x.dtype), grad)))
+    judge(case, "loss", scaled_error(got, loss), 1e-5, lambda: scaled_error(f32()[0], loss))
+    judge(case, "grad_logits", norm_error(got_grad, grad), 1e-5 if dtype == "f32" else 1e-2,
+          lambda: max(norm_error(f32()[1], grad), norm_error(grad.to(logits.dtype), grad)))
 
 
 def check_cross_entropy(case_no, rng, gen):
@@ -332,7 +370,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cases", type=int, default=300)
+    ap.add_argument("--front", choices=["torch", "jax"], default="torch",
+                    help="the front end of grpo_loss (TRL's and verl's cases; the others run torch's)")
     args = ap.parse_args()
+    FRONT[0] = jax_front if args.front == "jax" else torch_front
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     checks = [check_grpo, check_grpo, check_grpo, check_verl, check_cross_entropy, check_logprob_entropy]
     for n in range(args.cases):
