@@ -673,6 +673,19 @@ def check_errors():
                      torch.randn(2, 3, 4), torch.randn(10, 4), targets, torch.ones(2, 3), adv))
     expect_error("Liger's constructor checks", ValueError, ["sapo_temperature_neg"],
                  lambda: ft.FusedLinearGRPOLoss(sapo_temperature_neg=0.0))
+    # Both of Liger's GRPO losses refuse these at sequence level (and the chunked one dr_grpo
+    # without max_completion_length); the drop-ins do too, with Liger's words.
+    for lt, words in [("cispo", ["Sequence-level", "cispo"]), ("sapo", ["Sequence-level", "sapo"]),
+                      ("vespo", ["vespo", "importance_sampling_level='token'"])]:
+        expect_error(f"Liger's sequence-level check, {lt}, Triton", ValueError, words,
+                     lambda: ft.triton_grpo_loss(logits, None, None, targets, adv, beta=0.0, loss_type=lt,
+                                                 importance_sampling_level="sequence"))
+        module = ft.FusedLinearGRPOLoss(loss_type=lt, importance_sampling_level="sequence", use_ref_model=False)
+        expect_error(f"Liger's sequence-level check, {lt}, chunked", ValueError, words,
+                     lambda: module(torch.randn(2, 3, 4), torch.randn(10, 4), targets, torch.ones(2, 3), adv))
+    module = ft.FusedLinearGRPOLoss(loss_type="dr_grpo", use_ref_model=False)
+    expect_error("Liger's dr_grpo check, chunked", ValueError, ["max_completion_length", "dr_grpo"],
+                 lambda: module(torch.randn(2, 3, 4), torch.randn(10, 4), targets, torch.ones(2, 3), adv))
     old = torch.randn(2, 3) - 3
     expect_error("Liger's Triton checks", ValueError, ["delta", "cispo"],
                  lambda: ft.triton_grpo_loss(logits, old, None, targets, adv, beta=0.0, loss_type="cispo", delta=1.5))

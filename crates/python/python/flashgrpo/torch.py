@@ -573,6 +573,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     def forward(self, _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
                 ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
                 vllm_is_ratio=None, num_items_in_batch=None):
+        _check_liger_sequence_level(self.options["loss_type"], self.options["importance_sampling_level"])
+        if self.options["loss_type"] == "dr_grpo" and self.options["max_completion_length"] is None:
+            raise ValueError("max_completion_length must be provided for loss_type 'dr_grpo'")
         if not self.use_ref_model:
             ref_per_token_logps = None  # Liger ignores a reference it was told not to use
         elif ref_per_token_logps is None and ref_input is None:
@@ -622,6 +625,18 @@ def liger_fused_linear_grpo(_input, weight, selected_token_ids, attention_mask, 
                   old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio, num_items_in_batch)
 
 
+def _check_liger_sequence_level(loss_type, importance_sampling_level):
+    """The loss types both of Liger-Kernel's GRPO losses refuse at sequence level (ours would run
+    them, LOSSES.md; the drop-ins refuse as Liger does, with its messages)."""
+    if importance_sampling_level != "sequence":
+        return
+    if loss_type == "vespo":
+        raise ValueError("loss_type='vespo' requires importance_sampling_level='token'.")
+    if loss_type in ("cispo", "sapo"):
+        raise ValueError(f"Sequence-level importance sampling is not supported for loss_type='{loss_type}'. "
+                         f"Use importance_sampling_level='token' instead.")
+
+
 def _check_liger_options(sapo_temperature_pos, sapo_temperature_neg, delta):
     """The option values Liger-Kernel refuses when a loss is built."""
     for name, value in (("sapo_temperature_pos", sapo_temperature_pos), ("sapo_temperature_neg",
@@ -652,11 +667,14 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
     sequence). ``inplace=True``: as in Liger, the gradient is written over the logits in the
     backward; the logits keep their values until then."""
     # As Liger's Triton loss: `delta = 0` is off, `delta` with cispo / sapo / vespo an error, and
-    # the sapo temperatures read (and checked) for sapo alone.
+    # the sapo temperatures read (and checked) for sapo alone; checked in Liger's order.
+    if loss_type == "vespo":
+        _check_liger_sequence_level(loss_type, importance_sampling_level)
     if delta is not None and loss_type in ("cispo", "sapo", "vespo"):
         raise ValueError(f"delta (two-sided clipping) is not supported for loss_type='{loss_type}'")
     if delta == 0.0:
         delta = None
+    _check_liger_sequence_level(loss_type, importance_sampling_level)
     if loss_type != "sapo":
         sapo_temperature_pos, sapo_temperature_neg = 1.0, 1.05
     _check_liger_options(sapo_temperature_pos, sapo_temperature_neg, delta)
