@@ -118,30 +118,43 @@ def one_case(args, rng, case_no, tmp):
     return results
 
 
-def main():
+def fuzz_arguments(cases, *extra):
+    """The command line both transformers fuzzes take (`extra`: (flag, help) switches), with
+    transformers' logging and progress bars off."""
     logging.disable(logging.WARNING)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     p = argparse.ArgumentParser()
     p.add_argument("--bin", required=True)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--cases", type=int, default=40)
-    p.add_argument("--bf16", action="store_true", help="also run ours in bf16 against HF's bf16 error")
-    args = p.parse_args()
+    p.add_argument("--cases", type=int, default=cases)
+    for flag, why in extra:
+        p.add_argument(flag, action="store_true", help=why)
+    return p.parse_args()
+
+
+def each_case(args, one_case, failures):
+    """`one_case(args, rng, case_no, tmp)`'s results, case after case; a case whose flashgrpo run
+    fails is a failure."""
     rng = random.Random(args.seed)
-    failures, checks, worst = [], 0, {}
+    torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         for case_no in range(args.cases):
             try:
-                results = one_case(args, rng, case_no, tmp)
+                yield one_case(args, rng, case_no, tmp)
             except RuntimeError as e:
                 failures.append(f"#{case_no} flashgrpo failed: {e}")
-                continue
-            for desc, e, gate in results:
-                checks += 1
-                kind = desc.split()[-2] + " " + desc.split()[-1]
-                worst[kind] = max(worst.get(kind, 0.0), e / gate)
-                if not e <= gate:
-                    failures.append(f"{desc}: {e:.2e} > {gate:.2e}")
+
+
+def main():
+    args = fuzz_arguments(40, ("--bf16", "also run ours in bf16 against HF's bf16 error"))
+    failures, checks, worst = [], 0, {}
+    for results in each_case(args, one_case, failures):
+        for desc, e, gate in results:
+            checks += 1
+            kind = desc.split()[-2] + " " + desc.split()[-1]
+            worst[kind] = max(worst.get(kind, 0.0), e / gate)
+            if not e <= gate:
+                failures.append(f"{desc}: {e:.2e} > {gate:.2e}")
     print(f"{checks} checks, {len(failures)} failures; worst error / gate: "
           + ", ".join(f"{k} {v:.3f}" for k, v in sorted(worst.items())))
     for f in failures:

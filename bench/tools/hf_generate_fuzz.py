@@ -12,20 +12,16 @@ is counted apart; any other difference is a failure.
 Usage: python hf_generate_fuzz.py --bin target/release/flashgrpo [--seed 1] [--cases 30]
 """
 
-import argparse
 import json
-import logging
 import os
-import random
 import subprocess
 import sys
-import tempfile
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import Qwen2ForCausalLM
 
-from hf_forward_fuzz import draw_config, make_model
+from hf_forward_fuzz import draw_config, each_case, fuzz_arguments, make_model
 
 
 def save(model, cfg, d):
@@ -94,26 +90,12 @@ def one_case(args, rng, case_no, tmp):
 
 
 def main():
-    logging.disable(logging.WARNING)
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    p = argparse.ArgumentParser()
-    p.add_argument("--bin", required=True)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--cases", type=int, default=30)
-    args = p.parse_args()
-    rng = random.Random(args.seed)
-    torch.manual_seed(args.seed)
+    args = fuzz_arguments(30)
     counts, failures, ties = {"equal": 0, "tie": 0, "differ": 0}, [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for case_no in range(args.cases):
-            try:
-                results = one_case(args, rng, case_no, tmp)
-            except RuntimeError as e:
-                failures.append(f"#{case_no} flashgrpo failed: {e}")
-                continue
-            for kind, what in results:
-                counts[kind] += 1
-                (failures if kind == "differ" else ties if kind == "tie" else []).append(what)
+    for results in each_case(args, one_case, failures):
+        for kind, what in results:
+            counts[kind] += 1
+            (failures if kind == "differ" else ties if kind == "tie" else []).append(what)
     print(f"{sum(counts.values())} completions: {counts['equal']} equal, {counts['tie']} differing after a near-tie, "
           f"{len(failures)} failures")
     for t in ties:
