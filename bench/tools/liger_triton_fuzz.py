@@ -12,12 +12,14 @@ interpreter (`TRITON_INTERPRET=1`): the peers' real code, not a re-derivation of
   (ignore_index, label smoothing, `lse_square_scale` = our `z_loss`, mean / sum / none).
 - `flashgrpo.torch.FusedLinearCrossEntropyLoss` against `LigerFusedLinearCrossEntropyLoss`
   (the Triton one, with bias or not).
+- With `--only logprob` (not in the default mix, which stays as recorded in docs/BENCHMARKS.md):
+  `flashgrpo.torch.logprob` against Liger's `fused_selective_log_softmax`, logits around 0 or 20.
 
 Both sides compute in f32; values and gradients must agree within `--tol` (default 2e-5) of the
 largest magnitude of Liger's (bf16 gradients: within 1e-2, their rounding). Where Liger refuses
 an option (ValueError / AssertionError) ours must refuse it too.
 
-Usage: python liger_triton_fuzz.py [--seed 1] [--cases 200] [--only grpo|ce|flce]
+Usage: python liger_triton_fuzz.py [--seed 1] [--cases 200] [--only grpo|ce|flce|logprob]
 """
 
 import os
@@ -30,6 +32,7 @@ import sys  # noqa: E402
 
 import torch  # noqa: E402
 from liger_kernel.transformers import LigerCrossEntropyLoss, LigerFusedLinearCrossEntropyLoss  # noqa: E402
+from liger_kernel.ops.grpo_loss import fused_selective_log_softmax  # noqa: E402
 from liger_kernel.transformers.grpo_loss import triton_grpo_loss as liger_grpo  # noqa: E402
 
 import flashgrpo.torch as ft  # noqa: E402
@@ -191,6 +194,27 @@ def trl_reference(opts, logits, ids, mask, adv, old, ref, dtype):
     return {"loss": loss, "grad": grad}
 
 
+def logprob_case(rng, g, tol):
+    """`flashgrpo.torch.logprob` against Liger's `fused_selective_log_softmax` (its Triton kernel
+    that scores the log-probabilities of `[B, L+1, V]` logits' first L positions), unmasked
+    positions only (Liger writes 0 on masked ones; ours takes no mask)."""
+    B, L, V = rng.randint(1, 4), rng.randint(1, 12), rng.choice(VOCABS)
+    dtype = torch.bfloat16 if rng.random() < 0.25 else torch.float32
+    logits = (rng.choice([0.5, 2.0, 5.0]) * torch.randn(B, L + 1, V, generator=g) + rng.choice([0.0, 20.0])).to(dtype)
+    ids = torch.randint(0, V, (B, L), generator=g)
+    mask = None if rng.random() < 0.5 else (torch.rand(B, L, generator=g) < 0.8).float()
+    temperature = rng.choice([1.0, 0.9, 0.7, 1.3])
+    keep = torch.ones(B, L, dtype=torch.bool) if mask is None else mask.bool()
+    desc = f"logprob B={B} L={L} V={V} {str(dtype)[6:]} T={temperature} mask={mask is not None}"
+    ours, theirs = both(lambda: [("logp", ft.logprob(logits[:, :L], ids, temperature=temperature)[keep])],
+                        lambda: [("logp", fused_selective_log_softmax(logits, ids, temperature, mask)[keep])])
+    def reference(dt):
+        return torch.log_softmax(logits.to(dt)[:, :L] / temperature, -1).gather(-1, ids[..., None])[..., 0][keep]
+
+    return desc, compare(ours, theirs, tol, dtype, f32_loss=True, exact={"logp": reference(torch.float64)},
+                         torch32={"logp": reference(torch.float32)})
+
+
 def ce_case(rng, g, tol):
     N, V = rng.randint(1, 24), rng.choice(VOCABS)
     dtype = torch.bfloat16 if rng.random() < 0.25 else torch.float32
@@ -322,10 +346,10 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cases", type=int, default=200)
     p.add_argument("--tol", type=float, default=2e-5)
-    p.add_argument("--only", choices=["grpo", "ce", "flce"])
+    p.add_argument("--only", choices=["grpo", "ce", "flce", "logprob"])
     args = p.parse_args()
     rng, g = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
-    kinds = {"grpo": grpo_case, "ce": ce_case, "flce": flce_case}
+    kinds = {"grpo": grpo_case, "ce": ce_case, "flce": flce_case, "logprob": logprob_case}
     checks, refusals, failures, worst, liger_rounding = 0, 0, [], {}, []
     for case_no in range(args.cases):
         kind = args.only or rng.choice(["grpo", "grpo", "ce", "flce"])
