@@ -119,6 +119,37 @@ impl<'a> PreparedLoss<'a> {
 
     /// Step 2 from the statistics of the whole vocabulary (one shard's, or [`combine_shards`]'s).
     pub fn objective(&self, stats: &[PartialRowStats]) -> Result<(LossOutput, Vec<RowGradient>), LossError> {
+        let finished = self.finished(stats)?;
+        let spec = &self.spec;
+        Ok(objective::evaluate(&spec.loss, &spec.rows, spec.options, spec.batch_shard, &self.active, &finished))
+    }
+
+    /// Step 2's row gradients for a per-token loss back-propagated with a per-token upstream
+    /// gradient: those of the loss with each row's weight in the reduction times `upstream[i]`
+    /// ([`objective::gradients_with_upstream`]). With sequence-level importance sampling a
+    /// sequence's rows share the gradient of its weight, so this is not each row's gradient
+    /// times its upstream (as it is for a row-local loss).
+    pub fn upstream_gradients(
+        &self,
+        stats: &[PartialRowStats],
+        upstream: &[f32],
+    ) -> Result<Vec<RowGradient>, LossError> {
+        let finished = self.finished(stats)?;
+        let spec = &self.spec;
+        objective::gradients_with_upstream(
+            &spec.loss,
+            &spec.rows,
+            spec.options,
+            spec.batch_shard,
+            &self.active,
+            &finished,
+            upstream,
+        )
+    }
+
+    /// The per-row quantities of the statistics of the whole vocabulary (active rows; the others
+    /// default), after checking that every active row's target column was seen.
+    fn finished(&self, stats: &[PartialRowStats]) -> Result<Vec<RowStats>, LossError> {
         let rows = &self.spec.rows;
         if stats.len() != rows.len() {
             return Err(LossError::Shard(format!("{} rows of statistics for {} rows", stats.len(), rows.len())));
@@ -136,8 +167,7 @@ impl<'a> PreparedLoss<'a> {
             .with_min_len(objective::ROWS_PER_TASK)
             .map(|(s, &a)| if a { s.finish(rows.vocab) } else { RowStats::default() })
             .collect();
-        let spec = &self.spec;
-        Ok(objective::evaluate(&spec.loss, rows, spec.options, spec.batch_shard, &self.active, &finished))
+        Ok(finished)
     }
 
     /// Step 3 over the columns `columns`.

@@ -304,7 +304,9 @@ impl<'a> Grpo<'a> {
         (outcome, w * t.d_logp, w * t.d_log_w)
     }
 
-    fn gradient(&self, row: usize, stats: &RowStats, ctx: &BatchContext, d_logp: f64) -> RowGradient {
+    /// A row's gradient scalars from its `d total / d logp` (already weighted); its entropy terms
+    /// are weighted here, times `upstream`.
+    fn gradient(&self, row: usize, stats: &RowStats, ctx: &BatchContext, d_logp: f64, upstream: f64) -> RowGradient {
         let mut terms = GradTerms::default();
         terms.logp(d_logp);
         let token_bonus = if self.options.entropy_bonus == EntropyBonus::Token {
@@ -312,26 +314,41 @@ impl<'a> Grpo<'a> {
         } else {
             0.0
         };
-        terms.entropy(token_bonus + self.mean_bonus(stats.entropy, ctx), stats.entropy);
+        terms.entropy((token_bonus + self.mean_bonus(stats.entropy, ctx)) * upstream, stats.entropy);
         terms.finish(stats, self.options.temperature)
     }
 
     /// Row-local objectives only.
     pub fn row(&self, row: usize, stats: &RowStats) -> RowOutcome {
+        self.row_times(row, stats, 1.0)
+    }
+
+    /// [`row`](Self::row), the row's gradient times `upstream`.
+    fn row_times(&self, row: usize, stats: &RowStats, upstream: f64) -> RowOutcome {
         let ctx = self.fixed.as_ref().expect("row() is for row-local objectives");
         let (mut outcome, d_logp, d_log_w) = self.row_with(row, stats, ctx, self.log_ratio(row, stats));
-        outcome.grad = self.gradient(row, stats, ctx, d_logp + d_log_w);
+        outcome.grad = self.gradient(row, stats, ctx, (d_logp + d_log_w) * upstream, upstream);
         outcome
     }
 
     /// Every row. At sequence level (GSPO) the log-weight is the masked mean of the sequence's
     /// log-ratios, and its gradient is shared evenly by the sequence's unmasked rows.
-    pub fn all(&self, active: &[bool], stats: &[RowStats]) -> Vec<RowOutcome> {
+    ///
+    /// With `upstream`, the gradients are those of the reduced loss with each row's weight times
+    /// `upstream[i]` (a per-token loss back-propagated with a per-token upstream gradient): each
+    /// row's own terms times its upstream, and at sequence level the shared `d/dlog_w` the
+    /// upstream-weighted sum of the sequence's rows' (as Liger-Kernel's sequence-level backward,
+    /// whose policy term takes the sum of a sequence's upstream and its bias-corrected KL the
+    /// upstream-weighted sum of the KL). Not for `geo_mean`, whose rows share one sequence term
+    /// ([`Objective::all`] refuses it).
+    pub fn all(&self, active: &[bool], stats: &[RowStats], upstream: Option<&[f32]>) -> Vec<RowOutcome> {
+        let up = |i: usize| upstream.map_or(1.0, |u| u[i] as f64);
         if self.is_row_local() {
-            return each_active_row(active, |i| self.row(i, &stats[i]));
+            return each_active_row(active, |i| self.row_times(i, &stats[i], up(i)));
         }
         let ctx = self.context(active, Some(stats));
         if self.options.loss_type == LossType::GeoMean {
+            debug_assert!(upstream.is_none(), "geo_mean's rows share one sequence term");
             return self.geo_mean(active, stats, &ctx);
         }
         let t_len = self.rows.seq_len;
@@ -350,13 +367,13 @@ impl<'a> Grpo<'a> {
                 .map(|&i| {
                     let log_w = seq_log_w.unwrap_or_else(|| self.log_ratio(i, &stats[i]));
                     let (o, d_logp, d_log_w) = self.row_with(i, &stats[i], &ctx, log_w);
-                    (i, o, d_logp, d_log_w)
+                    (i, o, d_logp * up(i), d_log_w * up(i))
                 })
                 .collect();
             // At token level each row keeps its own d/dlog_w; at sequence level it is shared.
             let shared = seq_log_w.map(|_| ordered_sum(parts.iter().map(|p| p.3)) / self.counts[b]);
             for (i, mut o, d_logp, d_log_w) in parts {
-                o.grad = self.gradient(i, &stats[i], &ctx, d_logp + shared.unwrap_or(d_log_w));
+                o.grad = self.gradient(i, &stats[i], &ctx, d_logp + shared.unwrap_or(d_log_w), up(i));
                 sequence[i - first] = o;
             }
         });
@@ -419,7 +436,7 @@ impl<'a> Grpo<'a> {
                 outcome.loss += loss;
                 outcome.weighted_loss += loss / (batch * on.len() as f64);
                 outcome.clipped = clipped;
-                outcome.grad = self.gradient(i, &stats[i], ctx, d_logp + d_log_w + d_policy);
+                outcome.grad = self.gradient(i, &stats[i], ctx, d_logp + d_log_w + d_policy, 1.0);
                 outcomes[i] = outcome;
             }
         }

@@ -17,8 +17,9 @@ mod simple;
 
 use rayon::prelude::*;
 
+use crate::error::LossError;
 use crate::inputs::{BatchShard, Loss, Normalisers, Rows};
-use crate::options::LossOptions;
+use crate::options::{LossOptions, LossType};
 #[cfg(feature = "cuda")]
 use crate::stats::PartialRowStats;
 use crate::stats::RowStats;
@@ -56,6 +57,16 @@ impl RowGradient {
 
     pub fn is_zero(&self) -> bool {
         self.a == 0.0 && self.b == 0.0 && self.c == 0.0 && self.d == 0.0
+    }
+
+    /// The gradient times `k` (a row without a gradient stays without one, whatever `k`: an
+    /// infinite or NaN upstream on a masked row writes no NaN).
+    pub fn times(&self, k: f32) -> Self {
+        if self.is_zero() {
+            *self
+        } else {
+            Self { a: self.a * k, b: self.b * k, c: self.c * k, d: self.d * k, ..*self }
+        }
     }
 }
 
@@ -203,11 +214,16 @@ impl<'a> Objective<'a> {
             .collect()
     }
 
-    /// The outcome of every row.
-    pub fn all(&self, active: &[bool], stats: &[RowStats]) -> Vec<RowOutcome> {
+    /// The outcome of every row; with `upstream`, its gradients are those of the reduced loss with
+    /// each row's weight times `upstream[i]` ([`gradients_with_upstream`]).
+    pub fn all(&self, active: &[bool], stats: &[RowStats], upstream: Option<&[f32]>) -> Vec<RowOutcome> {
+        let up = |i: usize| upstream.map_or(1.0, |u| u[i]);
         match self {
-            Objective::Grpo(g) => g.all(active, stats),
-            _ => each_active_row(active, |i| self.row(i, &stats[i])),
+            Objective::Grpo(g) => g.all(active, stats, upstream),
+            _ => each_active_row(active, |i| {
+                let outcome = self.row(i, &stats[i]);
+                RowOutcome { grad: outcome.grad.times(up(i)), ..outcome }
+            }),
         }
     }
 
@@ -236,9 +252,41 @@ pub fn evaluate(
 ) -> (LossOutput, Vec<RowGradient>) {
     debug_assert_eq!(active.len(), stats.len(), "one activity flag per row of statistics");
     let objective = Objective::new(loss, rows, options, shard, active);
-    let outcomes = objective.all(active, stats);
+    let outcomes = objective.all(active, stats, None);
     let output = objective.output(rows, active, stats, &outcomes);
     (output, outcomes.into_iter().map(|o| o.grad).collect())
+}
+
+/// The row gradients of the loss of [`evaluate`] with each row's weight in the reduction times
+/// `upstream[i]`: what a per-token loss back-propagated with a per-token upstream gradient needs
+/// (the per-token loss of a loss reduced by `token-sum` has weight 1). Where each row's loss depends
+/// on that row alone, each row's gradient times its upstream; at sequence level (GSPO) the
+/// gradient of a sequence's shared importance weight is the upstream-weighted sum of its rows'.
+/// `geo_mean`'s rows share one sequence term, with no per-token gradient to weight: refused.
+pub fn gradients_with_upstream(
+    loss: &Loss,
+    rows: &Rows,
+    options: &LossOptions,
+    shard: Option<BatchShard>,
+    active: &[bool],
+    stats: &[RowStats],
+    upstream: &[f32],
+) -> Result<Vec<RowGradient>, LossError> {
+    if matches!(loss, Loss::Grpo(_)) && options.loss_type == LossType::GeoMean {
+        return Err(LossError::InvalidOption {
+            name: "loss_type",
+            message: "geo_mean's rows share one sequence term: its gradient cannot be weighted per token".into(),
+        });
+    }
+    if upstream.len() != rows.len() {
+        return Err(LossError::Shape {
+            tensor: "upstream",
+            got: vec![upstream.len()],
+            expected: format!("one upstream gradient per row, B*T = {}", rows.len()),
+        });
+    }
+    let objective = Objective::new(loss, rows, options, shard, active);
+    Ok(objective.all(active, stats, Some(upstream)).into_iter().map(|o| o.grad).collect())
 }
 
 /// Rows per parallel task of the objective: a row costs ~100 ns, so a task of this many (~25 us)

@@ -73,6 +73,36 @@ type RowDerivatives = RowQ<f64>;
 
 /// Computes `loss` on `logits` (`[N*V]`, f64) in the plainest way, with its gradient when the op has one.
 pub fn evaluate(spec: LossSpec<'_>, logits: &[f64]) -> Result<ReferenceOutput, LossError> {
+    evaluate_with(spec, logits, None)
+}
+
+/// [`evaluate`], with the gradient of the loss whose reduction weighs each row's term (its
+/// per-token loss, its entropy bonus) times `upstream[i]` as well: for a token-sum loss, the
+/// gradient of `sum_i upstream[i] * per_token_loss[i]` (a per-token loss back-propagated with a
+/// per-token upstream gradient). The loss and outputs are [`evaluate`]'s.
+pub fn evaluate_with_upstream(
+    spec: LossSpec<'_>,
+    logits: &[f64],
+    upstream: &[f32],
+) -> Result<ReferenceOutput, LossError> {
+    if upstream.len() != spec.rows.len() {
+        return Err(LossError::Shape {
+            tensor: "upstream",
+            got: vec![upstream.len()],
+            expected: format!("one upstream gradient per row, B*T = {}", spec.rows.len()),
+        });
+    }
+    if matches!(spec.loss, Loss::Grpo(_)) && spec.options.loss_type == LossType::GeoMean {
+        return Err(LossError::InvalidOption {
+            name: "loss_type",
+            message: "geo_mean's rows share one sequence term: its gradient cannot be weighted per token".into(),
+        });
+    }
+    evaluate_with(spec, logits, Some(upstream))
+}
+
+fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -> Result<ReferenceOutput, LossError> {
+    let up = |i: usize| upstream.map_or(1.0, |u| u[i] as f64);
     let rows = &spec.rows;
     let options = spec.options;
     let active = validate(&spec.loss, rows, options)?;
@@ -117,14 +147,16 @@ pub fn evaluate(spec: LossSpec<'_>, logits: &[f64]) -> Result<ReferenceOutput, L
                 entropy_threshold,
                 bonus_rows,
                 selected,
+                upstream,
             };
             let mut per_token = vec![0.0; n];
             let mut kl = vec![0.0; n];
             let mut clipped = vec![0.0; n];
             let mut d = vec![RowDerivatives::default(); n];
+            let unweighted = Grpo { upstream: None, ..g.clone() };
             for b in 0..rows.batch {
                 let seq: Vec<RowQ<f64>> = q[b * rows.seq_len..(b + 1) * rows.seq_len].to_vec();
-                let s = g.sequence(b, &seq);
+                let s = unweighted.sequence(b, &seq);
                 out.loss += s.total;
                 for t in 0..rows.seq_len {
                     let i = b * rows.seq_len + t;
@@ -148,12 +180,12 @@ pub fn evaluate(spec: LossSpec<'_>, logits: &[f64]) -> Result<ReferenceOutput, L
             };
             out.per_token_loss = masked(&|i| cross_entropy(options, q[i]));
             out.loss = (0..n).filter(|&i| active[i]).map(|i| w * out.per_token_loss[i]).sum();
-            Some(masked_derivatives(&active, &q, |x| cross_entropy(options, x[0]) * Dual::constant(w)))
+            Some(masked_derivatives(&active, &q, |i, x| cross_entropy(options, x[0]) * Dual::constant(w * up(i))))
         }
         Loss::Logprob => {
             out.per_token_loss = masked(&|i| q[i].logp);
             out.loss = out.per_token_loss.iter().sum();
-            Some(masked_derivatives(&active, &q, |x| x[0].logp))
+            Some(masked_derivatives(&active, &q, |i, x| x[0].logp * Dual::constant(up(i))))
         }
         Loss::Entropy => {
             out.per_token_loss = out.entropy.clone();
@@ -207,9 +239,14 @@ fn derivatives_of(x: &[RowQ<f64>], t: usize, f: impl Fn(&[RowQ<Dual>]) -> Dual) 
     }
 }
 
-/// Derivatives of a row-local loss `f(&[row])` for every active row.
-fn masked_derivatives(active: &[bool], q: &[RowQ<f64>], f: impl Fn(&[RowQ<Dual>]) -> Dual) -> Vec<RowDerivatives> {
-    (0..q.len()).map(|i| if active[i] { derivatives_of(&q[i..=i], 0, &f) } else { RowDerivatives::default() }).collect()
+/// Derivatives of a row-local loss `f(i, &[row i])` for every active row.
+fn masked_derivatives(
+    active: &[bool],
+    q: &[RowQ<f64>],
+    f: impl Fn(usize, &[RowQ<Dual>]) -> Dual,
+) -> Vec<RowDerivatives> {
+    let row = |i: usize| derivatives_of(&q[i..=i], 0, |x| f(i, x));
+    (0..q.len()).map(|i| if active[i] { row(i) } else { RowDerivatives::default() }).collect()
 }
 
 /// `(1-s) * (lse - u_y) + s * (lse - mean_j u_j) + z * lse^2`, with `u_y = logp + lse`.
@@ -228,6 +265,7 @@ struct SequenceResult<S> {
 
 /// GRPO, one sequence at a time: a sequence's rows only interact through its own sums and the
 /// batch's detached quantities (the entropy threshold, the bonus's row count).
+#[derive(Clone)]
 struct Grpo<'a> {
     inputs: &'a PolicyInputs<'a>,
     options: &'a LossOptions,
@@ -240,6 +278,8 @@ struct Grpo<'a> {
     bonus_rows: f64,
     /// `kl_cov` / `clip_cov`: the rows verl's covariance selection picks (detached).
     selected: Vec<bool>,
+    /// Each row's term in the reduction times this ([`evaluate_with_upstream`]).
+    upstream: Option<&'a [f32]>,
 }
 
 impl Grpo<'_> {
@@ -286,6 +326,7 @@ impl Grpo<'_> {
         let c = S::constant;
         let (o, t_len) = (self.options, self.rows.seq_len);
         let idx = |t: usize| b * t_len + t;
+        let up = |t: usize| self.upstream.map_or(1.0, |u| u[idx(t)] as f64);
         let on: Vec<usize> = (0..t_len).filter(|&t| self.active[idx(t)]).collect();
         let count = (on.len() as f64).max(1.0);
         let advantage = self.inputs.advantages[b] as f64;
@@ -406,11 +447,11 @@ impl Grpo<'_> {
             }
             match o.entropy_bonus {
                 EntropyBonus::Token => per_token = per_token - c(o.entropy_coef) * q[t].entropy,
-                EntropyBonus::MaskedMean if trained => bonus = bonus + q[t].entropy,
+                EntropyBonus::MaskedMean if trained => bonus = bonus + q[t].entropy * c(up(t)),
                 EntropyBonus::MaskedMean => {}
             }
             result.per_token[t] = per_token.value();
-            sum = sum + per_token;
+            sum = sum + per_token * c(up(t));
         }
         if o.loss_type == LossType::GeoMean {
             // verl's compute_policy_loss_geo_mean, over the tokens the policy term trains on.
