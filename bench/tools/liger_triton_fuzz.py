@@ -6,8 +6,7 @@ interpreter (`TRITON_INTERPRET=1`): the peers' real code, not a re-derivation of
   log-probabilities, temperatures, eps, two-sided clipping (`delta`), the bias-corrected KL, vLLM
   ratios per token / per sequence, `num_items_in_batch`, `max_completion_length`, masks, reduce
   True (loss and metrics) or False (per-token loss, KL, clipped flags, a random upstream per
-  token; one per sequence with sequence-level importance sampling, the one upstream ours
-  takes there), logits f32 or bf16, ours in place or not. V from 1 past Liger's 4096-wide block.
+  token, at sequence level too), logits f32 or bf16, ours in place or not. V from 1 past Liger's 4096-wide block.
 - `flashgrpo.torch.cross_entropy` against `liger_kernel.transformers.LigerCrossEntropyLoss`
   (ignore_index, label smoothing, `lse_square_scale` = our `z_loss`, mean / sum / none).
 - `flashgrpo.torch.FusedLinearCrossEntropyLoss` against `LigerFusedLinearCrossEntropyLoss`
@@ -118,8 +117,6 @@ def grpo_case(rng, g, tol):
     desc, (logits, old, ref, ids, adv, mask), opts, inplace = draw_grpo(rng, g)
     B, L = ids.shape
     upstream = torch.randn(B, L, generator=g)
-    if opts["importance_sampling_level"] == "sequence":  # ours: one upstream per sequence (LOSSES.md)
-        upstream = upstream[:, :1].expand(B, L)
 
     def run(fn, in_place, inputs=logits):
         x = inputs.clone().requires_grad_()
@@ -192,17 +189,21 @@ def trl_comparable(opts, L):
 
 def per_token_comparable(opts):
     """Whether `per_token_reference` computes Liger's per-token losses for `opts`."""
-    return (not opts["reduce"] and opts["importance_sampling_level"] == "token" and opts["loss_type"] != "vespo"
-            and not opts["use_bias_correction_kl"])
+    return not opts["reduce"] and opts["loss_type"] != "vespo"
 
 
 def per_token_reference(opts, logits, ids, mask, adv, old, ref, upstream, dtype):
-    """TRL 1.16's per-token loss at token level (its `_compute_loss` up to the reduction: the PPO
-    surrogate with `delta`, cispo, sapo; times the vLLM ratio; plus beta times the k3 KL), masked,
-    and the logits' gradient of `sum(upstream * loss)`, in `dtype`."""
+    """TRL 1.16's per-token loss (its `_compute_loss` up to the reduction: the PPO surrogate with
+    `delta`, cispo, sapo, the importance weight the token's or its sequence's masked mean; times
+    the vLLM ratio; plus beta times the k3 KL, bias-corrected or not), masked, and the logits'
+    gradient of `sum(upstream * loss)`, in `dtype`."""
     x = logits.to(dtype).requires_grad_()
     logp = torch.log_softmax(x / opts["temperature"], -1).gather(-1, ids[..., None])[..., 0]
-    coef_1 = torch.exp(logp - (logp.detach() if old is None else old.to(dtype)))
+    m = torch.ones(ids.shape, dtype=dtype) if mask is None else mask.to(dtype)
+    log_ratio = logp - (logp.detach() if old is None else old.to(dtype))
+    if opts["importance_sampling_level"] == "sequence":
+        log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(logp)
+    coef_1 = torch.exp(log_ratio)
     a = adv.to(dtype)[:, None]
     lt = opts["loss_type"]
     if lt == "cispo":
@@ -216,13 +217,15 @@ def per_token_reference(opts, logits, ids, mask, adv, old, ref, upstream, dtype)
             coef_1 = torch.clamp(coef_1, max=opts["delta"])
         loss = -torch.min(coef_1 * a, coef_2 * a)
     if opts["vllm_is_ratio"] is not None:
-        loss = loss * opts["vllm_is_ratio"].to(dtype)
+        ratio = opts["vllm_is_ratio"].to(dtype)
+        loss = loss * (ratio[:, None] if ratio.dim() == 1 else ratio)
     kl = None
     if opts["beta"] != 0.0:
         d = ref.to(dtype) - logp
         kl = torch.exp(d) - d - 1
+        if opts["use_bias_correction_kl"]:
+            kl = kl * coef_1
         loss = loss + opts["beta"] * kl
-    m = torch.ones(ids.shape, dtype=dtype) if mask is None else mask.to(dtype)
     loss = loss * m
     (loss * upstream.to(dtype)).sum().backward()
     out = {"per_token_loss": loss.detach(), "grad": x.grad}

@@ -428,12 +428,17 @@ def check_logits_level_modules():
 def check_triton_per_token():
     """`triton_grpo_loss(reduce=False)`: the per-token loss back-propagated with a per-token
     upstream gradient (`loss.backward(dy)`, as Liger's tests do), in place (written in the
-    backward: the logits keep their values until then) or not, against float64 autograd."""
+    backward: the logits keep their values until then) or not, against float64 autograd. At
+    sequence level the upstream of every token reaches its sequence's shared weight."""
     B, L, V = 3, 7, 97
-    for lt, level, inplace, dtype in [("dapo", "token", True, "f32"), ("grpo", "token", False, "f32"),
-                                      ("cispo", "token", True, "bf16"), ("sapo", "token", False, "f32"),
-                                      ("bnpo", "sequence", True, "f32"), ("dr_grpo", "sequence", False, "f32"),
-                                      ("dapo", "token", True, "f16")]:
+    for lt, level, inplace, dtype, extra in [
+            ("dapo", "token", True, "f32", {}), ("grpo", "token", False, "f32", {}),
+            ("cispo", "token", True, "bf16", {}), ("sapo", "token", False, "f32", {}),
+            ("bnpo", "sequence", True, "f32", {}), ("dr_grpo", "sequence", False, "f32", {}),
+            ("grpo", "sequence", True, "bf16", dict(use_bias_correction_kl=True)),
+            ("dapo", "sequence", False, "f32", dict(use_bias_correction_kl=True, vllm_is_ratio="token")),
+            ("grpo", "sequence", True, "f32", dict(vllm_is_ratio="sequence", delta=1.05)),
+            ("dapo", "token", True, "f16", {})]:
         logits = as_dtype(torch.randn(B, L + 1, V) * 2, dtype)
         ids = torch.randint(0, V, (B, L))
         mask = (torch.rand(B, L) > 0.3).float()
@@ -442,15 +447,19 @@ def check_triton_per_token():
         true_logp = torch.log_softmax(logits[:, :L].double() / 0.9, -1).gather(-1, ids[..., None]).squeeze(-1)
         old = (true_logp + 0.2 * torch.randn(B, L)).float()
         ref = (true_logp + 0.2 * torch.randn(B, L)).float()
-        dy = torch.rand(B, L) if level == "token" else (mask / mask.sum()).expand(B, L).contiguous()
+        dy = torch.randn(B, L)
+        isr = {None: None, "token": torch.rand(B, L) + 0.5, "sequence": torch.rand(B) + 0.5}[extra.get("vllm_is_ratio")]
         o = grpo_options(loss_type=lt, temperature=0.9, epsilon_high=1.5 if lt == "cispo" else 0.4,
-                         importance_sampling_level=level, max_completion_length=L)
-        want = trl_grpo(logits[:, :L].contiguous(), ids, mask, adv, old, ref, None, o, upstream=dy)
-        case = f"triton_grpo_loss reduce=False {lt} {level} inplace={inplace} {dtype}"
+                         importance_sampling_level=level, max_completion_length=L,
+                         use_bias_correction_kl=extra.get("use_bias_correction_kl", False), delta=extra.get("delta"))
+        want = trl_grpo(logits[:, :L].contiguous(), ids, mask, adv, old, ref, isr, o, upstream=dy)
+        case = f"triton_grpo_loss reduce=False {lt} {level} inplace={inplace} {dtype} {extra}"
         x = logits.clone().requires_grad_(True)
         try:
             loss, kl, clipped = ft.triton_grpo_loss(x, old, ref, ids, adv, mask, eps_high=o["epsilon_high"],
-                                                    loss_type=lt, importance_sampling_level=level, inplace=inplace)
+                                                    loss_type=lt, importance_sampling_level=level, inplace=inplace,
+                                                    use_bias_correction_kl=o["use_bias_correction_kl"],
+                                                    vllm_is_ratio=isr, delta=o["delta"])
             if not torch.equal(x.detach(), logits):
                 FAILURES.append(f"{case}: the forward changed the logits")
             loss.backward(dy)
@@ -470,18 +479,17 @@ def check_triton_per_token():
     expect_error("reduce=False with a loss type that mixes tokens", ValueError, ["geo_mean", "reduce=True"],
                  lambda: ft.triton_grpo_loss(torch.randn(B, L + 1, V), None, None, ids, adv, mask, beta=0.0,
                                              loss_type="geo_mean"))
-    x = torch.randn(B, L + 1, V, requires_grad=True)
-    loss, _, _ = ft.triton_grpo_loss(x, None, None, ids, adv, mask, beta=0.0)
-    dy = torch.rand(B, L)
-    dy[mask == 0] = float("inf")  # an upstream on masked tokens writes nothing there
-    loss.backward(dy)
-    CHECKS[0] += 1
-    if not torch.isfinite(x.grad).all():
-        FAILURES.append("triton_grpo_loss in place: an infinite upstream on masked tokens made the gradient non-finite")
-    x = torch.randn(B, L + 1, V, requires_grad=True)
-    loss, _, _ = ft.triton_grpo_loss(x, None, None, ids, adv, mask, beta=0.0, importance_sampling_level="sequence")
-    expect_error("sequence level, per-token upstream not uniform in a sequence", NotImplementedError,
-                 ["sequence"], lambda: loss.backward(torch.rand(B, L)))
+    for level, inplace in [("token", True), ("sequence", True), ("sequence", False)]:
+        x = torch.randn(B, L + 1, V, requires_grad=True)
+        loss, _, _ = ft.triton_grpo_loss(x, None, None, ids, adv, mask, beta=0.0, importance_sampling_level=level,
+                                         inplace=inplace)
+        dy = torch.rand(B, L)
+        dy[mask == 0] = float("inf")  # an upstream on masked tokens writes nothing there
+        loss.backward(dy)
+        CHECKS[0] += 1
+        if not torch.isfinite(x.grad).all():
+            FAILURES.append(f"triton_grpo_loss {level} inplace={inplace}: an infinite upstream on masked tokens made "
+                            f"the gradient non-finite")
 
 
 def check_per_token_fused_linear():

@@ -6,8 +6,11 @@
 //! fused-linear loss mixes the rows.
 //!
 //! The forward runs steps 1 and 2 of the engine (row statistics, the token objective) and keeps
-//! an owned copy of the loss description ([`LossInputs`]) and the four gradient scalars of every
-//! row; the backward scales those by the upstream gradient (they are linear in it) and runs step
+//! an owned copy of the loss description ([`LossInputs`]), the rows' statistics and the four
+//! gradient scalars of every row; the backward scales those by a scalar upstream gradient (they
+//! are linear in it), or runs step 2's gradients again with a per-token one (with sequence-level
+//! importance sampling a sequence's rows share the gradient of its weight, so a row's gradient is
+//! not its own gradient times its upstream: [`PreparedLoss::upstream_gradients`]), and runs step
 //! 3, the same pass the eager calls run. The caller keeps the logits (or hidden states and
 //! lm_head) alive and unchanged in between (PyTorch's saved-tensor version check enforces it).
 
@@ -15,7 +18,7 @@ use std::sync::Mutex;
 
 use flashgrpo_kernels::{
     with_element, ChunkBudget, DType, GradientTarget, LinearGradients, LossInputs, LossOutput, LossSpec,
-    PreparedLinearLoss, PreparedLoss, RowGradient,
+    PartialRowStats, PreparedLinearLoss, PreparedLoss, RowGradient,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -42,7 +45,16 @@ pub struct DeferredGradient {
     vocab: usize,
     scores: Scores,
     /// Forgotten once the one backward has written the gradient.
-    rows: Mutex<Option<Vec<RowGradient>>>,
+    kept: Mutex<Option<Kept>>,
+}
+
+/// What the forward leaves for the backward.
+struct Kept {
+    /// The row gradients of the loss.
+    rows: Vec<RowGradient>,
+    /// The rows' statistics over the whole vocabulary, for a per-token upstream gradient (`None`
+    /// from [`DeferredGradient::linear_from_rows`]: the rows are then scaled).
+    stats: Option<Vec<PartialRowStats>>,
 }
 
 fn message(e: impl std::fmt::Display) -> String {
@@ -61,8 +73,10 @@ pub unsafe fn logits_forward(
     let prepared = PreparedLoss::new(spec).map_err(message)?;
     let vocab = spec.rows.vocab;
     let stats = with_element!(dtype, T => prepared.statistics::<T>(unsafe { logits.required()? }, 0..vocab));
-    let (output, rows) = prepared.objective(&stats.map_err(message)?).map_err(message)?;
-    Ok((output, DeferredGradient::new(&spec, ChunkBudget::default(), dtype, Scores::Logits, rows)))
+    let stats = stats.map_err(message)?;
+    let (output, rows) = prepared.objective(&stats).map_err(message)?;
+    let kept = Kept { rows, stats: Some(stats) };
+    Ok((output, DeferredGradient::new(&spec, ChunkBudget::default(), dtype, Scores::Logits, kept)))
 }
 
 /// Steps 1 and 2 over `hidden @ weight^T (+ bias)`: the output and the deferred gradient.
@@ -82,20 +96,22 @@ pub unsafe fn linear_forward(
         let shard = unsafe { linear_inputs::<T>(inputs, hidden_size)? };
         prepared.statistics(shard, 0..vocab)
     });
-    let (output, rows) = prepared.objective(&stats.map_err(message)?).map_err(message)?;
-    Ok((output, DeferredGradient::new(&spec, budget, dtype, Scores::Linear { hidden_size }, rows)))
+    let stats = stats.map_err(message)?;
+    let (output, rows) = prepared.objective(&stats).map_err(message)?;
+    let kept = Kept { rows, stats: Some(stats) };
+    Ok((output, DeferredGradient::new(&spec, budget, dtype, Scores::Linear { hidden_size }, kept)))
 }
 
 impl DeferredGradient {
-    /// The forward's results for the backward: an owned copy of `spec` (with `budget`) and the
-    /// row gradients.
-    fn new(spec: &LossSpec<'_>, budget: ChunkBudget, dtype: DType, scores: Scores, rows: Vec<RowGradient>) -> Self {
+    /// The forward's results for the backward: an owned copy of `spec` (with `budget`), the row
+    /// gradients and statistics.
+    fn new(spec: &LossSpec<'_>, budget: ChunkBudget, dtype: DType, scores: Scores, kept: Kept) -> Self {
         Self {
             inputs: LossInputs::from_spec(spec, budget),
             dtype,
             vocab: spec.rows.vocab,
             scores,
-            rows: Mutex::new(Some(rows)),
+            kept: Mutex::new(Some(kept)),
         }
     }
 
@@ -114,51 +130,54 @@ impl DeferredGradient {
         }
         let rows =
             values.chunks_exact(ROW_VALUES).map(|v| RowGradient { lse: v[0], a: v[1], b: v[2], c: v[3], d: v[4] });
-        Ok(Self::new(spec, budget, dtype, Scores::Linear { hidden_size }, rows.collect()))
+        let kept = Kept { rows: rows.collect(), stats: None };
+        Ok(Self::new(spec, budget, dtype, Scores::Linear { hidden_size }, kept))
     }
 
     /// The kept row gradients as `ROW_VALUES` f32 each (`lse, a, b, c, d`).
     pub(crate) fn row_values(&self) -> Result<Vec<f32>> {
-        let kept = self.rows.lock().map_err(|_| message("a previous backward panicked"))?;
-        let rows = kept.as_ref().ok_or_else(|| message("the row gradients were already used"))?;
-        Ok(rows.iter().flat_map(|g| [g.lse, g.a, g.b, g.c, g.d]).collect())
+        let kept = self.kept.lock().map_err(|_| message("a previous backward panicked"))?;
+        let kept = kept.as_ref().ok_or_else(|| message("the row gradients were already used"))?;
+        Ok(kept.rows.iter().flat_map(|g| [g.lse, g.a, g.b, g.c, g.d]).collect())
     }
 
     fn rows(&self) -> usize {
         self.inputs.batch * self.inputs.seq_len
     }
 
-    /// The row gradients times the upstream gradient: `scale`, times `row_scale[i]` for row `i`
-    /// when given (an f32 buffer of `N`). Rows without a gradient (masked) stay zero whatever
-    /// their upstream (an infinite or NaN upstream on a masked row writes no NaN). The kept rows
-    /// are forgotten by [`written`](Self::written) only once the gradient is written, so a
-    /// backward that fails on its inputs can be retried.
+    /// The row gradients times the upstream gradient: `scale`, and with `row_scale` (an f32
+    /// buffer of `N`, the upstream of each row's loss) those of the loss with each row's weight
+    /// times `row_scale[i]`, from the kept statistics (without them, each row's gradient times
+    /// its upstream, which is the same for a row-local loss). Rows without a gradient (masked)
+    /// stay zero whatever their upstream (an infinite or NaN upstream on a masked row writes no
+    /// NaN). What was kept is forgotten by [`written`](Self::written) only once the gradient is
+    /// written, so a backward that fails on its inputs can be retried.
     ///
     /// # Safety
     /// The module's contract for `row_scale`.
     unsafe fn scaled_rows(&self, scale: f32, row_scale: usize) -> Result<Vec<RowGradient>> {
-        let kept = self.rows.lock().map_err(|_| message("a previous backward panicked"))?;
-        let rows = kept.as_ref().ok_or_else(|| {
+        let kept = self.kept.lock().map_err(|_| message("a previous backward panicked"))?;
+        let kept = kept.as_ref().ok_or_else(|| {
             message(
                 "this loss's gradient was already written; backward through it twice (retain_graph=True) is not \
                  supported",
             )
         })?;
         let per_row = unsafe { Address::new("row_scale", row_scale, self.rows()).slice::<f32>()? };
-        let scaled = rows.iter().enumerate().map(|(i, g)| {
-            let k = scale * per_row.map_or(1.0, |s| s[i]);
-            if g.is_zero() {
-                *g
-            } else {
-                RowGradient { a: g.a * k, b: g.b * k, c: g.c * k, d: g.d * k, ..*g }
+        let rows = match (per_row, &kept.stats) {
+            (Some(upstream), Some(stats)) => {
+                let prepared = PreparedLoss::new(self.inputs.spec(self.vocab)).map_err(message)?;
+                prepared.upstream_gradients(stats, upstream).map_err(message)?
             }
-        });
-        Ok(scaled.collect())
+            (Some(upstream), None) => kept.rows.iter().zip(upstream).map(|(g, &k)| g.times(k)).collect(),
+            (None, _) => kept.rows.clone(),
+        };
+        Ok(rows.iter().map(|g| g.times(scale)).collect())
     }
 
-    /// Forgets the row gradients: the gradient has been written.
+    /// Forgets what the forward kept: the gradient has been written.
     fn written(&self) {
-        if let Ok(mut kept) = self.rows.lock() {
+        if let Ok(mut kept) = self.kept.lock() {
             *kept = None;
         }
     }

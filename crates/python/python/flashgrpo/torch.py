@@ -180,28 +180,25 @@ class _KernelGradients(torch.autograd.Function):
     """``value``, whose backward hands out the gradients the kernels computed in the forward,
     scaled by the upstream gradient. ``per_row="rows"``: ``value`` is per token and the gradients
     are of its sum, so row ``i`` of the logits' gradient is scaled by ``upstream[i]`` (logits-level
-    ops only: a fused-linear gradient mixes the rows, and takes ``_DeferredGradients`` instead);
-    ``sequences``: the mask of a loss whose rows mix within a sequence."""
+    ops whose rows do not mix only: a fused-linear gradient mixes the rows, and a sequence-level
+    loss a sequence's; those take ``_DeferredGradients`` instead)."""
 
     @staticmethod
-    def forward(ctx, value, grads, per_row, sequences, *inputs):
+    def forward(ctx, value, grads, per_row, *inputs):
         ctx.grads = grads
         ctx.per_row = per_row
-        ctx.sequences = sequences
         ctx.dtypes = [None if x is None else x.dtype for x in inputs]
         return value.clone()
 
     @staticmethod
     def backward(ctx, upstream):
         grads = _take_once(ctx, "grads")
-        if ctx.sequences is not None and ctx.per_row == "rows":
-            _check_uniform_per_sequence(upstream.detach().to(torch.float32).reshape(-1), ctx.sequences)
         out = []
         for grad, dtype in zip(grads, ctx.dtypes):
             if grad is not None:
                 grad = _as_dtype(_scaled(grad, upstream, ctx.per_row), dtype)
             out.append(grad)
-        return (None, None, None, None, *out)
+        return (None, None, None, *out)
 
 
 def _take_once(ctx, name):
@@ -227,14 +224,15 @@ class _DeferredGradients(torch.autograd.Function):
     """``value``, whose gradient the kernels write in the backward (``pending``, a
     ``DeferredGradient`` of the native module): the upstream gradient is folded into each row's
     gradient scalars before the pass that writes it, so it may differ from token to token even
-    for a fused-linear loss, and a logits-level gradient is written over the logits only then
-    (Liger's ``inplace``: the logits keep their values until the backward). ``scores`` are the
-    contiguous tensors the kernels read (kept unchanged until then: the originals are saved for
-    PyTorch's in-place modification check); ``per_row``: ``value`` is per token."""
+    for a fused-linear loss or a sequence-level one, and a logits-level gradient is written only
+    then: over the logits with ``in_place`` (Liger's ``inplace``: the logits keep their values
+    until the backward), else over a copy of them. ``scores`` are the contiguous tensors the
+    kernels read (kept unchanged until then: the originals are saved for PyTorch's in-place
+    modification check); ``per_row``: ``value`` is per token."""
 
     @staticmethod
-    def forward(ctx, value, pending, scores, per_row, sequences, *inputs):
-        ctx.pending, ctx.scores, ctx.per_row, ctx.sequences = pending, scores, per_row, sequences
+    def forward(ctx, value, pending, scores, per_row, in_place, *inputs):
+        ctx.pending, ctx.scores, ctx.per_row, ctx.in_place = pending, scores, per_row, in_place
         ctx.dtypes = [None if x is None else x.dtype for x in inputs]
         ctx.wants = [x is not None and x.requires_grad for x in inputs]
         ctx.save_for_backward(*[x for x in inputs if x is not None])
@@ -247,14 +245,13 @@ class _DeferredGradients(torch.autograd.Function):
         scale, row_scale = 1.0, None
         if ctx.per_row:
             row_scale = upstream.detach().to(torch.float32).contiguous().reshape(-1)
-            if ctx.sequences is not None:
-                _check_uniform_per_sequence(row_scale, ctx.sequences)
         else:
             scale = float(upstream)
         scores = _take_once(ctx, "scores")
         if len(scores) == 1:
-            pending.write_logits(_address(scores[0]), scale, _address(row_scale))
-            grads = [scores[0]]
+            grad = scores[0] if ctx.in_place else scores[0].clone()
+            pending.write_logits(_address(grad), scale, _address(row_scale))
+            grads = [grad]
         else:
             grads = _write_linear_gradients(pending, scores, ctx.wants, scale, row_scale)
         out = [None if g is None or not want else _as_dtype(g, dtype)
@@ -272,21 +269,6 @@ def _write_linear_gradients(pending, scores, wants, scale, row_scale):
     return grads
 
 
-def _check_uniform_per_sequence(row_scale, mask):
-    """Sequence-level importance sampling mixes the rows of a sequence: a per-token upstream
-    gradient is folded in exactly when it is the same on every unmasked token of a sequence (as
-    ``(loss * mask).sum() / mask.sum()`` and the per-sequence means give)."""
-    u = row_scale.reshape(mask.shape)
-    on = mask > 0
-    mean = torch.where(on, u, torch.zeros_like(u)).sum(-1) / on.sum(-1).clamp(min=1)
-    # Per sequence, and false for a NaN: a NaN upstream on an unmasked token is refused too.
-    same = torch.isclose(u, mean[:, None].expand_as(u), rtol=1e-6, atol=0.0)
-    if bool((on & ~same).any()):
-        raise NotImplementedError("flashgrpo: with importance_sampling_level='sequence', a per-token loss can only be "
-                                  "back-propagated with the same upstream gradient on every unmasked token of a "
-                                  "sequence (e.g. `(loss * mask).sum() / mask.sum()`)")
-
-
 def _wants_gradient(*inputs):
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
 
@@ -294,13 +276,12 @@ def _wants_gradient(*inputs):
 # ---------------------------------------------------------------- the two calls
 
 
-def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=None, defer=False, sequences=None,
-                 **row_inputs):
+def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=None, defer=False, **row_inputs):
     """Runs ``op`` over logits ``[B, T, V]`` (or ``[N, V]``); returns the loss value (with the
     kernels' gradient attached when the logits require one) and the per-token outputs. ``defer``:
-    the gradient is written over the logits in the backward (``in_place`` as Liger's ``inplace``,
-    see ``_DeferredGradients``); ``sequences``: the mask
-    of a loss whose rows mix within a sequence (sequence-level importance sampling)."""
+    the gradient is written in the backward, over the logits with ``in_place`` (Liger's
+    ``inplace``), else over a copy of them (see ``_DeferredGradients``): what a per-token loss whose
+    rows mix within a sequence (sequence-level importance sampling) needs for a per-token upstream."""
     x = _float_input("logits", logits)
     if x.dim() not in (2, 3):
         raise ValueError(f"`logits` must be [B, T, V] or [N, V], got shape {list(x.shape)}")
@@ -315,8 +296,6 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
     if wants_grad and in_place and x.data_ptr() != logits.data_ptr():
         raise ValueError("`in_place=True` needs contiguous logits (the gradient is written over them)")
     native = (op, _DTYPES[x.dtype], _address(x), request.native, options_json(options))
-    if defer and not in_place:
-        raise ValueError("flashgrpo: a deferred gradient is written over the logits (`in_place=True`)")
     deferred = wants_grad and defer
     grad = _gradient_tensor(x.shape, x.dtype) if wants_grad and not in_place and not deferred else None
     if deferred:
@@ -326,10 +305,10 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
     per_token = _per_token(result, batch * seq_len, out_shape)
     value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=torch.float32)
     if deferred:
-        value = _DeferredGradients.apply(value, pending, (x,), per_row is not None, sequences, logits)
+        value = _DeferredGradients.apply(value, pending, (x,), per_row is not None, in_place, logits)
     elif wants_grad:
         rows = "rows" if per_row else None
-        value = _KernelGradients.apply(value, (x if in_place else grad,), rows, sequences, logits)
+        value = _KernelGradients.apply(value, (x if in_place else grad,), rows, logits)
     return value, per_token
 
 
@@ -384,10 +363,10 @@ def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None
     per_token = _per_token(result, batch * seq_len, out_shape)
     value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=f32)
     if deferred:
-        value = _DeferredGradients.apply(value, pending, (h, w, b), True, None, hidden, weight, bias)
+        value = _DeferredGradients.apply(value, pending, (h, w, b), True, False, hidden, weight, bias)
     elif eager:
         kept = (grads[0] if hidden.requires_grad else None, grads[1], grads[2])
-        value = _KernelGradients.apply(value, kept, None, None, hidden, weight, bias)
+        value = _KernelGradients.apply(value, kept, None, hidden, weight, bias)
     return value, per_token
 
 
@@ -663,8 +642,8 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
     (the last position is not scored, as there) or ``[B, L, V]``. ``reduce=True`` returns
     ``(loss, [kl_mean,] clip_ratio)``; ``reduce=False`` ``(per_token_loss, per_token_kl, is_clipped)``
     ``[B, L]``, the per-token loss differentiable per token (with sequence-level importance
-    sampling, through an upstream gradient that is the same on every unmasked token of a
-    sequence). ``inplace=True``: as in Liger, the gradient is written over the logits in the
+    sampling the gradient is written in the backward, so that the upstream of each token reaches
+    its sequence's shared weight, as Liger's). ``inplace=True``: as in Liger, the gradient is written over the logits in the
     backward; the logits keep their values until then."""
     # As Liger's Triton loss: `delta = 0` is off, `delta` with cispo / sapo / vespo an error, and
     # the sapo temperatures read (and checked) for sapo alone; checked in Liger's order.
@@ -709,11 +688,11 @@ def triton_grpo_loss(logits, old_logp, ref_logp, completion_ids, advantages, com
     if not reduce:  # each token's own loss, its gradient scaled in the backward by that token's upstream
         options["loss_agg_mode"] = "token-sum"
         per_row = "per_token_loss"
-    full_mask = widen(mask)
-    sequences = full_mask if per_row and importance_sampling_level == "sequence" else None
+    # A sequence-level per-token loss mixes a sequence's rows: its gradient waits for the upstream.
+    defer = inplace or (per_row is not None and importance_sampling_level == "sequence")
     value, per_token = _logits_call(
-        "grpo", logits, options, in_place=inplace, per_row=per_row, defer=inplace, sequences=sequences,
-        targets=widen(completion_ids), mask=full_mask, advantages=advantages, old_logp=widen(old_logp),
+        "grpo", logits, options, in_place=inplace, per_row=per_row, defer=defer,
+        targets=widen(completion_ids), mask=widen(mask), advantages=advantages, old_logp=widen(old_logp),
         ref_logp=widen(ref_logp), is_ratio=isr if isr is None or isr.dim() == 1 else widen(isr, 1.0),
         sampling_logp=None)
     per_token = {k: (None if v is None else v[:, :length]) for k, v in per_token.items()}
