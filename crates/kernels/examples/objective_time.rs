@@ -43,7 +43,7 @@ fn main() {
             sum_exp: 1000.0 + (i % 97) as f32,
             sum_exp_shifted: 50.0,
             sum_u: 0.0,
-            target_u: Some(-1.0),
+            target_u: Some(-1.0f64),
         })
         .collect();
     let prepare = median_and_fastest(iters.max(50), || PreparedLoss::new(loss).expect("valid synthetic inputs"));

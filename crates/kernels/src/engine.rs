@@ -165,7 +165,7 @@ impl<'a> PreparedLoss<'a> {
             .par_iter()
             .zip(&self.active)
             .with_min_len(objective::ROWS_PER_TASK)
-            .map(|(s, &a)| if a { s.finish(rows.vocab) } else { RowStats::default() })
+            .map(|(s, &a)| if a { s.finish(rows.vocab, self.spec.options.temperature) } else { RowStats::default() })
             .collect();
         Ok(finished)
     }

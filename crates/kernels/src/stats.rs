@@ -7,6 +7,15 @@
 //! `H = lse - sum p u` when the logits are large: `H = ln s - e / s` exactly.
 //! Moving to a larger maximum `M` rescales both: `s' = s * exp(m - M)`,
 //! `e' = (e + (m - M) * s) * exp(m - M)`.
+//!
+//! Every pass scales the logits by the same f32 [`inverse_temperature`]; [`PartialRowStats::finish`]
+//! moves `log p` from it to the exact `1 / T`.
+
+/// The f32 factor every statistics and gradient pass (every backend) scales the logits by:
+/// `u = x * inverse_temperature(T)`.
+pub fn inverse_temperature(temperature: f64) -> f32 {
+    (1.0 / temperature) as f32
+}
 
 /// Statistics of one part (a tile, a shard) of one row. Accumulated in f32.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -19,8 +28,13 @@ pub struct PartialRowStats {
     pub sum_exp_shifted: f32,
     /// `sum u` (for label smoothing's `mean_j u_j`).
     pub sum_u: f32,
-    /// `u` at the target, when the target falls in this part.
-    pub target_u: Option<f32>,
+    /// `u` at the target, when the target falls in this part, in f64: the exact product of the
+    /// logit and the f32 inverse temperature where the sums are of exact products (the base-2
+    /// pass, whose one FMA takes a logit to its exponent: `cpu/row.rs`), else the f32 `u` the
+    /// sums were taken of (a row shorter than a vector, the CUDA passes). Either way consistent
+    /// with the sums, so a one-token vocabulary gets `log p = 0` exactly; the exact product takes
+    /// the target's rounding (half an ulp of `u`: 1e-6 at `u` ~ 30) out of `log p`.
+    pub target_u: Option<f64>,
 }
 
 impl PartialRowStats {
@@ -64,17 +78,28 @@ impl PartialRowStats {
         self.max.is_finite()
             && self.sum_exp.is_finite()
             && self.sum_exp_shifted.is_finite()
-            && self.target_u.is_none_or(f32::is_finite)
+            && self.target_u.is_none_or(f64::is_finite)
     }
 
-    /// The per-row quantities the objectives need, in f64.
-    pub fn finish(&self, vocab: usize) -> RowStats {
+    /// The per-row quantities the objectives need, in f64, for temperature `T`.
+    ///
+    /// The passes scaled the logits by the f32 [`inverse_temperature`], not by `1 / T`: off it by
+    /// a relative `drift` of at most 2^-25. To first order `lse` then moves by `drift E_p[u]` and
+    /// the target's `u` by `drift u_y`, so `log p_y` by `drift (u_y - E_p[u])`, with
+    /// `E_p[u] = max + e / s`; `log p` takes it (up to 6e-7 for `u_y - E_p[u]` ~ 10). `lse` and
+    /// the entropy stay those of the f32 inverse temperature, which the gradient pass uses
+    /// (its `p_j` sum to 1 with that `lse`); the entropy's own drift, `-drift Var_p(u)`, is of
+    /// the size of f32's rounding of it.
+    pub fn finish(&self, vocab: usize, temperature: f64) -> RowStats {
         let ln_s = (self.sum_exp as f64).ln();
         let lse = self.max as f64 + ln_s;
+        let mean_shift = self.sum_exp_shifted as f64 / self.sum_exp as f64;
+        let inv_t = inverse_temperature(temperature) as f64;
+        let drift = if inv_t.is_normal() && inv_t.is_finite() { (1.0 / temperature - inv_t) / inv_t } else { 0.0 };
         RowStats {
             lse,
-            entropy: ln_s - self.sum_exp_shifted as f64 / self.sum_exp as f64,
-            logp: self.target_u.map(|u| u as f64 - lse),
+            entropy: ln_s - mean_shift,
+            logp: self.target_u.map(|u| u - lse + drift * (u - self.max as f64 - mean_shift)),
             mean_u: self.sum_u as f64 / vocab as f64,
         }
     }
@@ -104,25 +129,51 @@ mod tests {
             sum_exp: u.iter().map(|&x| ((x - m) as f64).exp()).sum::<f64>() as f32,
             sum_exp_shifted: u.iter().map(|&x| ((x - m) as f64).exp() * (x - m) as f64).sum::<f64>() as f32,
             sum_u: u.iter().map(|&x| x as f64).sum::<f64>() as f32,
-            target_u: target.map(|t| u[t]),
+            target_u: target.map(|t| u[t] as f64),
         }
     }
 
     #[test]
     fn combine_of_parts_equals_the_whole() {
         let u: Vec<f32> = (0..37).map(|i| ((i * 7919) % 23) as f32 * 0.7 - 5.0).collect();
-        let whole = direct(&u, Some(30)).finish(u.len());
+        let whole = direct(&u, Some(30)).finish(u.len(), 1.0);
         for split in [1, 5, 20, 36] {
             let (ta, tb) = if 30 < split { (Some(30), None) } else { (None, Some(30 - split)) };
             let a = direct(&u[..split], ta);
             let b = direct(&u[split..], tb);
             for c in [a.combine(b), b.combine(a), PartialRowStats::EMPTY.combine(a).combine(b)] {
-                let got = c.finish(u.len());
+                let got = c.finish(u.len(), 1.0);
                 assert!((got.lse - whole.lse).abs() < 1e-6);
                 assert!((got.entropy - whole.entropy).abs() < 1e-6);
                 assert!((got.logp.unwrap() - whole.logp.unwrap()).abs() < 1e-6);
                 assert!((got.mean_u - whole.mean_u).abs() < 1e-6);
             }
+        }
+    }
+
+    /// `log p` at a temperature whose f32 inverse is inexact, from statistics of the exact
+    /// products `x * inverse_temperature(T)`: within 2e-7 of f64 at `1 / T`, the f32 rounding of
+    /// the sums (the f32 target `u` without the drift correction was off by up to ~1e-6 here).
+    #[test]
+    fn logp_is_that_of_the_exact_temperature() {
+        let x: Vec<f32> = (0..50).map(|i| 18.0 + ((i * 7919) % 31) as f32 * 0.37).collect();
+        for temperature in [0.7, 0.9, 0.31, 1.3] {
+            let inv_t = inverse_temperature(temperature) as f64;
+            let u: Vec<f64> = x.iter().map(|&v| v as f64 * inv_t).collect();
+            let m = u.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let stats = PartialRowStats {
+                max: m as f32,
+                sum_exp: u.iter().map(|&v| (v - m as f32 as f64).exp()).sum::<f64>() as f32,
+                sum_exp_shifted: u.iter().map(|&v| (v - m as f32 as f64).exp() * (v - m as f32 as f64)).sum::<f64>()
+                    as f32,
+                sum_u: 0.0,
+                target_u: Some(u[17]),
+            };
+            let exact: Vec<f64> = x.iter().map(|&v| v as f64 / temperature).collect();
+            let lse = exact.iter().map(|&v| v.exp()).sum::<f64>().ln();
+            let want = exact[17] - lse;
+            let got = stats.finish(x.len(), temperature).logp.unwrap();
+            assert!((got - want).abs() < 2e-7, "T {temperature}: {got} vs {want}");
         }
     }
 }

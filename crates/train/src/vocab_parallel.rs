@@ -1,8 +1,8 @@
 //! Vocabulary-parallel losses (Megatron-style): each rank holds a contiguous slice of the
 //! vocabulary (its logits columns, or its rows of the lm_head), streams its slice for the rows'
-//! partial statistics, and the ranks exchange them: **one all-gather of 6 f32 per row per rank**
-//! (max, `sum exp`, `sum exp * shifted`, `sum u`, the target's `u` and whether this slice holds
-//! it: 24 bytes per row from each rank). Every rank then combines the same statistics in the
+//! partial statistics, and the ranks exchange them: **one all-gather of 7 f32 per row per rank**
+//! (max, `sum exp`, `sum exp * shifted`, `sum u`, the target's f64 `u` as two f32 and whether
+//! this slice holds it: 28 bytes per row from each rank). Every rank then combines the same statistics in the
 //! same order ([`combine_shards`]), so every rank computes the same objective (sequence-level
 //! GRPO included: it needs only the rows' statistics) and writes the gradient of its own slice.
 //! The fused-linear form streams its rows of the lm_head with the kernels' sharded fused-linear
@@ -24,7 +24,7 @@ use flashgrpo_kernels::{
 use crate::error::Result;
 
 /// Floats per row in the exchange.
-const STAT_FLOATS: usize = 6;
+const STAT_FLOATS: usize = 7;
 
 /// This rank's columns of a `vocab`-column vocabulary.
 pub fn columns(comm: &dyn Collective, vocab: usize) -> Range<usize> {
@@ -35,8 +35,12 @@ fn encode(stats: &[PartialRowStats]) -> Vec<f32> {
     stats
         .iter()
         .flat_map(|s| {
-            let (t, has) = s.target_u.map_or((0.0, 0.0), |t| (t, 1.0));
-            [s.max, s.sum_exp, s.sum_exp_shifted, s.sum_u, t, has]
+            // The f64 target `u` (an exact product of two f32) as a sum of two f32, exactly.
+            let (high, low, has) = s.target_u.map_or((0.0, 0.0, 0.0), |t| {
+                let high = t as f32;
+                (high, (t - high as f64) as f32, 1.0)
+            });
+            [s.max, s.sum_exp, s.sum_exp_shifted, s.sum_u, high, low, has]
         })
         .collect()
 }
@@ -49,7 +53,7 @@ fn decode(values: &[f32]) -> Vec<PartialRowStats> {
             sum_exp: v[1],
             sum_exp_shifted: v[2],
             sum_u: v[3],
-            target_u: (v[5] != 0.0).then_some(v[4]),
+            target_u: (v[6] != 0.0).then_some(v[4] as f64 + v[5] as f64),
         })
         .collect()
 }

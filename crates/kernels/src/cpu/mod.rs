@@ -20,7 +20,7 @@ use crate::element::Element;
 use crate::error::LossError;
 use crate::inputs::Rows;
 use crate::objective::{Objective, RowGradient, RowOutcome};
-use crate::stats::{PartialRowStats, RowStats};
+use crate::stats::{inverse_temperature, PartialRowStats, RowStats};
 use isa::Isa;
 
 /// Where step 3 writes (for a whole batch, or for one row).
@@ -264,7 +264,7 @@ pub(crate) fn statistics<T: Element>(
     max: RowMax,
 ) -> Result<Vec<PartialRowStats>, LossError> {
     let width = block.columns.len();
-    let inv_t = (1.0 / temperature) as f32;
+    let inv_t = inverse_temperature(temperature);
     if width == 0 {
         return Ok(vec![PartialRowStats::EMPTY; block.len]);
     }
@@ -299,7 +299,7 @@ pub(crate) fn gradient<T: Element>(
     if width == 0 {
         return;
     }
-    let inv_t = (1.0 / temperature) as f32;
+    let inv_t = inverse_temperature(temperature);
     let min_len = rows_per_task(width);
     let k = Kernels::<T>::select();
     let large = target.written_bytes() >= STREAM_MIN_BYTES;
@@ -335,7 +335,7 @@ pub(crate) fn sweep<T: Element>(
     debug_assert!(objective.is_row_local());
     debug_assert_eq!(block.columns, 0..block.rows.vocab);
     let width = block.rows.vocab;
-    let inv_t = (1.0 / temperature) as f32;
+    let inv_t = inverse_temperature(temperature);
     let k = Kernels::<T>::select();
     // Masked rows' zeros stream in place too (their logits are not read); the sweep streams
     // computed rows only into a new buffer (in place, it has just read the row's lines).
@@ -351,7 +351,7 @@ pub(crate) fn sweep<T: Element>(
             if !partial.is_finite() {
                 return None;
             }
-            let stats = partial.finish(width);
+            let stats = partial.finish(width, temperature);
             let outcome = objective.row(i, &stats);
             result = Some((stats, outcome));
             Some(outcome.grad)

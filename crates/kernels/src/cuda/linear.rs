@@ -24,7 +24,7 @@ use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 use crate::linear::{computed_rows, consecutive, ranges, shapes, ChunkBudget};
 use crate::objective::{LossOutput, Objective, RowGradient, RowOutcome};
-use crate::stats::{PartialRowStats, RowStats};
+use crate::stats::{inverse_temperature, PartialRowStats, RowStats};
 
 /// The inputs of a fused-linear loss on the GPU (one dtype for all three).
 #[derive(Debug, Clone, Copy)]
@@ -224,7 +224,7 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
             logits: 0,
             rows: self.computed.len(),
             vocab: self.vocab(),
-            inv_temperature: (1.0 / self.prepared.spec().options.temperature) as f32,
+            inv_temperature: inverse_temperature(self.prepared.spec().options.temperature),
             targets,
             active: 0,
         };
@@ -268,7 +268,8 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
             let hidden = self.logits(chunk)?;
             let partial = self.statistics(chunk)?;
             let chunk_rows = self.rows(chunk);
-            let done = objective.block(active, rows.vocab, |k| chunk_rows[k], &partial);
+            let temperature = prepared.spec().options.temperature;
+            let done = objective.block(active, rows.vocab, temperature, |k| chunk_rows[k], &partial);
             let row_grads: Vec<RowGradient> = done.iter().map(|(_, o)| o.grad).collect();
             for (&row, r) in chunk_rows.iter().zip(done) {
                 results[row] = r;

@@ -10,6 +10,7 @@ use super::phases::PhaseClock;
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 use crate::objective::{LossOutput, RowGradient};
+use crate::stats::inverse_temperature;
 
 /// Steps 1 and 2's results.
 struct Evaluated {
@@ -55,7 +56,7 @@ impl CudaDevice {
                 logits: logits_ptr,
                 rows: n,
                 vocab: rows.vocab,
-                inv_temperature: (1.0 / spec.options.temperature) as f32,
+                inv_temperature: inverse_temperature(spec.options.temperature),
                 targets: targets_ptr,
                 active: active_ptr,
             }

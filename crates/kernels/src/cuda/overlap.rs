@@ -91,7 +91,7 @@ impl CudaDevice {
             let raw = staging[k % 2].as_slice().map_err(cuda_error("reading page-locked memory"))?;
             let row_of = |k| range.start + k;
             let partial = self.checked_stats(&raw[..5 * range.len()], prepared, row_of)?;
-            let done = objective.block(active, rows.vocab, row_of, &partial);
+            let done = objective.block(active, rows.vocab, prepared.spec().options.temperature, row_of, &partial);
             let grads: Vec<RowGradient> = done.iter().map(|(_, o)| o.grad).collect();
             let target = RowBlock { logits: grad, ..whole }.rows_of(range, size).logits;
             self.row_gradient(&kernel, whole.rows_of(range, size), target, &grads)?;

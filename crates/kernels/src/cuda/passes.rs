@@ -138,9 +138,9 @@ impl CudaDevice {
     }
 }
 
-/// The kernels' five floats per row as statistics. With targets, `target_u` is kept as written
-/// (active rows' targets are in range, so a NaN there is a NaN logit, which the finiteness check
-/// must see); without targets (entropy), there is none.
+/// The kernels' five floats per row as statistics. With targets, `target_u` is kept as written,
+/// the f32 `u` the kernel's sums were taken of (active rows' targets are in range, so a NaN there
+/// is a NaN logit, which the finiteness check must see); without targets (entropy), there is none.
 fn statistics_from(raw: &[f32], with_targets: bool) -> Vec<PartialRowStats> {
     raw.chunks_exact(5)
         .map(|s| PartialRowStats {
@@ -148,7 +148,7 @@ fn statistics_from(raw: &[f32], with_targets: bool) -> Vec<PartialRowStats> {
             sum_exp: s[1],
             sum_exp_shifted: s[2],
             sum_u: s[3],
-            target_u: with_targets.then_some(s[4]),
+            target_u: with_targets.then_some(s[4] as f64),
         })
         .collect()
 }

@@ -195,6 +195,7 @@ impl<'a> Objective<'a> {
         &self,
         active: &[bool],
         vocab: usize,
+        temperature: f64,
         row_of: impl Fn(usize) -> usize + Sync,
         partial: &[PartialRowStats],
     ) -> Vec<(RowStats, RowOutcome)> {
@@ -208,7 +209,7 @@ impl<'a> Objective<'a> {
                 if !active[row] {
                     return (RowStats::default(), RowOutcome::ZERO);
                 }
-                let stats = p.finish(vocab);
+                let stats = p.finish(vocab, temperature);
                 (stats, self.row(row, &stats))
             })
             .collect()
