@@ -126,25 +126,19 @@ impl<'a> PreparedLoss<'a> {
 
     /// Step 2's row gradients for a per-token loss back-propagated with a per-token upstream
     /// gradient: those of the loss with each row's weight in the reduction times `upstream[i]`
-    /// ([`objective::gradients_with_upstream`]). With sequence-level importance sampling a
-    /// sequence's rows share the gradient of its weight, so this is not each row's gradient
-    /// times its upstream (as it is for a row-local loss).
+    /// ([`Objective::all`]). With sequence-level importance sampling a sequence's rows share the
+    /// gradient of its weight, so this is not each row's gradient times its upstream (as it is
+    /// for a row-local loss). Refused for `geo_mean`, and for an `upstream` not of one per row.
     pub fn upstream_gradients(
         &self,
         stats: &[PartialRowStats],
         upstream: &[f32],
     ) -> Result<Vec<RowGradient>, LossError> {
-        let finished = self.finished(stats)?;
         let spec = &self.spec;
-        objective::gradients_with_upstream(
-            &spec.loss,
-            &spec.rows,
-            spec.options,
-            spec.batch_shard,
-            &self.active,
-            &finished,
-            upstream,
-        )
+        objective::check_upstream(&spec.loss, &spec.rows, spec.options, upstream)?;
+        let finished = self.finished(stats)?;
+        let objective = Objective::new(&spec.loss, &spec.rows, spec.options, spec.batch_shard, &self.active);
+        Ok(objective.all(&self.active, &finished, Some(upstream)).into_iter().map(|o| o.grad).collect())
     }
 
     /// The per-row quantities of the statistics of the whole vocabulary (active rows; the others

@@ -215,8 +215,12 @@ impl<'a> Objective<'a> {
             .collect()
     }
 
-    /// The outcome of every row; with `upstream`, its gradients are those of the reduced loss with
-    /// each row's weight times `upstream[i]` ([`gradients_with_upstream`]).
+    /// The outcome of every row; with `upstream` (checked by [`check_upstream`]), its gradients
+    /// are those of the reduced loss with each row's weight times `upstream[i]`: what a per-token
+    /// loss back-propagated with a per-token upstream gradient needs (the per-token loss of a loss
+    /// reduced by `token-sum` has weight 1). Where each row's loss depends on that row alone, each
+    /// row's gradient times its upstream; at sequence level (GSPO) the gradient of a sequence's
+    /// shared importance weight is the upstream-weighted sum of its rows' ([`grpo::Grpo::all`]).
     pub fn all(&self, active: &[bool], stats: &[RowStats], upstream: Option<&[f32]>) -> Vec<RowOutcome> {
         let up = |i: usize| upstream.map_or(1.0, |u| u[i]);
         match self {
@@ -258,21 +262,15 @@ pub fn evaluate(
     (output, outcomes.into_iter().map(|o| o.grad).collect())
 }
 
-/// The row gradients of the loss of [`evaluate`] with each row's weight in the reduction times
-/// `upstream[i]`: what a per-token loss back-propagated with a per-token upstream gradient needs
-/// (the per-token loss of a loss reduced by `token-sum` has weight 1). Where each row's loss depends
-/// on that row alone, each row's gradient times its upstream; at sequence level (GSPO) the
-/// gradient of a sequence's shared importance weight is the upstream-weighted sum of its rows'.
-/// `geo_mean`'s rows share one sequence term, with no per-token gradient to weight: refused.
-pub fn gradients_with_upstream(
+/// Refuses a per-token upstream gradient the objective cannot take ([`Objective::all`]'s
+/// `upstream`): one of another length than the rows, or `geo_mean`'s, whose rows share one
+/// sequence term with no per-token gradient to weight. Shared with the f64 reference.
+pub(crate) fn check_upstream(
     loss: &Loss,
     rows: &Rows,
     options: &LossOptions,
-    shard: Option<BatchShard>,
-    active: &[bool],
-    stats: &[RowStats],
     upstream: &[f32],
-) -> Result<Vec<RowGradient>, LossError> {
+) -> Result<(), LossError> {
     if matches!(loss, Loss::Grpo(_)) && options.loss_type == LossType::GeoMean {
         return Err(LossError::InvalidOption {
             name: "loss_type",
@@ -286,8 +284,7 @@ pub fn gradients_with_upstream(
             expected: format!("one upstream gradient per row, B*T = {}", rows.len()),
         });
     }
-    let objective = Objective::new(loss, rows, options, shard, active);
-    Ok(objective.all(active, stats, Some(upstream)).into_iter().map(|o| o.grad).collect())
+    Ok(())
 }
 
 /// Rows per parallel task of the objective: a row costs ~100 ns, so a task of this many (~25 us)

@@ -85,19 +85,7 @@ pub fn evaluate_with_upstream(
     logits: &[f64],
     upstream: &[f32],
 ) -> Result<ReferenceOutput, LossError> {
-    if upstream.len() != spec.rows.len() {
-        return Err(LossError::Shape {
-            tensor: "upstream",
-            got: vec![upstream.len()],
-            expected: format!("one upstream gradient per row, B*T = {}", spec.rows.len()),
-        });
-    }
-    if matches!(spec.loss, Loss::Grpo(_)) && spec.options.loss_type == LossType::GeoMean {
-        return Err(LossError::InvalidOption {
-            name: "loss_type",
-            message: "geo_mean's rows share one sequence term: its gradient cannot be weighted per token".into(),
-        });
-    }
+    crate::objective::check_upstream(&spec.loss, &spec.rows, spec.options, upstream)?;
     evaluate_with(spec, logits, Some(upstream))
 }
 
