@@ -84,7 +84,7 @@ impl PartialRowStats {
     /// The per-row quantities the objectives need, in f64, for temperature `T`.
     ///
     /// The passes scaled the logits by the f32 [`inverse_temperature`], not by `1 / T`: off it by
-    /// a relative `drift` of at most 2^-25. To first order `lse` then moves by `drift E_p[u]` and
+    /// a relative `drift` of at most 2^-24. To first order `lse` then moves by `drift E_p[u]` and
     /// the target's `u` by `drift u_y`, so `log p_y` by `drift (u_y - E_p[u])`, with
     /// `E_p[u] = max + e / s`; `log p` takes it (up to 6e-7 for `u_y - E_p[u]` ~ 10). `lse` and
     /// the entropy stay those of the f32 inverse temperature, which the gradient pass uses

@@ -340,7 +340,7 @@ impl<'a> Grpo<'a> {
     /// upstream-weighted sum of the sequence's rows' (as Liger-Kernel's sequence-level backward,
     /// whose policy term takes the sum of a sequence's upstream and its bias-corrected KL the
     /// upstream-weighted sum of the KL). Not for `geo_mean`, whose rows share one sequence term
-    /// ([`Objective::all`] refuses it).
+    /// ([`super::check_upstream`] refuses it).
     pub fn all(&self, active: &[bool], stats: &[RowStats], upstream: Option<&[f32]>) -> Vec<RowOutcome> {
         let up = |i: usize| upstream.map_or(1.0, |u| u[i] as f64);
         if self.is_row_local() {
