@@ -95,7 +95,7 @@ impl PartialRowStats {
         let lse = self.max as f64 + ln_s;
         let mean_shift = self.sum_exp_shifted as f64 / self.sum_exp as f64;
         let inv_t = inverse_temperature(temperature) as f64;
-        let drift = if inv_t.is_normal() && inv_t.is_finite() { (1.0 / temperature - inv_t) / inv_t } else { 0.0 };
+        let drift = if inv_t.is_normal() { (1.0 / temperature - inv_t) / inv_t } else { 0.0 };
         RowStats {
             lse,
             entropy: ln_s - mean_shift,

@@ -169,6 +169,8 @@ impl DeferredGradient {
                 let prepared = PreparedLoss::new(self.inputs.spec(self.vocab)).map_err(message)?;
                 prepared.upstream_gradients(stats, upstream).map_err(message)?
             }
+            // From rows alone (JAX's residual): its per-token fused-linear outputs (cross-entropy,
+            // log-probabilities) are row-local, where this is the same.
             (Some(upstream), None) => kept.rows.iter().zip(upstream).map(|(g, &k)| g.times(k)).collect(),
             (None, _) => kept.rows.clone(),
         };

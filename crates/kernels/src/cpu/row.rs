@@ -1492,7 +1492,7 @@ mod tests {
                 let u: Vec<f64> = x.iter().map(|&v| v / temperature).collect();
                 let m = u.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let lse = m + u.iter().map(|&v| (v - m).exp()).sum::<f64>().ln();
-                let inv_t = (1.0 / temperature) as f32;
+                let inv_t = crate::stats::inverse_temperature(temperature);
                 for y in [0, len / 3, len - 1] {
                     let stats = k.statistics(&row, inv_t, Some(y), false, RowMax::Unneeded);
                     let (got, want) = (stats.finish(len, temperature).logp.expect("a target"), u[y] - lse);
