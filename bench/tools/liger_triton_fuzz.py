@@ -18,7 +18,7 @@ Both sides compute in f32; values and gradients must agree within `--tol` (defau
 largest magnitude of Liger's (bf16 gradients: within 1e-2, their rounding). Where Liger refuses
 an option (ValueError / AssertionError) ours must refuse it too. An entry over its gate is judged
 against float64 (PyTorch's cross-entropy and log-softmax; TRL 1.16's `_compute_loss`, or its
-per-token formula for unreduced token-level losses; the KL): not a failure where ours is within
+per-token formula for unreduced losses; the KL): not a failure where ours is within
 the gate of float64 and as close as Liger, or where float32 itself cannot do better (see
 `compare`).
 
@@ -42,6 +42,7 @@ import flashgrpo.torch as ft  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "peers"))
 from trl_losses import options as trl_options, trl_loss  # noqa: E402
+from crosscheck import trl_grpo  # noqa: E402
 
 # Not `luspo`: Liger's Triton loss reduces it as `(per_token_loss * n_b).mean()` over B*L, TRL 1.16
 # (and ours, docs/PYTHON.md) as `(per_token_loss * mask).sum(-1).mean()`; and its backward reads
@@ -193,43 +194,20 @@ def per_token_comparable(opts):
 
 
 def per_token_reference(opts, logits, ids, mask, adv, old, ref, upstream, dtype):
-    """TRL 1.16's per-token loss (its `_compute_loss` up to the reduction: the PPO surrogate with
-    `delta`, cispo, sapo, the importance weight the token's or its sequence's masked mean; times
-    the vLLM ratio; plus beta times the k3 KL, bias-corrected or not), masked, and the logits'
-    gradient of `sum(upstream * loss)`, in `dtype`."""
-    x = logits.to(dtype).requires_grad_()
-    logp = torch.log_softmax(x / opts["temperature"], -1).gather(-1, ids[..., None])[..., 0]
-    m = torch.ones(ids.shape, dtype=dtype) if mask is None else mask.to(dtype)
-    log_ratio = logp - (logp.detach() if old is None else old.to(dtype))
-    if opts["importance_sampling_level"] == "sequence":
-        log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(logp)
-    coef_1 = torch.exp(log_ratio)
-    a = adv.to(dtype)[:, None]
-    lt = opts["loss_type"]
-    if lt == "cispo":
-        loss = -torch.clamp(coef_1, max=opts["eps_high"]).detach() * a * logp
-    elif lt == "sapo":
-        t = torch.where(a > 0, opts.get("sapo_temperature_pos", 1.0), opts.get("sapo_temperature_neg", 1.05)).to(dtype)
-        loss = -torch.sigmoid(t * (coef_1 - 1)) * 4 / t * a
-    else:
-        coef_2 = torch.clamp(coef_1, 1 - opts["eps_low"], 1 + opts["eps_high"])
-        if opts["delta"] is not None:
-            coef_1 = torch.clamp(coef_1, max=opts["delta"])
-        loss = -torch.min(coef_1 * a, coef_2 * a)
-    if opts["vllm_is_ratio"] is not None:
-        ratio = opts["vllm_is_ratio"].to(dtype)
-        loss = loss * (ratio[:, None] if ratio.dim() == 1 else ratio)
-    kl = None
-    if opts["beta"] != 0.0:
-        d = ref.to(dtype) - logp
-        kl = torch.exp(d) - d - 1
-        if opts["use_bias_correction_kl"]:
-            kl = kl * coef_1
-        loss = loss + opts["beta"] * kl
-    loss = loss * m
-    (loss * upstream.to(dtype)).sum().backward()
-    out = {"per_token_loss": loss.detach(), "grad": x.grad}
-    return out if kl is None else dict(out, kl=(kl * m).detach())
+    """TRL 1.16's per-token loss (its `_compute_loss` up to the reduction, tests/peers/crosscheck.py's
+    `trl_grpo`: the PPO surrogate with `delta`, cispo, sapo, the importance weight the token's or
+    its sequence's masked mean; times the vLLM ratio; plus beta times the k3 KL, bias-corrected or
+    not), masked, and the logits' gradient of `sum(upstream * mask * loss)`, in `dtype`."""
+    o = dict(temperature=opts["temperature"], epsilon_low=opts["eps_low"], epsilon_high=opts["eps_high"],
+             delta=opts["delta"], beta=opts["beta"], loss_type=opts["loss_type"],
+             importance_sampling_level=opts["importance_sampling_level"], entropy_coef=0.0,
+             use_bias_correction_kl=opts["use_bias_correction_kl"], max_completion_length=None, num_items=None,
+             sapo_temperature_pos=opts.get("sapo_temperature_pos", 1.0),
+             sapo_temperature_neg=opts.get("sapo_temperature_neg", 1.05))
+    m = torch.ones(ids.shape) if mask is None else mask
+    r = trl_grpo(logits, ids, m, adv, old, ref, opts["vllm_is_ratio"], o, upstream=upstream, dtype=dtype)
+    out = {"per_token_loss": r["per_token_loss"] * m.to(dtype), "grad": r["grad"]}
+    return out if opts["beta"] == 0.0 else dict(out, kl=r["kl"] * m.to(dtype))
 
 
 def trl_reference(opts, logits, ids, mask, adv, old, ref, dtype):

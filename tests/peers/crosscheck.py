@@ -98,26 +98,26 @@ def check_cross_entropy(binary, quick):
 # ---------------------------------------------------------------- GRPO vs Liger and TRL
 
 
-def trl_grpo(logits, targets, mask, adv, old, ref, is_ratio, o, upstream=None):
-    """TRL's GRPOTrainer._compute_loss in float64 autograd, with LOSSES.md's entropy bonus
-    (per token, inside the reduction) and per-token outputs. With ``upstream [B, T]``, ``grad`` is
-    that of ``sum(upstream * mask * per_token_loss)`` instead of the loss's (Liger's per-token
-    loss, back-propagated with a per-token upstream gradient)."""
+def trl_grpo(logits, targets, mask, adv, old, ref, is_ratio, o, upstream=None, dtype=torch.float64):
+    """TRL's GRPOTrainer._compute_loss in ``dtype`` autograd (float64 by default), with LOSSES.md's
+    entropy bonus (per token, inside the reduction) and per-token outputs. With ``upstream [B, T]``,
+    ``grad`` is that of ``sum(upstream * mask * per_token_loss)`` instead of the loss's (Liger's
+    per-token loss, back-propagated with a per-token upstream gradient)."""
     B, T, V = logits.shape
-    x = logits.double().requires_grad_(True)
+    x = logits.to(dtype).requires_grad_(True)
     u = x / o["temperature"]
     logsm = torch.log_softmax(u, -1)
     logp = logsm.gather(-1, targets[..., None]).squeeze(-1)
     entropy = -(logsm.exp() * logsm).sum(-1)
-    m = mask.double()
-    old_ = logp.detach() if old is None else old.double()
+    m = mask.to(dtype)
+    old_ = logp.detach() if old is None else old.to(dtype)
     log_ratio = logp - old_
     if o["importance_sampling_level"] == "token":
         log_w = log_ratio
     else:
         log_w = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     coef_1 = torch.exp(log_w)
-    A = adv.double().unsqueeze(1)
+    A = adv.to(dtype).unsqueeze(1)
     lo, hi = 1 - o["epsilon_low"], 1 + o["epsilon_high"]
     lt = o["loss_type"]
     if lt == "cispo":
@@ -134,10 +134,10 @@ def trl_grpo(logits, targets, mask, adv, old, ref, is_ratio, o, upstream=None):
         clipped = ((coef_1 < lo) & (A < 0)) | ((coef_1 > hi) & (A > 0))
     per = per.expand(B, T)
     if is_ratio is not None:
-        per = per * (is_ratio.double() if is_ratio.dim() == 2 else is_ratio.double().unsqueeze(1))
-    kl = torch.zeros(B, T, dtype=torch.float64)
+        per = per * (is_ratio.to(dtype) if is_ratio.dim() == 2 else is_ratio.to(dtype).unsqueeze(1))
+    kl = torch.zeros(B, T, dtype=dtype)
     if ref is not None:
-        kl = torch.exp(ref.double() - logp) - (ref.double() - logp) - 1
+        kl = torch.exp(ref.to(dtype) - logp) - (ref.to(dtype) - logp) - 1
         if o["use_bias_correction_kl"]:
             kl = kl * coef_1
         if o["beta"] != 0:
@@ -151,10 +151,10 @@ def trl_grpo(logits, targets, mask, adv, old, ref, is_ratio, o, upstream=None):
         loss = (per * m).sum() / (B * (o["max_completion_length"] or T))
     else:
         n = o["num_items"] if o["num_items"] is not None else m.sum()
-        loss = (per * m).sum() / torch.clamp(torch.as_tensor(n, dtype=torch.float64), min=1.0)
-    (loss if upstream is None else (per * m * upstream.double()).sum()).backward()
+        loss = (per * m).sum() / torch.clamp(torch.as_tensor(n, dtype=dtype), min=1.0)
+    (loss if upstream is None else (per * m * upstream.to(dtype)).sum()).backward()
     return dict(loss=loss.detach(), per_token_loss=per.detach(), logp=logp.detach(), entropy=entropy.detach(),
-                kl=kl.detach().expand(B, T), is_clipped=clipped.expand(B, T).double(), grad=x.grad)
+                kl=kl.detach().expand(B, T), is_clipped=clipped.expand(B, T).to(dtype), grad=x.grad)
 
 
 def liger_grpo(logits, targets, mask, adv, old, ref, is_ratio, o):
