@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::cpu::{self, Block, GradientTarget, RowMax};
+use crate::cpu::{self, Block, GradientTarget, LogitMap, RowMax};
 use crate::element::Element;
 use crate::error::LossError;
 use crate::inputs::{validate, BatchShard, Loss, Rows};
@@ -114,7 +114,7 @@ impl<'a> PreparedLoss<'a> {
     ) -> Result<Vec<PartialRowStats>, LossError> {
         self.check_shard_len(logits.len(), &columns)?;
         let block = Block::all_rows(&self.spec.rows, &self.active, columns);
-        cpu::statistics(logits, &block, self.spec.options.temperature, self.needs_sum_u(), max)
+        cpu::statistics(logits, &block, LogitMap::of(self.spec.options), self.needs_sum_u(), max)
     }
 
     /// Step 2 from the statistics of the whole vocabulary (one shard's, or [`combine_shards`]'s).
@@ -191,7 +191,7 @@ impl<'a> PreparedLoss<'a> {
             target,
             &Block::all_rows(&self.spec.rows, &self.active, columns),
             grads,
-            self.spec.options.temperature,
+            LogitMap::of(self.spec.options),
         );
         Ok(())
     }
@@ -241,7 +241,7 @@ fn run_with_gradient<T: Element>(
     };
     prepared.check_shard_len(target.logits().len(), &(0..spec.rows.vocab))?;
     let block = Block::all_rows(&spec.rows, &prepared.active, 0..spec.rows.vocab);
-    let rows = cpu::sweep(target, &block, &objective, spec.options.temperature, prepared.needs_sum_u())?;
+    let rows = cpu::sweep(target, &block, &objective, LogitMap::of(spec.options), prepared.needs_sum_u())?;
     let (stats, outcomes): (Vec<RowStats>, Vec<_>) = rows.into_iter().unzip();
     Ok(objective.output(&spec.rows, &prepared.active, &stats, &outcomes))
 }

@@ -196,6 +196,9 @@ pub enum Reduction {
 pub struct LossOptions {
     /// Logits are divided by this before the softmax (the sampling distribution).
     pub temperature: f64,
+    /// Soft cap `c`: the logits become `c tanh(x / c)` before the temperature divides them
+    /// (Gemma 2's final logit soft-capping, Liger's `softcap`); `None`: no cap.
+    pub softcap: Option<f64>,
     /// Lower clip: `r_c = clip(r, 1 - epsilon_low, 1 + epsilon_high)`.
     pub epsilon_low: f64,
     /// Upper clip; `None` means equal to `epsilon_low`. For `cispo` it is the raw upper bound on `r`.
@@ -259,6 +262,7 @@ impl Default for LossOptions {
     fn default() -> Self {
         Self {
             temperature: 1.0,
+            softcap: None,
             epsilon_low: 0.2,
             epsilon_high: None,
             delta: None,
@@ -303,6 +307,7 @@ impl LossOptions {
     /// The names of all options, in declaration order (for `--set` and config error messages).
     pub const NAMES: &'static [&'static str] = &[
         "temperature",
+        "softcap",
         "epsilon_low",
         "epsilon_high",
         "delta",
@@ -371,6 +376,9 @@ impl LossOptions {
             }
         };
         positive("temperature", self.temperature)?;
+        if let Some(c) = self.softcap {
+            positive("softcap", c)?;
+        }
         non_negative("epsilon_low", self.epsilon_low)?;
         if let Some(e) = self.epsilon_high {
             non_negative("epsilon_high", e)?;

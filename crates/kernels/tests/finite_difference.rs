@@ -81,3 +81,25 @@ fn cross_entropy_logprob_gradient_matches_finite_differences() {
     }
     check(&Case::new(Op::Logprob, 2, 3, 6).with(|o| o.temperature = 0.8));
 }
+
+#[test]
+fn soft_capped_logits_gradient_matches_finite_differences() {
+    let capped = |op, cap: f64| {
+        let mut case = Case::new(op, 2, 3, 6).with(|o| {
+            o.softcap = Some(cap);
+            o.temperature = 0.9;
+            o.beta = 0.04;
+            o.entropy_coef = 0.03;
+            o.label_smoothing = 0.1;
+            o.z_loss = 0.01;
+        });
+        case.logit_std = 4.0;
+        case
+    };
+    for cap in [1.5, 30.0] {
+        check(&capped(Op::Grpo, cap));
+        check(&capped(Op::Grpo, cap).with(|o| o.importance_sampling_level = ImportanceSamplingLevel::Sequence));
+        check(&capped(Op::CrossEntropy, cap));
+        check(&capped(Op::Logprob, cap));
+    }
+}

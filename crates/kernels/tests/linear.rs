@@ -163,6 +163,15 @@ fn every_op_and_option_matches_the_reference() {
             o.kl_loss_type = KlEstimator::LowVarKl;
         }),
     ]);
+    // Soft-capped logits (logits of spread ~2 against caps that bend them hard and a little).
+    cases.extend([
+        grpo(LossType::Grpo, ImportanceSamplingLevel::Sequence).with(|o| o.softcap = Some(1.5)),
+        Case::new(Op::CrossEntropy, 2, 6, 67).with(|o| {
+            o.softcap = Some(4.0);
+            o.label_smoothing = 0.1;
+            o.z_loss = 1e-3;
+        }),
+    ]);
     for case in cases {
         let data = case.data();
         for (h, bias) in [(8, false), (13, true), (1, true)] {

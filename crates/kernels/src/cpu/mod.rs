@@ -11,6 +11,7 @@ pub mod isa;
 mod math;
 mod row;
 mod simd;
+mod softcap;
 
 use std::ops::Range;
 
@@ -20,6 +21,7 @@ use crate::element::Element;
 use crate::error::LossError;
 use crate::inputs::Rows;
 use crate::objective::{Objective, RowGradient, RowOutcome};
+use crate::options::LossOptions;
 use crate::stats::{inverse_temperature, PartialRowStats, RowStats};
 use isa::Isa;
 
@@ -253,32 +255,49 @@ pub(crate) enum RowMax {
     Unneeded,
 }
 
+/// How a row's logits become the `u` the losses see: `x / T`, or with a soft cap `c`,
+/// `c tanh(x / c) / T` ([`softcap`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct LogitMap {
+    pub temperature: f64,
+    pub softcap: Option<f64>,
+}
+
+impl LogitMap {
+    pub fn of(options: &LossOptions) -> Self {
+        Self { temperature: options.temperature, softcap: options.softcap }
+    }
+}
+
 /// Step 1: partial statistics of every active row of the block (`logits` holds
 /// `[block.len, columns.len()]`); `sum u` only when `sum_u`. Inactive rows are not read.
 /// A NaN or Inf makes the lowest such row an error.
 pub(crate) fn statistics<T: Element>(
     logits: &[T],
     block: &Block<'_>,
-    temperature: f64,
+    map: LogitMap,
     sum_u: bool,
     max: RowMax,
 ) -> Result<Vec<PartialRowStats>, LossError> {
     let width = block.columns.len();
-    let inv_t = inverse_temperature(temperature);
+    let inv_t = inverse_temperature(map.temperature);
     if width == 0 {
         return Ok(vec![PartialRowStats::EMPTY; block.len]);
     }
     let k = Kernels::<T>::select();
+    let k32 = Kernels::<f32>::select();
     let stats: Vec<PartialRowStats> = logits
         .par_chunks(width)
         .with_min_len(rows_per_task(width))
         .enumerate()
         .map(|(local, r)| {
             let i = block.row(local);
-            if block.active[i] {
-                k.statistics(r, inv_t, block.target(i), sum_u, max)
-            } else {
-                PartialRowStats::EMPTY
+            if !block.active[i] {
+                return PartialRowStats::EMPTY;
+            }
+            match map.softcap {
+                None => k.statistics(r, inv_t, block.target(i), sum_u, max),
+                Some(cap) => k32.capped_statistics(r, cap, inv_t, block.target(i), sum_u, max),
             }
         })
         .collect();
@@ -293,19 +312,24 @@ pub(crate) fn gradient<T: Element>(
     target: GradientTarget<'_, T>,
     block: &Block<'_>,
     grads: &[RowGradient],
-    temperature: f64,
+    map: LogitMap,
 ) {
     let width = block.columns.len();
     if width == 0 {
         return;
     }
-    let inv_t = inverse_temperature(temperature);
+    let inv_t = inverse_temperature(map.temperature);
     let min_len = rows_per_task(width);
     let k = Kernels::<T>::select();
+    let k32 = Kernels::<f32>::select();
     let large = target.written_bytes() >= STREAM_MIN_BYTES;
     let one_row = |l: usize, write: GradientTarget<'_, T>| {
-        let i = block.row(l);
-        k.gradient(write, &grads[i], inv_t, block.target(i), large)
+        let (i, g) = (block.row(l), &grads[block.row(l)]);
+        match map.softcap {
+            // A zero gradient is written without reading the logits.
+            Some(cap) if !g.is_zero() => k32.capped_gradient(write, g, inv_t, block.target(i), cap),
+            _ => k.gradient(write, g, inv_t, block.target(i), large),
+        }
     };
     match target {
         GradientTarget::Into { logits, out } => out
@@ -329,14 +353,15 @@ pub(crate) fn sweep<T: Element>(
     target: GradientTarget<'_, T>,
     block: &Block<'_>,
     objective: &Objective<'_>,
-    temperature: f64,
+    map: LogitMap,
     sum_u: bool,
 ) -> Result<Vec<(RowStats, RowOutcome)>, LossError> {
     debug_assert!(objective.is_row_local());
     debug_assert_eq!(block.columns, 0..block.rows.vocab);
     let width = block.rows.vocab;
-    let inv_t = inverse_temperature(temperature);
+    let inv_t = inverse_temperature(map.temperature);
     let k = Kernels::<T>::select();
+    let k32 = Kernels::<f32>::select();
     // Masked rows' zeros stream in place too (their logits are not read); the sweep streams
     // computed rows only into a new buffer (in place, it has just read the row's lines).
     let large = target.written_bytes() >= STREAM_MIN_BYTES;
@@ -351,12 +376,15 @@ pub(crate) fn sweep<T: Element>(
             if !partial.is_finite() {
                 return None;
             }
-            let stats = partial.finish(width, temperature);
+            let stats = partial.finish(width, map.temperature);
             let outcome = objective.row(i, &stats);
             result = Some((stats, outcome));
             Some(outcome.grad)
         };
-        k.sweep(write, inv_t, y, sum_u, large, &mut finish);
+        match map.softcap {
+            Some(cap) => k32.capped_sweep(write, inv_t, y, sum_u, cap, &mut finish),
+            None => k.sweep(write, inv_t, y, sum_u, large, &mut finish),
+        };
         result
     };
     let min_len = rows_per_task(width);

@@ -367,7 +367,7 @@ impl CudaDevice {
         inputs: CudaLinearInputs<'_, T>,
         budget: ChunkBudget,
     ) -> Result<LossOutput, LossError> {
-        let prepared = PreparedLoss::new(spec)?;
+        let prepared = super::prepare(spec)?;
         check_inputs(&prepared, &inputs)?;
         let computed = computed_rows(&prepared);
         let partial = if computed.is_empty() {
@@ -387,7 +387,7 @@ impl CudaDevice {
         mut grads: CudaLinearGradients<'_>,
         budget: ChunkBudget,
     ) -> Result<LossOutput, LossError> {
-        let prepared = PreparedLoss::new(spec)?.expecting_gradient()?;
+        let prepared = super::prepare(spec)?.expecting_gradient()?;
         let rows = &spec.rows;
         let (weight, bias) = (grads.weight.as_deref().map(CudaSlice::len), grads.bias.as_deref().map(CudaSlice::len));
         shapes::check_gradients(rows, inputs.hidden_size, rows.vocab, grads.hidden.len(), weight, bias)?;

@@ -91,7 +91,7 @@ impl CudaDevice {
     /// The loss and per-token outputs of `logits` on this device.
     pub fn forward<T: CudaElement>(&self, spec: LossSpec<'_>, logits: &CudaSlice<T>) -> Result<LossOutput, LossError> {
         let mut clock = PhaseClock::start(spec.rows.len());
-        let prepared = PreparedLoss::new(spec)?;
+        let prepared = super::prepare(spec)?;
         clock.mark("prepare");
         self.with_statistics(&prepared, logits, clock, |_, evaluated, clock| {
             clock.report();
@@ -111,7 +111,7 @@ impl CudaDevice {
         grad: Option<&mut CudaSlice<T>>,
     ) -> Result<LossOutput, LossError> {
         let mut clock = PhaseClock::start(spec.rows.len());
-        let prepared = PreparedLoss::new(spec)?.expecting_gradient()?;
+        let prepared = super::prepare(spec)?.expecting_gradient()?;
         clock.mark("prepare");
         if let Some(g) = grad.as_ref().filter(|g| g.len() != logits.len()) {
             return Err(LossError::GradientBuffer { got: g.len(), expected: logits.len() });

@@ -35,3 +35,18 @@ pub use cudarc::driver::CudaSlice;
 pub use device::{compile_kernels, cublas_present, include_dirs, CudaDevice, CudaElement, DeviceMemory, ROWS_SOURCE};
 pub use linear::{CudaLinearGradients, CudaLinearInputs};
 pub use overlap::RowBlocks;
+
+use crate::engine::{LossSpec, PreparedLoss};
+use crate::error::LossError;
+
+/// [`PreparedLoss::new`] for the CUDA passes, which refuse what they do not apply rather than
+/// ignore it: a soft cap (`LossOptions::softcap`, applied by the CPU engine only for now).
+pub(crate) fn prepare(spec: LossSpec<'_>) -> Result<PreparedLoss<'_>, LossError> {
+    if spec.options.softcap.is_some() {
+        return Err(LossError::InvalidOption {
+            name: "softcap",
+            message: "the CUDA backend does not apply a soft cap yet; run this loss on the CPU".to_string(),
+        });
+    }
+    PreparedLoss::new(spec)
+}

@@ -28,7 +28,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::cpu::{self, Block, GradientTarget, RowMax};
+use crate::cpu::{self, Block, GradientTarget, LogitMap, RowMax};
 use crate::element::Element;
 use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
@@ -470,13 +470,13 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
     /// Pass 1: every row's partial statistics over the columns (`max`: for shards, [`RowMax`]).
     fn statistics(&mut self, max: RowMax) -> Result<Vec<PartialRowStats>, LossError> {
         let mut stats = vec![PartialRowStats::EMPTY; self.prepared.spec().rows.len()];
-        let temperature = self.prepared.spec().options.temperature;
+        let map = LogitMap::of(self.prepared.spec().options);
         for chunk in self.chunks() {
             self.logits(&chunk);
             let n = chunk.len() * self.width();
             let rows = &self.computed[chunk];
             let block = chunk_block(self.prepared, &self.columns, rows);
-            let got = cpu::statistics(&self.z[..n], &block, temperature, self.prepared.needs_sum_u(), max)?;
+            let got = cpu::statistics(&self.z[..n], &block, map, self.prepared.needs_sum_u(), max)?;
             for (&row, s) in rows.iter().zip(got) {
                 stats[row] = s;
             }
@@ -489,13 +489,13 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
     fn gradient(&mut self, row_grads: &[RowGradient], grads: &mut LinearGradients<'_>) {
         self.computed.retain(|&i| !row_grads[i].is_zero());
         self.zero_skipped(grads);
-        let temperature = self.prepared.spec().options.temperature;
+        let map = LogitMap::of(self.prepared.spec().options);
         let mut written = false;
         for chunk in self.chunks() {
             self.logits(&chunk);
             let n = chunk.len() * self.width();
             let block = chunk_block(self.prepared, &self.columns, &self.computed[chunk.clone()]);
-            cpu::gradient(GradientTarget::InPlace(&mut self.z[..n]), &block, row_grads, temperature);
+            cpu::gradient(GradientTarget::InPlace(&mut self.z[..n]), &block, row_grads, map);
             let rows = self.computed[chunk].to_vec();
             written |= self.backward(&rows, grads, written);
         }
@@ -510,7 +510,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
         grads: &mut LinearGradients<'_>,
     ) -> Result<Vec<(RowStats, RowOutcome)>, LossError> {
         self.zero_skipped(grads);
-        let temperature = self.prepared.spec().options.temperature;
+        let map = LogitMap::of(self.prepared.spec().options);
         // A skipped row's, as the row passes give an inactive row.
         let mut results = vec![(RowStats::default(), RowOutcome::ZERO); self.prepared.spec().rows.len()];
         let mut written = false;
@@ -523,7 +523,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 GradientTarget::InPlace(&mut self.z[..n]),
                 &block,
                 objective,
-                temperature,
+                map,
                 self.prepared.needs_sum_u(),
             )?;
             let live: Vec<bool> = got.iter().map(|(_, outcome)| !outcome.grad.is_zero()).collect();

@@ -48,8 +48,10 @@ struct Softmax {
 }
 
 impl Softmax {
-    fn of(logits: &[f64], temperature: f64) -> Self {
-        let u: Vec<f64> = logits.iter().map(|&x| x / temperature).collect();
+    /// `u = x / T`, or `c tanh(x / c) / T` with a soft cap `c`.
+    fn of(logits: &[f64], options: &LossOptions) -> Self {
+        let cap = |x: f64| options.softcap.map_or(x, |c| c * (x / c).tanh());
+        let u: Vec<f64> = logits.iter().map(|&x| cap(x) / options.temperature).collect();
         let max = u.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let lse = max + u.iter().map(|&x| (x - max).exp()).sum::<f64>().ln();
         let log_p: Vec<f64> = u.iter().map(|&x| x - lse).collect();
@@ -109,7 +111,7 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
             let (b, t) = rows.position(i);
             return Err(LossError::NonFiniteLogits { row: i, b, t });
         }
-        let sm = Softmax::of(row(i), options.temperature);
+        let sm = Softmax::of(row(i), options);
         let logp = rows.targets.map_or(0.0, |y| sm.log_p[y[i] as usize]);
         q[i] = RowQ { logp, entropy: sm.entropy, lse: sm.lse, mean_u: sm.mean_u };
     }
@@ -185,7 +187,7 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
     out.grad = derivatives.map(|d| {
         let mut grad = vec![0.0; n * v];
         for i in (0..n).filter(|&i| active[i]) {
-            let sm = Softmax::of(row(i), options.temperature);
+            let sm = Softmax::of(row(i), options);
             let y = rows.targets.map(|y| y[i] as usize);
             for (j, g) in grad[i * v..(i + 1) * v].iter_mut().enumerate() {
                 let (log_p, p) = (sm.log_p[j], sm.log_p[j].exp());
@@ -194,7 +196,9 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
                     + d[i].entropy * (-p * (log_p + sm.entropy))
                     + d[i].lse * p
                     + d[i].mean_u / v as f64;
-                *g = du / options.temperature;
+                // d u_j / d x_j: 1 / T, times 1 - tanh^2(x_j / c) under a soft cap.
+                let slope = options.softcap.map_or(1.0, |c| 1.0 - (row(i)[j] / c).tanh().powi(2));
+                *g = du * slope / options.temperature;
             }
         }
         grad
