@@ -8,9 +8,10 @@ interpreter (`TRITON_INTERPRET=1`): the peers' real code, not a re-derivation of
   True (loss and metrics) or False (per-token loss, KL, clipped flags, a random upstream per
   token, at sequence level too), logits f32 or bf16, ours in place or not. V from 1 past Liger's 4096-wide block.
 - `flashgrpo.torch.cross_entropy` against `liger_kernel.transformers.LigerCrossEntropyLoss`
-  (ignore_index, label smoothing, `lse_square_scale` = our `z_loss`, mean / sum / none).
+  (ignore_index, label smoothing, `lse_square_scale` = our `z_loss`, mean / sum / none, `softcap`
+  since 2026-11-30).
 - `flashgrpo.torch.FusedLinearCrossEntropyLoss` against `LigerFusedLinearCrossEntropyLoss`
-  (the Triton one, with bias or not).
+  (the Triton one, with bias or not; `softcap` since 2026-11-30).
 - With `--only logprob` (not in the default mix, which stays as recorded in docs/BENCHMARKS.md):
   `flashgrpo.torch.logprob` against Liger's `fused_selective_log_softmax`, logits around 0 or 20.
 
@@ -37,6 +38,33 @@ import torch  # noqa: E402
 from liger_kernel.transformers import LigerCrossEntropyLoss, LigerFusedLinearCrossEntropyLoss  # noqa: E402
 from liger_kernel.ops.grpo_loss import fused_selective_log_softmax  # noqa: E402
 from liger_kernel.transformers.grpo_loss import triton_grpo_loss as liger_grpo  # noqa: E402
+import numpy as np  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+import liger_kernel.ops.cross_entropy as liger_cross_entropy_module  # noqa: E402
+
+# Triton's interpreter hands a Python float argument to the kernel as a Python float, where the
+# compiled kernel gets an f32 scalar: Liger's cross-entropy kernel calls `softcap.to(tl.float32)`
+# and fails in the interpreter alone. Floats become f32 scalars here, as compiled. (Both shims are
+# for `softcap`: Liger's other options do not reach them.)
+_plain_cvt = interpreter._implicit_cvt
+
+
+def _implicit_cvt(arg):
+    if isinstance(arg, float):
+        return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+    return _plain_cvt(arg)
+
+
+interpreter._implicit_cvt = _implicit_cvt
+
+
+def _interpreted_tanh(x):
+    """libdevice's `tanh`, which the interpreter lacks (it returns None): NumPy's, in x's dtype."""
+    return tl.tensor(interpreter.TensorHandle(np.tanh(x.handle.data), x.handle.dtype), x.type)
+
+
+liger_cross_entropy_module.tanh = _interpreted_tanh
 
 import flashgrpo.torch as ft  # noqa: E402
 
@@ -252,7 +280,8 @@ def ce_case(rng, g, tol):
     if rng.random() < 0.5:
         targets[torch.rand(N, generator=g) < 0.3] = ignore
     opts = dict(ignore_index=ignore, label_smoothing=rng.choice([0.0, 0.0, 0.1, 0.3]),
-                lse_square_scale=rng.choice([0.0, 0.0, 1e-4, 1e-2]), reduction=rng.choice(["mean", "sum", "none"]))
+                lse_square_scale=rng.choice([0.0, 0.0, 1e-4, 1e-2]), reduction=rng.choice(["mean", "sum", "none"]),
+                softcap=rng.choice([None, None, 2.0, 30.0]))
     upstream = torch.randn(N, generator=g)
     desc = f"cross_entropy N={N} V={V} {str(dtype)[6:]} {opts}"
 
@@ -263,7 +292,8 @@ def ce_case(rng, g, tol):
         return [("loss", loss.detach().float()), ("grad", x.grad.float())]
 
     ours_fn = lambda x: ft.cross_entropy(x, targets, reduction=opts["reduction"], ignore_index=ignore,  # noqa: E731
-                                         label_smoothing=opts["label_smoothing"], z_loss=opts["lse_square_scale"])
+                                         label_smoothing=opts["label_smoothing"], z_loss=opts["lse_square_scale"],
+                                         softcap=opts["softcap"])
     ours, theirs = both(lambda: run(ours_fn), lambda: run(lambda x: LigerCrossEntropyLoss(**opts)(x, targets)))
     exact = dict(run(lambda x: ce_reference(x, targets, opts)))
     torch32 = dict(run(lambda x: ce_reference(x, targets, opts, torch.float32)))
@@ -272,8 +302,10 @@ def ce_case(rng, g, tol):
 
 def ce_reference(x, targets, opts, dtype=torch.float64):
     """Cross-entropy with label smoothing and Liger's z-loss (`lse_square_scale * lse^2` per kept
-    row) in `dtype`, PyTorch's own operations."""
+    row) in `dtype`, PyTorch's own operations, on `c tanh(x / c)` with a soft cap `c`."""
     xx = x.to(dtype)
+    if opts.get("softcap") is not None:
+        xx = opts["softcap"] * torch.tanh(xx / opts["softcap"])
     kept = targets != opts["ignore_index"]
     per = torch.nn.functional.cross_entropy(xx, targets, reduction="none", ignore_index=opts["ignore_index"],
                                             label_smoothing=opts["label_smoothing"])
@@ -293,7 +325,7 @@ def flce_case(rng, g, tol):
     if rng.random() < 0.5:
         targets[torch.rand(N, generator=g) < 0.3] = -100
     opts = dict(label_smoothing=rng.choice([0.0, 0.0, 0.1]), lse_square_scale=rng.choice([0.0, 0.0, 1e-3]),
-                reduction=rng.choice(["mean", "sum", "none"]))
+                reduction=rng.choice(["mean", "sum", "none"]), softcap=rng.choice([None, None, 2.0, 30.0]))
     upstream = torch.randn(N, generator=g)
     desc = f"fused_linear_cross_entropy N={N} H={H} V={V} {str(dtype)[6:]} bias={b is not None} {opts}"
 

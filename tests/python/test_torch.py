@@ -425,6 +425,80 @@ def check_logits_level_modules():
     close("FusedLinearCrossEntropyLoss", "loss", got, per.sum() / valid.sum(), 1e-5)
 
 
+def check_softcap():
+    """``softcap=c`` (Gemma 2's final logit soft-capping, Liger's ``softcap``): every function on
+    ``c tanh(logits / c)``, against float64 autograd through the cap (TRL's GRPO on the capped
+    logits, its gradient chained by hand), and the Liger drop-in ``FusedLinearCrossEntropyLoss``."""
+    cap_of = lambda x, c: c * torch.tanh(x / c)  # noqa: E731
+    for (B, T, V), c, dtype in [((2, 5, 61), 3.0, "f32"), ((1, 4, 3001), 30.0, "bf16"), ((3, 3, 200), 1.0, "f32")]:
+        logits = as_dtype(torch.randn(B, T, V) * 8, dtype)
+        targets = torch.randint(0, V, (B, T))
+        targets[0, 1] = -100
+        case = f"torch softcap={c} B={B} T={T} V={V} {dtype}"
+        for red in ["mean", "none"]:
+            x = logits.clone().requires_grad_(True)
+            got = ft.cross_entropy(x, targets, reduction=red, label_smoothing=0.1, z_loss=1e-3, softcap=c)
+            upstream = torch.rand(B, T) if red == "none" else torch.tensor(1.3)
+            (got * upstream).sum().backward()
+            r = logits.double().requires_grad_(True)
+            flat = cap_of(r, c).reshape(-1, V)
+            valid = (targets.reshape(-1) != -100).double()
+            per = F.cross_entropy(flat, targets.reshape(-1), label_smoothing=0.1, reduction="none")
+            per = (per + 1e-3 * torch.logsumexp(flat, -1) ** 2 * valid).reshape(B, T)
+            want = per if red == "none" else per.sum() / valid.sum()
+            (want * upstream.double()).sum().backward()
+            close(case, f"cross_entropy {red}", got.detach(), want.detach(), 1e-5)
+            close_norm(case, f"cross_entropy {red} grad", x.grad, r.grad, grad_tol(dtype))
+        ids = targets.clamp(min=0)
+        r = logits.double().requires_grad_(True)
+        logsm = torch.log_softmax(cap_of(r, c) / 0.7, -1)
+        want_logp = logsm.gather(-1, ids[..., None]).squeeze(-1)
+        upstream = torch.randn(B, T)
+        (want_logp * upstream.double()).sum().backward()
+        x = logits.clone().requires_grad_(True)
+        logp = ft.logprob(x, ids, temperature=0.7, softcap=c)
+        (logp * upstream).sum().backward()
+        close(case, "logprob", logp.detach(), want_logp.detach(), 1e-5)
+        close_norm(case, "logprob grad", x.grad, r.grad, grad_tol(dtype))
+        close(case, "entropy", ft.entropy(logits, temperature=0.7, softcap=c),
+              -(logsm.exp() * logsm).sum(-1).detach(), 1e-5)
+        o = grpo_options(loss_type="grpo", importance_sampling_level="sequence", temperature=0.9)
+        capped = cap_of(logits.double(), c)
+        true_logp = torch.log_softmax(capped / 0.9, -1).gather(-1, ids[..., None]).squeeze(-1)
+        mask = (targets != -100).float()
+        adv = torch.randn(B)
+        old = (true_logp + 0.2 * torch.randn(B, T)).float()
+        ref = (true_logp + 0.2 * torch.randn(B, T)).float()
+        want = trl_grpo(capped, ids, mask, adv, old, ref, None, o)
+        x = logits.clone().requires_grad_(True)
+        out = ft.grpo_loss(x, ids, adv, mask, old_logp=old, ref_logp=ref, softcap=c, **kernel_options(o))
+        out.loss.backward()
+        close(case, "grpo loss", out.loss.detach(), want["loss"], 1e-5)
+        slope = 1 - torch.tanh(logits.double() / c) ** 2
+        close_norm(case, "grpo grad", x.grad, want["grad"] * slope, grad_tol(dtype))
+    hidden, weight, bias = linear_inputs(2, 4, 8, 40, True)
+    weight = weight * 6
+    targets = torch.randint(0, 40, (8,))
+    targets[3] = -100
+    for c, red in [(2.0, "mean"), (30.0, "sum"), (5.0, "none")]:
+        case = f"FusedLinearCrossEntropyLoss softcap={c} {red}"
+        h, w, b = (t.clone().requires_grad_(True) for t in (hidden.reshape(8, 8), weight, bias))
+        got = ft.FusedLinearCrossEntropyLoss(label_smoothing=0.1, softcap=c, reduction=red)(w, h, targets, b)
+        upstream = torch.rand(8) if red == "none" else torch.tensor(1.0)
+        (got * upstream).sum().backward()
+        hd, wd, bd = (t.detach().double().requires_grad_(True) for t in (h, w, b))
+        logits = cap_of(hd @ wd.T + bd, c)
+        per = F.cross_entropy(logits, targets, label_smoothing=0.1, reduction="none", ignore_index=-100)
+        want = per if red == "none" else per.sum() / ((targets != -100).sum() if red == "mean" else 1)
+        (want * upstream.double()).sum().backward()
+        close(case, "loss", got.detach(), want.detach(), 1e-5)
+        for name, g, wg in [("d hidden", h.grad, hd.grad), ("d weight", w.grad, wd.grad), ("d bias", b.grad, bd.grad)]:
+            close_norm(case, name, g, wg, 1e-4)
+    expect_error("softcap <= 0", ValueError, ["softcap"], lambda: ft.FusedLinearCrossEntropyLoss(softcap=0.0))
+    expect_error("softcap <= 0, functions", ValueError, ["softcap"],
+                 lambda: ft.logprob(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), softcap=-1.0))
+
+
 def check_triton_per_token():
     """`triton_grpo_loss(reduce=False)`: the per-token loss back-propagated with a per-token
     upstream gradient (`loss.backward(dy)`, as Liger's tests do), in place (written in the
@@ -674,8 +748,8 @@ def check_errors():
     expect_error("ref_logp required", ValueError, ["ref_logp"], lambda: ft.grpo_loss(logits, targets, adv, beta=0.1))
     expect_error("weight shape", ValueError, ["weight"],
                  lambda: ft.fused_linear_grpo_loss(torch.randn(2, 3, 4), torch.randn(10, 5), targets, adv))
-    expect_error("Liger option we lack", NotImplementedError, ["softcap"],
-                 lambda: ft.FusedLinearCrossEntropyLoss(softcap=30.0))
+    expect_error("Liger option we lack", NotImplementedError, ["ce_weight"],
+                 lambda: ft.FusedLinearCrossEntropyLoss(ce_weight=torch.ones(10)))
     expect_error("use_ref_model without a reference", ValueError, ["use_ref_model", "ref_input"],
                  lambda: ft.FusedLinearGRPOLoss(use_ref_model=True)(
                      torch.randn(2, 3, 4), torch.randn(10, 4), targets, torch.ones(2, 3), adv))
@@ -715,6 +789,7 @@ def main():
     check_liger_drop_in()
     check_liger_drop_in_distributed()
     check_logits_level_modules()
+    check_softcap()
     check_triton_per_token()
     check_per_token_fused_linear()
     check_bf16_products()

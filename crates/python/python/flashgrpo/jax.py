@@ -198,16 +198,18 @@ def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, label
     return out.reshape(jnp.shape(targets)) if reduction == "none" else out
 
 
-def entropy(logits, mask=None, *, temperature=1.0):
-    """Per-token entropy of ``softmax(logits / temperature)``; no gradient."""
+def entropy(logits, mask=None, *, temperature=1.0, softcap=None):
+    """Per-token entropy of ``softmax(logits / temperature)`` (of ``c tanh(logits / c)`` with
+    ``softcap=c``); no gradient."""
     _, per_token = _run_logits("entropy", "loss", jax.lax.stop_gradient(jnp.asarray(logits)),
-                               dict(temperature=temperature), mask=mask)
+                               dict(temperature=temperature, softcap=softcap), mask=mask)
     return per_token["entropy"]
 
 
-def logprob(logits, targets, *, temperature=1.0, in_place=False):
+def logprob(logits, targets, *, temperature=1.0, softcap=None, in_place=False):
     """Per-token ``log_softmax(logits / temperature)[target]``, differentiable."""
-    out, _ = _run_logits("logprob", "logp", logits, dict(temperature=temperature), in_place, targets=targets)
+    out, _ = _run_logits("logprob", "logp", logits, dict(temperature=temperature, softcap=softcap), in_place,
+                         targets=targets)
     return out.reshape(jnp.shape(targets))
 
 
@@ -365,19 +367,19 @@ def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, reduction=
     return loss
 
 
-def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, chunk_memory_mb=None,
-                         bf16_products=None):
+def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None,
+                         chunk_memory_mb=None, bf16_products=None):
     """Per-token log-probabilities of ``targets`` under ``hidden @ weight^T + bias``, differentiable
     per token in ``hidden``, ``weight`` and ``bias``."""
-    out = _run_linear_rows("logprob", "logp", hidden, weight, bias, dict(temperature=temperature), chunk_memory_mb,
-                           bf16_products, targets=targets)
+    out = _run_linear_rows("logprob", "logp", hidden, weight, bias, dict(temperature=temperature, softcap=softcap),
+                           chunk_memory_mb, bf16_products, targets=targets)
     return out.reshape(jnp.shape(targets))
 
 
-def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, chunk_memory_mb=None,
-                         bf16_products=None):
+def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, softcap=None,
+                         chunk_memory_mb=None, bf16_products=None):
     """Per-token entropy under ``hidden @ weight^T + bias`` (values only)."""
     _, per_token = _run_linear("entropy", jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(weight),
-                               None if bias is None else jax.lax.stop_gradient(bias), dict(temperature=temperature),
-                               chunk_memory_mb, bf16_products, mask=mask)
+                               None if bias is None else jax.lax.stop_gradient(bias),
+                               dict(temperature=temperature, softcap=softcap), chunk_memory_mb, bf16_products, mask=mask)
     return per_token["entropy"]

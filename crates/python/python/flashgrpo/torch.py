@@ -407,17 +407,18 @@ def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, label
     return value
 
 
-def entropy(logits, mask=None, *, temperature=1.0):
+def entropy(logits, mask=None, *, temperature=1.0, softcap=None):
     """Per-token entropy of ``softmax(logits / temperature)``, the shape of ``logits[..., 0]``; no
-    gradient (the kernels compute none for entropy)."""
-    _, per_token = _logits_call("entropy", logits, dict(temperature=temperature), mask=mask)
+    gradient (the kernels compute none for entropy). ``softcap=c``: of ``c tanh(logits / c)``."""
+    _, per_token = _logits_call("entropy", logits, dict(temperature=temperature, softcap=softcap), mask=mask)
     return per_token["entropy"]
 
 
-def logprob(logits, targets, *, temperature=1.0, in_place=False):
+def logprob(logits, targets, *, temperature=1.0, softcap=None, in_place=False):
     """Per-token ``log_softmax(logits / temperature)[target]``, the shape of ``targets``,
-    differentiable (TRL's ``selective_log_softmax``)."""
-    value, _ = _logits_call("logprob", logits, dict(temperature=temperature), in_place, per_row="logp",
+    differentiable (TRL's ``selective_log_softmax``). ``softcap=c``: of ``c tanh(logits / c)``."""
+    value, _ = _logits_call("logprob", logits, dict(temperature=temperature, softcap=softcap), in_place,
+                            per_row="logp",
                             out_shape=targets.shape, targets=targets)
     return value
 
@@ -456,19 +457,20 @@ def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, reduction=
     return value
 
 
-def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, chunk_memory_mb=None,
-                         bf16_products=None):
+def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, softcap=None,
+                         chunk_memory_mb=None, bf16_products=None):
     """Per-token entropy of ``softmax((hidden @ weight^T + bias) / temperature)``; no gradient."""
-    _, per_token = _linear_call("entropy", hidden, weight, bias, dict(temperature=temperature),
+    _, per_token = _linear_call("entropy", hidden, weight, bias, dict(temperature=temperature, softcap=softcap),
                                 chunk_memory_mb=chunk_memory_mb, bf16_products=bf16_products, mask=mask)
     return per_token["entropy"]
 
 
-def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, chunk_memory_mb=None,
-                         bf16_products=None):
+def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None,
+                         chunk_memory_mb=None, bf16_products=None):
     """Per-token log-probabilities of ``targets`` under ``hidden @ weight^T + bias``, differentiable
     per token (the gradients are written in the backward, where each token's upstream is known)."""
-    value, _ = _linear_call("logprob", hidden, weight, bias, dict(temperature=temperature), per_row="logp",
+    value, _ = _linear_call("logprob", hidden, weight, bias, dict(temperature=temperature, softcap=softcap),
+                            per_row="logp",
                             out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb,
                             bf16_products=bf16_products, targets=targets)
     return value
@@ -733,16 +735,15 @@ class GRPOLoss(torch.nn.Module):
 class FusedLinearCrossEntropyLoss(torch.nn.Module):
     """Drop-in for ``liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss``: the same
     constructor and ``forward(lin_weight, _input, target, bias=None)``; ``accum_dtype`` is accepted
-    and ignored (the kernels accumulate in f32). ``lse_square_scale`` is LOSSES.md's ``z_loss``.
-    Liger's options with no kernel here (``ce_weight``, ``softcap``, ``use_token_scaling``, the
-    ``return_*`` extras) are refused rather than ignored."""
+    and ignored (the kernels accumulate in f32). ``lse_square_scale`` is LOSSES.md's ``z_loss``,
+    ``softcap`` LOSSES.md's ``softcap``. Liger's options with no kernel here (``ce_weight``,
+    ``use_token_scaling``, the ``return_*`` extras) are refused rather than ignored."""
 
     def __init__(self, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
                  reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False,
                  return_token_accuracy=False, return_predicted_tokens=False, chunk_memory_mb=None):
         super().__init__()
-        unsupported = dict(ce_weight=ce_weight is not None, softcap=softcap is not None,
-                           return_z_loss=return_z_loss, use_token_scaling=use_token_scaling,
+        unsupported = dict(ce_weight=ce_weight is not None, return_z_loss=return_z_loss, use_token_scaling=use_token_scaling,
                            return_token_accuracy=return_token_accuracy,
                            return_predicted_tokens=return_predicted_tokens)
         for name, given in unsupported.items():
@@ -751,8 +752,10 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"`reduction` must be 'mean', 'sum' or 'none', got {reduction!r}")
         del accum_dtype
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"`softcap` must be > 0 or None, got {softcap}")
         self.options = dict(ignore_index=ignore_index, z_loss=lse_square_scale, label_smoothing=label_smoothing,
-                            reduction=reduction)
+                            reduction=reduction, softcap=softcap)
         self.chunk_memory_mb = chunk_memory_mb
 
     def forward(self, lin_weight, _input, target, bias=None):
