@@ -377,7 +377,10 @@ impl LossOptions {
         };
         positive("temperature", self.temperature)?;
         if let Some(c) = self.softcap {
-            positive("softcap", c)?;
+            // Applied in f32 (`cpu/softcap.rs`).
+            if !(c > 0.0 && (c as f32).is_normal()) {
+                return Err(bad("softcap", c, "a number > 0 in f32's normal range (1.2e-38 to 3.4e38)"));
+            }
         }
         non_negative("epsilon_low", self.epsilon_low)?;
         if let Some(e) = self.epsilon_high {

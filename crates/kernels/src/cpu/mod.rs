@@ -67,6 +67,8 @@ type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Opt
 type Finish<'f> = &'f mut dyn FnMut(PartialRowStats) -> Option<RowGradient>;
 type SweepFn<T> = for<'a, 'f> unsafe fn(GradientTarget<'a, T>, f32, Option<usize>, bool, bool, Finish<'f>) -> bool;
 type ZeroFn<T> = unsafe fn(&mut [T], bool);
+type CapFn<T> = unsafe fn(&[T], f32, &mut [f32]);
+type ChainFn<T> = unsafe fn(&[f32], Option<&[T]>, &mut [T], f32);
 
 /// The row kernels compiled for one instruction set.
 #[derive(Clone, Copy)]
@@ -75,6 +77,8 @@ struct Kernels<T> {
     gradient: GradFn<T>,
     sweep: SweepFn<T>,
     zero_row: ZeroFn<T>,
+    cap: CapFn<T>,
+    chain: ChainFn<T>,
 }
 
 /// Compiles the row kernels for one instruction set: `$simd` is the [`simd::Simd`] token.
@@ -111,8 +115,29 @@ macro_rules! isa_kernels {
                 row::zero_row($simd, out, stream)
             }
 
+            /// # Safety
+            /// As for `statistics`.
+            $(#[$attr])*
+            pub unsafe fn cap<T: Element>(row: &[T], cap: f32, out: &mut [f32]) {
+                softcap::cap_row($simd, row, cap, out)
+            }
+
+            /// # Safety
+            /// As for `statistics`.
+            $(#[$attr])*
+            pub unsafe fn chain<T: Element>(grad: &[f32], logits: Option<&[T]>, out: &mut [T], cap: f32) {
+                softcap::chain_row($simd, grad, logits, out, cap)
+            }
+
             pub fn kernels<T: Element>() -> Kernels<T> {
-                Kernels { statistics: statistics::<T>, gradient: gradient::<T>, sweep: sweep::<T>, zero_row: zero_row::<T> }
+                Kernels {
+                    statistics: statistics::<T>,
+                    gradient: gradient::<T>,
+                    sweep: sweep::<T>,
+                    zero_row: zero_row::<T>,
+                    cap: cap::<T>,
+                    chain: chain::<T>,
+                }
             }
         }
     };
@@ -183,6 +208,18 @@ impl<T: Element> Kernels<T> {
     fn zero_row(&self, out: &mut [T], stream: bool) {
         // SAFETY: as in `statistics`.
         unsafe { (self.zero_row)(out, stream) }
+    }
+
+    /// `c tanh(x / c)` of a row into `out` ([`softcap`]).
+    fn cap(&self, row: &[T], cap: f32, out: &mut [f32]) {
+        // SAFETY: as in `statistics`.
+        unsafe { (self.cap)(row, cap, out) }
+    }
+
+    /// `out = grad * sech^2(x / c)` ([`softcap`]).
+    fn chain(&self, grad: &[f32], logits: Option<&[T]>, out: &mut [T], cap: f32) {
+        // SAFETY: as in `statistics`.
+        unsafe { (self.chain)(grad, logits, out, cap) }
     }
 }
 
@@ -260,12 +297,13 @@ pub(crate) enum RowMax {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct LogitMap {
     pub temperature: f64,
-    pub softcap: Option<f64>,
+    /// The cap in f32, as the row kernels apply it.
+    pub softcap: Option<f32>,
 }
 
 impl LogitMap {
     pub fn of(options: &LossOptions) -> Self {
-        Self { temperature: options.temperature, softcap: options.softcap }
+        Self { temperature: options.temperature, softcap: options.softcap.map(|c| c as f32) }
     }
 }
 
@@ -297,7 +335,7 @@ pub(crate) fn statistics<T: Element>(
             }
             match map.softcap {
                 None => k.statistics(r, inv_t, block.target(i), sum_u, max),
-                Some(cap) => k32.capped_statistics(r, cap, inv_t, block.target(i), sum_u, max),
+                Some(cap) => k.capped_statistics(&k32, r, cap, inv_t, block.target(i), sum_u, max),
             }
         })
         .collect();
@@ -327,7 +365,7 @@ pub(crate) fn gradient<T: Element>(
         let (i, g) = (block.row(l), &grads[block.row(l)]);
         match map.softcap {
             // A zero gradient is written without reading the logits.
-            Some(cap) if !g.is_zero() => k32.capped_gradient(write, g, inv_t, block.target(i), cap),
+            Some(cap) if !g.is_zero() => k.capped_gradient(&k32, write, g, inv_t, block.target(i), cap),
             _ => k.gradient(write, g, inv_t, block.target(i), large),
         }
     };
@@ -382,7 +420,7 @@ pub(crate) fn sweep<T: Element>(
             Some(outcome.grad)
         };
         match map.softcap {
-            Some(cap) => k32.capped_sweep(write, inv_t, y, sum_u, cap, &mut finish),
+            Some(cap) => k.capped_sweep(&k32, write, inv_t, y, sum_u, cap, &mut finish),
             None => k.sweep(write, inv_t, y, sum_u, large, &mut finish),
         };
         result
