@@ -165,7 +165,7 @@ fn vocabulary_shards_equal_unsharded() {
 fn bad_caps_and_infinite_logits_are_refused() {
     for cap in [0.0, -1.0, f64::NAN, f64::INFINITY] {
         let data = Case::new(Op::CrossEntropy, 1, 2, 10).with(|o| o.softcap = Some(cap)).data();
-        match forward_backward(data.spec(), &data.logits, &mut vec![0.0; 20]) {
+        match forward_backward(data.spec(), &data.logits, &mut [0.0; 20]) {
             Err(LossError::InvalidOption { name: "softcap", .. }) => {}
             other => panic!("softcap = {cap}: {other:?}"),
         }
@@ -173,7 +173,7 @@ fn bad_caps_and_infinite_logits_are_refused() {
     // A cap would map an infinity to a finite value: it is still an error naming the row.
     let mut data = capped(Op::CrossEntropy, (1, 3, 40), 5.0).data();
     data.logits[2 * 40 + 7] = f32::INFINITY;
-    match forward_backward(data.spec(), &data.logits, &mut vec![0.0; 120]) {
+    match forward_backward(data.spec(), &data.logits, &mut [0.0; 120]) {
         Err(LossError::NonFiniteLogits { row: 2, .. }) => {}
         other => panic!("{other:?}"),
     }

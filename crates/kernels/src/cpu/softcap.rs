@@ -29,7 +29,7 @@ thread_local! {
 /// Taylor coefficients of `tanh z = z + z^3 (c3 + z^2 (c5 + ...))`, highest degree first (z^17
 /// down to z^3): below [`TAYLOR_BELOW`] the first term left out is under 6e-9 of `tanh z`.
 const TANH_TAYLOR: [f32; 8] = [
-    5.900_274_4e-4,  // z^17: 6404582 / 10854718875
+    5.900_274e-4,    // z^17: 6404582 / 10854718875
     -1.455_834_4e-3, // z^15: -929569 / 638512875
     3.592_128e-3,    // z^13: 21844 / 6081075
     -8.863_236e-3,   // z^11: -1382 / 155925
