@@ -11,7 +11,8 @@ interpreter (`TRITON_INTERPRET=1`): the peers' real code, not a re-derivation of
   (ignore_index, label smoothing, `lse_square_scale` = our `z_loss`, mean / sum / none, `softcap`
   since 2026-11-30).
 - `flashgrpo.torch.FusedLinearCrossEntropyLoss` against `LigerFusedLinearCrossEntropyLoss`
-  (the Triton one, with bias or not; `softcap` since 2026-11-30).
+  (the Triton one, with bias or not; `softcap`, `return_z_loss` and `use_token_scaling` since
+  2026-11-30).
 - With `--only logprob` (not in the default mix, which stays as recorded in docs/BENCHMARKS.md):
   `flashgrpo.torch.logprob` against Liger's `fused_selective_log_softmax`, logits around 0 or 20.
 
@@ -33,6 +34,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import argparse  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
 from liger_kernel.transformers import LigerCrossEntropyLoss, LigerFusedLinearCrossEntropyLoss  # noqa: E402
@@ -310,6 +312,28 @@ def ce_reference(x, targets, opts, dtype=torch.float64):
     per = torch.nn.functional.cross_entropy(xx, targets, reduction="none", ignore_index=opts["ignore_index"],
                                             label_smoothing=opts["label_smoothing"])
     per = per + opts["lse_square_scale"] * torch.logsumexp(xx, -1) ** 2 * kept
+    per = per * token_scale(xx, targets, opts)
+    if opts["reduction"] == "none":
+        return per
+    return per.sum() / (kept.sum().clamp(min=1) if opts["reduction"] == "mean" else 1)
+
+
+def token_scale(xx, targets, opts):
+    """Liger's `use_token_scaling`: each kept row times its own `p_y`, detached (1 without it)."""
+    if not opts.get("use_token_scaling"):
+        return 1.0
+    kept = targets != opts["ignore_index"]
+    p = torch.softmax(xx.detach(), -1).gather(-1, (targets * kept)[:, None])[:, 0]
+    return p * kept
+
+
+def z_loss_reference(logits, targets, opts):
+    """Liger's z-loss output: `lse_square_scale * lse^2` on the kept rows, reduced as the loss."""
+    xx = logits.detach()
+    if opts.get("softcap") is not None:
+        xx = opts["softcap"] * torch.tanh(xx / opts["softcap"])
+    kept = targets != opts["ignore_index"]
+    per = opts["lse_square_scale"] * torch.logsumexp(xx, -1) ** 2 * kept * token_scale(xx, targets, opts)
     if opts["reduction"] == "none":
         return per
     return per.sum() / (kept.sum().clamp(min=1) if opts["reduction"] == "mean" else 1)
@@ -325,7 +349,8 @@ def flce_case(rng, g, tol):
     if rng.random() < 0.5:
         targets[torch.rand(N, generator=g) < 0.3] = -100
     opts = dict(label_smoothing=rng.choice([0.0, 0.0, 0.1]), lse_square_scale=rng.choice([0.0, 0.0, 1e-3]),
-                reduction=rng.choice(["mean", "sum", "none"]), softcap=rng.choice([None, None, 2.0, 30.0]))
+                reduction=rng.choice(["mean", "sum", "none"]), softcap=rng.choice([None, None, 2.0, 30.0]),
+                return_z_loss=rng.random() < 0.3, use_token_scaling=rng.random() < 0.3)
     upstream = torch.randn(N, generator=g)
     desc = f"fused_linear_cross_entropy N={N} H={H} V={V} {str(dtype)[6:]} bias={b is not None} {opts}"
 
@@ -333,16 +358,24 @@ def flce_case(rng, g, tol):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         bb = None if b is None else b.clone().requires_grad_()
         loss = module(ww, hh, targets, bb)
+        z_loss = []
+        if opts["return_z_loss"]:  # Liger's CrossEntropyOutput (ours has the same fields)
+            loss, z_loss = loss.loss, [("z_loss", loss.z_loss.detach().float())]
         (loss * upstream).sum().backward() if opts["reduction"] == "none" else loss.backward()
         out = [("loss", loss.detach().float()), ("grad_hidden", hh.grad.float()), ("grad_weight", ww.grad.float())]
-        return out + ([("grad_bias", bb.grad.float())] if bb is not None else [])
+        return out + ([("grad_bias", bb.grad.float())] if bb is not None else []) + z_loss
 
     ours, theirs = both(lambda: run(ft.FusedLinearCrossEntropyLoss(**opts)),
                         lambda: run(LigerFusedLinearCrossEntropyLoss(**opts)))
     ce_opts = dict(opts, ignore_index=-100)
+
     def reference(dtype):
-        return dict(run(lambda ww, hh, t, bb: ce_reference(
-            hh.to(dtype) @ ww.to(dtype).T + (0 if bb is None else bb.to(dtype)), t, ce_opts, dtype)))
+        def module(ww, hh, t, bb):
+            logits = hh.to(dtype) @ ww.to(dtype).T + (0 if bb is None else bb.to(dtype))
+            loss = ce_reference(logits, t, ce_opts, dtype)
+            return SimpleNamespace(loss=loss, z_loss=z_loss_reference(logits, t, ce_opts)) if opts["return_z_loss"] \
+                else loss
+        return dict(run(module))
 
     return desc, compare(ours, theirs, tol, dtype, exact=reference(torch.float64), torch32=reference(torch.float32))
 

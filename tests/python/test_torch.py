@@ -499,6 +499,60 @@ def check_softcap():
                  lambda: ft.logprob(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), softcap=-1.0))
 
 
+def check_z_loss_and_token_scaling():
+    """``FusedLinearCrossEntropyLoss(return_z_loss=True)``: Liger's ``CrossEntropyOutput`` with
+    ``z_loss = lse_square_scale * lse^2`` over the rows not ignored, reduced as the loss, against
+    float64; the loss and its gradients as without it. ``use_token_scaling=True`` against float64
+    autograd with ``p_y`` detached."""
+    hidden, weight, bias = linear_inputs(2, 5, 8, 50, True)
+    h = hidden.reshape(10, 8)
+    targets = torch.randint(0, 50, (10,))
+    targets[[2, 7]] = -100
+    for red, z, cap, dtype in [("mean", 1e-3, None, "f32"), ("sum", 1e-2, 5.0, "f32"), ("none", 1e-3, None, "f32"),
+                               ("mean", 0.0, None, "f32"), ("mean", 1e-3, None, "bf16")]:
+        case = f"FusedLinearCrossEntropyLoss return_z_loss {red} z={z} softcap={cap} {dtype}"
+        hh, ww, bb = (as_dtype(t, dtype).clone().requires_grad_(True) for t in (h, weight, bias))
+        out = ft.FusedLinearCrossEntropyLoss(lse_square_scale=z, softcap=cap, reduction=red,
+                                             return_z_loss=True)(ww, hh, targets, bb)
+        if not isinstance(out, ft.CrossEntropyOutput) or out.token_accuracy is not None:
+            fail(case, f"returned {type(out).__name__}")
+            continue
+        upstream = torch.rand(10) if red == "none" else torch.tensor(1.0)
+        (out.loss * upstream).sum().backward()
+        logits = hh.detach().double() @ ww.detach().double().T + bb.detach().double()
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        kept = (targets != -100).double()
+        z_rows = z * torch.logsumexp(logits, -1) ** 2 * kept
+        want = z_rows if red == "none" else z_rows.sum() / (kept.sum() if red == "mean" else 1.0)
+        if out.z_loss.dtype != hh.dtype or out.z_loss.requires_grad:
+            fail(case, f"z_loss dtype {out.z_loss.dtype}, requires_grad {out.z_loss.requires_grad}")
+        close(case, "z_loss", out.z_loss.float(), want, 1e-5 if dtype == "f32" else 1e-2)
+        plain = ft.FusedLinearCrossEntropyLoss(lse_square_scale=z, softcap=cap, reduction=red)
+        close(case, "loss as without z_loss", out.loss.detach(), plain(ww, hh, targets, bb).detach(), 0.0)
+    # use_token_scaling (DFT): each kept row's loss, gradient and z-loss times its detached p_y.
+    for red in ["mean", "none"]:
+        case = f"FusedLinearCrossEntropyLoss use_token_scaling {red}"
+        hh, ww, bb = (t.clone().requires_grad_(True) for t in (h, weight, bias))
+        out = ft.FusedLinearCrossEntropyLoss(lse_square_scale=1e-3, label_smoothing=0.1, reduction=red,
+                                             use_token_scaling=True, return_z_loss=True)(ww, hh, targets, bb)
+        upstream = torch.rand(10) if red == "none" else torch.tensor(1.0)
+        (out.loss * upstream).sum().backward()
+        hd, wd, bd = (t.detach().double().requires_grad_(True) for t in (hh, ww, bb))
+        logits = hd @ wd.T + bd
+        kept = (targets != -100).double()
+        lse = torch.logsumexp(logits, -1)
+        p = torch.softmax(logits.detach(), -1).gather(-1, (targets * (targets != -100))[:, None])[:, 0] * kept
+        per = (F.cross_entropy(logits, targets, label_smoothing=0.1, reduction="none") + 1e-3 * lse**2 * kept) * p
+        z_rows = 1e-3 * lse.detach() ** 2 * kept * p
+        want, want_z = (per, z_rows) if red == "none" else (per.sum() / kept.sum(), z_rows.sum() / kept.sum())
+        (want * upstream.double()).sum().backward()
+        close(case, "loss", out.loss.detach(), want.detach(), 1e-5)
+        close(case, "z_loss", out.z_loss, want_z, 1e-5)
+        for name, g, wg in [("d hidden", hh.grad, hd.grad), ("d weight", ww.grad, wd.grad), ("d bias", bb.grad, bd.grad)]:
+            close_norm(case, name, g, wg, 1e-4)
+
+
 def check_triton_per_token():
     """`triton_grpo_loss(reduce=False)`: the per-token loss back-propagated with a per-token
     upstream gradient (`loss.backward(dy)`, as Liger's tests do), in place (written in the
@@ -790,6 +844,7 @@ def main():
     check_liger_drop_in_distributed()
     check_logits_level_modules()
     check_softcap()
+    check_z_loss_and_token_scaling()
     check_triton_per_token()
     check_per_token_fused_linear()
     check_bf16_products()

@@ -42,6 +42,9 @@ impl ComposedLoss {
         let targets_i64 = inputs.targets.clone().unwrap_or_default();
         let targets: Vec<u32> =
             targets_i64.iter().map(|&y| if (0..vocab as i64).contains(&y) { y as u32 } else { 0 }).collect();
+        if o.softcap.is_some() {
+            bail!("the composed baseline does not apply a soft cap (`softcap`)");
+        }
         let kind = match &inputs.kind {
             LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio, sampling_logp } => {
                 let composed =
@@ -204,5 +207,22 @@ mod tests {
             let err = ComposedLoss::new(&inputs, 3).err().expect("refused").to_string();
             assert!(err.contains("composed baseline"), "{err}");
         }
+    }
+
+    /// A soft cap, which the composed ops do not apply, is refused for every loss.
+    #[test]
+    fn a_soft_cap_is_refused() {
+        let inputs = LossInputs {
+            kind: LossKind::CrossEntropy,
+            batch: 1,
+            seq_len: 2,
+            targets: Some(vec![0, 1]),
+            mask: None,
+            options: LossOptions { softcap: Some(30.0), ..Default::default() },
+            budget: ChunkBudget::default(),
+            batch_shard: None,
+        };
+        let err = ComposedLoss::new(&inputs, 3).err().expect("refused").to_string();
+        assert!(err.contains("soft cap"), "{err}");
     }
 }

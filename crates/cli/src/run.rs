@@ -220,6 +220,7 @@ pub fn reference_results(batch: &Batch, options: &LossOptions) -> Result<(Result
         entropy: to_f32(&r.entropy),
         kl: r.kl.as_deref().map(to_f32),
         is_clipped: r.is_clipped.as_deref().map(to_f32),
+        lse: to_f32(&r.lse),
     };
     let rounded = grads
         .iter()

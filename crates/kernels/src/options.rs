@@ -224,6 +224,9 @@ pub struct LossOptions {
     pub label_smoothing: f64,
     /// Cross-entropy: weight of `lse^2` (z-loss, PaLM / Liger's `lse_square_scale`).
     pub z_loss: f64,
+    /// Cross-entropy: each row's loss and gradient times its own `p_y`, detached (Liger's
+    /// `use_token_scaling`, the DFT loss).
+    pub token_scaling: bool,
     pub reduction: Reduction,
     /// Overrides the loss type's reduction (verl's `loss_agg_mode`).
     pub loss_agg_mode: Option<Aggregation>,
@@ -278,6 +281,7 @@ impl Default for LossOptions {
             ignore_index: -100,
             label_smoothing: 0.0,
             z_loss: 0.0,
+            token_scaling: false,
             reduction: Reduction::Mean,
             loss_agg_mode: None,
             vespo_k_pos: 2.0,
@@ -323,6 +327,7 @@ impl LossOptions {
         "ignore_index",
         "label_smoothing",
         "z_loss",
+        "token_scaling",
         "reduction",
         "loss_agg_mode",
         "vespo_k_pos",

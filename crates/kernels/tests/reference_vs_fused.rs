@@ -310,6 +310,32 @@ fn cross_entropy_options_match_reference() {
     }
 }
 
+/// Liger's `use_token_scaling`: each row's loss and gradient times its detached `p_y`. f32 and
+/// bf16 only: scaled by `p_y` ~ 1/V, the gradient's entries fall below f16's normal range (6e-5)
+/// at V = 2100, where f16 keeps few bits whoever rounds.
+#[test]
+fn cross_entropy_token_scaling_matches_reference() {
+    let variants = [
+        Case::new(Op::CrossEntropy, 3, 4, 2100).with(|o| {
+            o.token_scaling = true;
+            o.label_smoothing = 0.1;
+            o.z_loss = 1e-3;
+        }),
+        Case::new(Op::CrossEntropy, 2, 5, 37).with(|o| {
+            o.token_scaling = true;
+            o.reduction = Reduction::None;
+            o.softcap = Some(3.0);
+        }),
+        Case::new(Op::CrossEntropy, 1, 3, 1).with(|o| o.token_scaling = true),
+    ];
+    for mut case in variants {
+        case.ignored = 0.25;
+        let data = case.data();
+        assert_matches_reference::<f32>(&data, 1e-5);
+        assert_matches_reference::<bf16>(&data, 1e-2);
+    }
+}
+
 #[test]
 fn logprob_and_entropy_with_temperature() {
     for op in [Op::Logprob, Op::Entropy] {

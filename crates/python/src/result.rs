@@ -26,6 +26,7 @@ impl LossResult {
             "logp" => o.logp.as_deref(),
             "kl" => o.kl.as_deref(),
             "is_clipped" => o.is_clipped.as_deref(),
+            "lse" => Some(&o.lse),
             _ => return Err(PyKeyError::new_err(format!("no per-token output `{name}`"))),
         })
     }

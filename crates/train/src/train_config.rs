@@ -205,6 +205,15 @@ impl TrainConfig {
             });
         }
         parameter_dtype(self.model.dtype)?;
+        if self.loss.options.softcap.is_some() {
+            // The sampler draws from x / T: a capped loss would score another distribution.
+            return Err(TrainError::Config {
+                origin: "loss.softcap".into(),
+                why: "the trainer's models (Qwen2) have no final logit soft cap, and its sampler applies none; \
+                      leave it unset"
+                    .into(),
+            });
+        }
         if self.model.path.is_none() {
             // The architecture's checks; the vocabulary is checked against the tokenizer later.
             self.model.new_config(1)?;
@@ -270,6 +279,12 @@ mod tests {
         c.grpo.min_p = 0.1;
         assert!(c.warnings()[0].contains("processed"), "{:?}", c.warnings());
         assert_eq!(c.grpo.eval_temperature(), 0.7);
+    }
+
+    #[test]
+    fn a_soft_cap_is_refused() {
+        let e = TrainConfig::from_value(serde_json::json!({"loss": {"softcap": 30.0}}), "t.yaml").unwrap_err();
+        assert!(e.to_string().contains("loss.softcap"), "{e}");
     }
 
     #[test]

@@ -43,12 +43,15 @@ const TANH_TAYLOR: [f32; 8] = [
 /// exp(-2|z|) < 1/3`, so `1 - e` cancels less than one bit of `e`'s error.
 const TAYLOR_BELOW: f32 = 0.55;
 
-/// `tanh z` and `sech^2 z` in f32 from one `exp`: `e = exp(-2|z|)`, `tanh |z| = (1 - e) / (1 + e)`
-/// (the Taylor polynomial below [`TAYLOR_BELOW`], where that cancels), `sech^2 z = 4 e / (1 + e)^2`
-/// (no cancellation where `tanh` saturates, as `1 - tanh^2` would have). Within a few ulp of
-/// f64 (`tests::f32_tanh_and_slope_match_f64`). A NaN or infinite `z` gives NaN for both.
+/// `tanh z` and `sech^2 z` for `z = x / c` (`inv_cap = 1 / c`) in f32 from one `exp`: `e =
+/// exp(-2|z|)`, `tanh |z| = (1 - e) / (1 + e)` (the Taylor polynomial below [`TAYLOR_BELOW`], where
+/// that cancels), `sech^2 z = 4 e / (1 + e)^2` (no cancellation where `tanh` saturates, as `1 -
+/// tanh^2` would have). Within a few ulp of f64 (`tests::f32_tanh_and_slope_match_f64`). A NaN or
+/// infinite logit gives NaN for both; a finite one whose `z` would overflow (`c < 1`, `x` near
+/// f32's limits: a masking value) is clamped to `|z| <= 64`, where `tanh` is 1 and the slope 0.
 #[inline(always)]
-pub(super) fn tanh_and_slope<S: Simd>(s: S, z: f32) -> (f32, f32) {
+pub(super) fn tanh_and_slope<S: Simd>(s: S, x: f32, inv_cap: f32) -> (f32, f32) {
+    let z = (x * inv_cap).clamp(-64.0, 64.0);
     let a = z.abs();
     let e = s.scalar_exp(-2.0 * a);
     let one_plus = 1.0 + e;
@@ -60,7 +63,7 @@ pub(super) fn tanh_and_slope<S: Simd>(s: S, z: f32) -> (f32, f32) {
     let near_zero = s.scalar_mul_add(p * a2, a, a);
     let t = if a < TAYLOR_BELOW { near_zero } else { (1.0 - e) / one_plus };
     let slope = 4.0 * e / (one_plus * one_plus);
-    if z.is_finite() {
+    if x.is_finite() {
         (t.copysign(z), slope)
     } else {
         (f32::NAN, f32::NAN)
@@ -72,7 +75,7 @@ pub(super) fn tanh_and_slope<S: Simd>(s: S, z: f32) -> (f32, f32) {
 pub(super) fn cap_row<S: Simd, T: Element>(s: S, row: &[T], cap: f32, out: &mut [f32]) {
     let inv_cap = 1.0 / cap;
     for (o, x) in out.iter_mut().zip(row) {
-        *o = cap * tanh_and_slope(s, x.to_f32() * inv_cap).0;
+        *o = cap * tanh_and_slope(s, x.to_f32(), inv_cap).0;
     }
 }
 
@@ -84,12 +87,12 @@ pub(super) fn chain_row<S: Simd, T: Element>(s: S, grad: &[f32], logits: Option<
     match logits {
         Some(x) => {
             for ((o, &g), x) in out.iter_mut().zip(grad).zip(x) {
-                *o = s.round_t(g * tanh_and_slope(s, x.to_f32() * inv_cap).1);
+                *o = s.round_t(g * tanh_and_slope(s, x.to_f32(), inv_cap).1);
             }
         }
         None => {
             for (o, &g) in out.iter_mut().zip(grad) {
-                *o = s.round_t(g * tanh_and_slope(s, o.to_f32() * inv_cap).1);
+                *o = s.round_t(g * tanh_and_slope(s, o.to_f32(), inv_cap).1);
             }
         }
     }
@@ -202,7 +205,7 @@ mod tests {
                 .flat_map(|&z| [z, -z]),
         );
         for z in zs {
-            let (t, slope) = tanh_and_slope(s, z);
+            let (t, slope) = tanh_and_slope(s, z, 1.0);
             let want = (z as f64).tanh();
             let ulp = (want.abs() as f32).max(f32::MIN_POSITIVE);
             let ulp = (f32::from_bits(ulp.to_bits() + 1) - ulp) as f64;
@@ -216,10 +219,12 @@ mod tests {
             assert!((slope as f64 - want).abs() <= (4e-7 * want).max(1e-37), "slope({z}) = {slope}, f64 {want}");
         }
         for z in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
-            let (t, slope) = tanh_and_slope(s, z);
+            let (t, slope) = tanh_and_slope(s, z, 1.0);
             assert!(t.is_nan() && slope.is_nan(), "{z}");
         }
-        assert_eq!(tanh_and_slope(s, 0.0), (0.0, 1.0));
+        assert_eq!(tanh_and_slope(s, 0.0, 1.0), (0.0, 1.0));
+        // A finite masking value under a cap below 1: capped to -c, slope 0, not refused.
+        assert_eq!(tanh_and_slope(s, f32::MIN, 1.0 / 0.5), (-1.0, 0.0));
     }
 
     #[test]

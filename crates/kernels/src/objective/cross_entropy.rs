@@ -1,6 +1,7 @@
 //! Cross-entropy with label smoothing and z-loss (PyTorch's `F.cross_entropy`, Liger's
 //! `LigerCrossEntropyLoss` with `lse_square_scale`):
-//! `l = (1-s)(lse - u_y) + s(lse - mean_j u_j) + z lse^2 = -(1-s) logp + s(lse - mean_u) + z lse^2`.
+//! `l = (1-s)(lse - u_y) + s(lse - mean_j u_j) + z lse^2 = -(1-s) logp + s(lse - mean_u) + z lse^2`,
+//! times the row's detached `p_y` with `token_scaling` (Liger's `use_token_scaling`).
 
 use super::{GradTerms, RowOutcome};
 use crate::inputs::Normalisers;
@@ -24,8 +25,12 @@ impl<'a> CrossEntropy<'a> {
     }
 
     pub fn row(&self, st: &RowStats) -> RowOutcome {
-        let (s, z, w) = (self.options.label_smoothing, self.options.z_loss, self.weight);
-        let loss = -(1.0 - s) * st.logp.unwrap_or(0.0) + s * (st.lse - st.mean_u) + z * st.lse * st.lse;
+        let (s, z) = (self.options.label_smoothing, self.options.z_loss);
+        let logp = st.logp.unwrap_or(0.0);
+        // A detached factor: it scales the row's loss and its gradient alike.
+        let scale = if self.options.token_scaling { logp.exp() } else { 1.0 };
+        let w = self.weight * scale;
+        let loss = scale * (-(1.0 - s) * logp + s * (st.lse - st.mean_u) + z * st.lse * st.lse);
         let mut terms = GradTerms::default();
         if self.vocab == 1 {
             // One class: `log p` and `lse - mean u` are constants (0), so only the z-loss has a
@@ -38,7 +43,7 @@ impl<'a> CrossEntropy<'a> {
         }
         RowOutcome {
             loss,
-            weighted_loss: w * loss,
+            weighted_loss: self.weight * loss,
             grad: terms.finish(st, self.options.temperature),
             ..RowOutcome::ZERO
         }

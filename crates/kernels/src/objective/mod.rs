@@ -37,6 +37,9 @@ pub struct LossOutput {
     pub kl: Option<Vec<f32>>,
     /// GRPO: 1 where the clipped branch is active, else 0.
     pub is_clipped: Option<Vec<f32>>,
+    /// `lse = log sum_j exp(u_j)` of each row (0 where the row takes no part): what Liger's
+    /// z-loss output (`return_z_loss`, `lse_square_scale * lse^2`) is made of.
+    pub lse: Vec<f32>,
 }
 
 /// The four scalars of one row's gradient and the row's `lse`, all in f32 as the gradient pass
@@ -242,6 +245,7 @@ impl<'a> Objective<'a> {
             entropy: per_active_row(active, |i| stats[i].entropy),
             kl: grpo.then(|| outcomes.iter().map(|o| o.kl as f32).collect()),
             is_clipped: grpo.then(|| outcomes.iter().map(|o| if o.clipped { 1.0 } else { 0.0 }).collect()),
+            lse: per_active_row(active, |i| stats[i].lse),
         }
     }
 }

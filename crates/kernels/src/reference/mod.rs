@@ -34,6 +34,8 @@ pub struct ReferenceOutput {
     pub entropy: Vec<f64>,
     pub kl: Option<Vec<f64>>,
     pub is_clipped: Option<Vec<f64>>,
+    /// Each row's `lse` (of the capped `u` under a soft cap).
+    pub lse: Vec<f64>,
     /// `dL/dlogits`, `[N*V]`; `None` for `entropy`.
     pub grad: Option<Vec<f64>>,
 }
@@ -122,6 +124,7 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
     let mut out = ReferenceOutput {
         logp: rows.targets.map(|_| masked(&|i| q[i].logp)),
         entropy: masked(&|i| q[i].entropy),
+        lse: masked(&|i| q[i].lse),
         ..Default::default()
     };
     let derivatives: Option<Vec<RowDerivatives>> = match &spec.loss {
@@ -245,7 +248,12 @@ fn masked_derivatives(
 fn cross_entropy<S: Real>(options: &LossOptions, q: RowQ<S>) -> S {
     let c = S::constant;
     let s = options.label_smoothing;
-    c(1.0 - s) * -q.logp + c(s) * (q.lse - q.mean_u) + c(options.z_loss) * q.lse * q.lse
+    let loss = c(1.0 - s) * -q.logp + c(s) * (q.lse - q.mean_u) + c(options.z_loss) * q.lse * q.lse;
+    if options.token_scaling {
+        loss * q.logp.exp().detach()
+    } else {
+        loss
+    }
 }
 
 struct SequenceResult<S> {

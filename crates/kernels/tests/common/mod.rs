@@ -223,6 +223,7 @@ pub fn assert_data_matches_reference<T: Element>(data: &Data, grad_tol: f64) {
     check("per_token_loss", &got.per_token_loss, &want.per_token_loss);
     check("entropy", &got.entropy, &want.entropy);
     check("logp", got.logp.as_deref().unwrap(), want.logp.as_deref().unwrap());
+    check("lse", &got.lse, &want.lse);
     if let (Some(g), Some(w)) = (&got.kl, &want.kl) {
         check("kl", g, w);
     }

@@ -24,6 +24,7 @@ constructor and forward arguments of Liger-Kernel's ``LigerFusedLinearGRPOLoss``
 ``triton_grpo_loss`` and ``LigerFusedLinearCrossEntropyLoss`` and return what they return.
 """
 
+import dataclasses
 import math
 import os
 from typing import NamedTuple, Optional
@@ -163,7 +164,7 @@ class _Rows:
 
 def _per_token(result, n, shape):
     out = {}
-    for name in PER_TOKEN:
+    for name in PER_TOKEN + ("lse",):
         if result.has(name):
             t = torch.empty(n, dtype=torch.float32)
             result.copy_into(name, _address(t), n)
@@ -566,8 +567,8 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             with torch.no_grad():
                 ref_per_token_logps = fused_linear_logprob(
                     ref_input, lin_weight if ref_weight is None else ref_weight, selected_token_ids,
-                    bias=ref_bias, temperature=self.options["temperature"], chunk_memory_mb=self.chunk_memory_mb,
-                    bf16_products=self.bf16_products)
+                    bias=ref_bias, temperature=self.options["temperature"], softcap=self.options.get("softcap"),
+                    chunk_memory_mb=self.chunk_memory_mb, bf16_products=self.bf16_products)
         counted = torch.ones(selected_token_ids.shape) if attention_mask is None else attention_mask
         num_items = _liger_num_items(num_items_in_batch, counted, self.options["loss_type"])
         options = dict(self.options, num_items=num_items)
@@ -732,18 +733,48 @@ class GRPOLoss(torch.nn.Module):
                                 **self.options)
 
 
+@dataclasses.dataclass
+class CrossEntropyOutput:
+    """What Liger's cross-entropy modules return when asked for more than the loss (the fields of
+    ``liger_kernel.transformers.functional.CrossEntropyOutput``)."""
+    loss: torch.Tensor
+    z_loss: Optional[torch.Tensor] = None
+    token_accuracy: Optional[torch.Tensor] = None
+    predicted_tokens: Optional[torch.Tensor] = None
+
+
+def _z_loss(per_token, target, options):
+    """Liger's z-loss output: ``z * lse^2`` on the rows not ignored (``lse`` is 0 on the others),
+    times ``p_y`` with token scaling, reduced as the loss; no gradient (Liger's backward takes none
+    through it)."""
+    per = options["z_loss"] * per_token["lse"].double() ** 2
+    if options["token_scaling"]:
+        per = per * per_token["logp"].double().exp()
+    if options["reduction"] == "none":
+        return per.float()
+    total = per.sum()
+    if options["reduction"] == "mean":
+        total = total / (target != options["ignore_index"]).sum().clamp(min=1)
+    return total.float()
+
+
 class FusedLinearCrossEntropyLoss(torch.nn.Module):
     """Drop-in for ``liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss``: the same
     constructor and ``forward(lin_weight, _input, target, bias=None)``; ``accum_dtype`` is accepted
     and ignored (the kernels accumulate in f32). ``lse_square_scale`` is LOSSES.md's ``z_loss``,
-    ``softcap`` LOSSES.md's ``softcap``. Liger's options with no kernel here (``ce_weight``,
-    ``use_token_scaling``, the ``return_*`` extras) are refused rather than ignored."""
+    ``softcap`` LOSSES.md's ``softcap``. With ``return_z_loss=True`` the forward returns Liger's
+    ``CrossEntropyOutput(loss, z_loss)``: ``z_loss`` is ``lse_square_scale * lse^2`` over the rows
+    not ignored, reduced as the loss (mean over those rows, sum, or per token), without a
+    gradient, in the input's dtype. ``use_token_scaling`` is LOSSES.md's ``token_scaling`` (each
+    row's loss, gradient and z-loss times its detached ``p_y``). Liger's options with no kernel here
+    (``ce_weight``, ``return_token_accuracy``, ``return_predicted_tokens``) are refused rather than
+    ignored."""
 
     def __init__(self, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
                  reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False,
                  return_token_accuracy=False, return_predicted_tokens=False, chunk_memory_mb=None):
         super().__init__()
-        unsupported = dict(ce_weight=ce_weight is not None, return_z_loss=return_z_loss, use_token_scaling=use_token_scaling,
+        unsupported = dict(ce_weight=ce_weight is not None,
                            return_token_accuracy=return_token_accuracy,
                            return_predicted_tokens=return_predicted_tokens)
         for name, given in unsupported.items():
@@ -755,9 +786,15 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         if softcap is not None and not softcap > 0:
             raise ValueError(f"`softcap` must be > 0 or None, got {softcap}")
         self.options = dict(ignore_index=ignore_index, z_loss=lse_square_scale, label_smoothing=label_smoothing,
-                            reduction=reduction, softcap=softcap)
+                            reduction=reduction, softcap=softcap, token_scaling=bool(use_token_scaling))
         self.chunk_memory_mb = chunk_memory_mb
+        self.return_z_loss = bool(return_z_loss)
 
     def forward(self, lin_weight, _input, target, bias=None):
-        return fused_linear_cross_entropy(_input, lin_weight, target, bias=bias, chunk_memory_mb=self.chunk_memory_mb,
-                                          **self.options)
+        o = self.options
+        per_row = "per_token_loss" if o["reduction"] == "none" else None
+        loss, per_token = _linear_call("cross_entropy", _input, lin_weight, bias, o, per_row=per_row,
+                                       out_shape=target.shape, chunk_memory_mb=self.chunk_memory_mb, targets=target)
+        if not self.return_z_loss:
+            return loss
+        return CrossEntropyOutput(loss=loss, z_loss=_z_loss(per_token, target, o).to(_input.dtype))
