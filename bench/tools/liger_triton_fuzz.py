@@ -305,14 +305,22 @@ def ce_case(rng, g, tol):
 def ce_reference(x, targets, opts, dtype=torch.float64):
     """Cross-entropy with label smoothing and Liger's z-loss (`lse_square_scale * lse^2` per kept
     row) in `dtype`, PyTorch's own operations, on `c tanh(x / c)` with a soft cap `c`."""
-    xx = x.to(dtype)
-    if opts.get("softcap") is not None:
-        xx = opts["softcap"] * torch.tanh(xx / opts["softcap"])
+    xx = capped(x.to(dtype), opts)
     kept = targets != opts["ignore_index"]
     per = torch.nn.functional.cross_entropy(xx, targets, reduction="none", ignore_index=opts["ignore_index"],
                                             label_smoothing=opts["label_smoothing"])
     per = per + opts["lse_square_scale"] * torch.logsumexp(xx, -1) ** 2 * kept
-    per = per * token_scale(xx, targets, opts)
+    return reduced(per * token_scale(xx, targets, opts), kept, opts)
+
+
+def capped(x, opts):
+    """`c tanh(x / c)` with a soft cap `c`, else `x`."""
+    c = opts.get("softcap")
+    return x if c is None else c * torch.tanh(x / c)
+
+
+def reduced(per, kept, opts):
+    """Per-row values reduced as the loss: per row, summed, or summed over the kept rows' count."""
     if opts["reduction"] == "none":
         return per
     return per.sum() / (kept.sum().clamp(min=1) if opts["reduction"] == "mean" else 1)
@@ -329,14 +337,10 @@ def token_scale(xx, targets, opts):
 
 def z_loss_reference(logits, targets, opts):
     """Liger's z-loss output: `lse_square_scale * lse^2` on the kept rows, reduced as the loss."""
-    xx = logits.detach()
-    if opts.get("softcap") is not None:
-        xx = opts["softcap"] * torch.tanh(xx / opts["softcap"])
+    xx = capped(logits.detach(), opts)
     kept = targets != opts["ignore_index"]
     per = opts["lse_square_scale"] * torch.logsumexp(xx, -1) ** 2 * kept * token_scale(xx, targets, opts)
-    if opts["reduction"] == "none":
-        return per
-    return per.sum() / (kept.sum().clamp(min=1) if opts["reduction"] == "mean" else 1)
+    return reduced(per, kept, opts)
 
 
 def flce_case(rng, g, tol):

@@ -362,7 +362,8 @@ pub(crate) fn gradient<T: Element>(
     let k32 = Kernels::<f32>::select();
     let large = target.written_bytes() >= STREAM_MIN_BYTES;
     let one_row = |l: usize, write: GradientTarget<'_, T>| {
-        let (i, g) = (block.row(l), &grads[block.row(l)]);
+        let i = block.row(l);
+        let g = &grads[i];
         match map.softcap {
             // A zero gradient is written without reading the logits.
             Some(cap) if !g.is_zero() => k.capped_gradient(&k32, write, g, inv_t, block.target(i), cap),

@@ -419,8 +419,7 @@ def logprob(logits, targets, *, temperature=1.0, softcap=None, in_place=False):
     """Per-token ``log_softmax(logits / temperature)[target]``, the shape of ``targets``,
     differentiable (TRL's ``selective_log_softmax``). ``softcap=c``: of ``c tanh(logits / c)``."""
     value, _ = _logits_call("logprob", logits, dict(temperature=temperature, softcap=softcap), in_place,
-                            per_row="logp",
-                            out_shape=targets.shape, targets=targets)
+                            per_row="logp", out_shape=targets.shape, targets=targets)
     return value
 
 
@@ -471,8 +470,7 @@ def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0,
     """Per-token log-probabilities of ``targets`` under ``hidden @ weight^T + bias``, differentiable
     per token (the gradients are written in the backward, where each token's upstream is known)."""
     value, _ = _linear_call("logprob", hidden, weight, bias, dict(temperature=temperature, softcap=softcap),
-                            per_row="logp",
-                            out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb,
+                            per_row="logp", out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb,
                             bf16_products=bf16_products, targets=targets)
     return value
 
