@@ -45,6 +45,9 @@ impl ComposedLoss {
         if o.softcap.is_some() {
             bail!("the composed baseline does not apply a soft cap (`softcap`)");
         }
+        if o.predicted_tokens {
+            bail!("the composed baseline reports no predicted tokens (`predicted_tokens`)");
+        }
         let kind = match &inputs.kind {
             LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio, sampling_logp } => {
                 let composed =

@@ -44,6 +44,7 @@ fn main() {
             sum_exp_shifted: 50.0,
             sum_u: 0.0,
             target_u: Some(-1.0f64),
+            argmax: None,
         })
         .collect();
     let prepare = median_and_fastest(iters.max(50), || PreparedLoss::new(loss).expect("valid synthetic inputs"));

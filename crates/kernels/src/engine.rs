@@ -59,6 +59,11 @@ impl<'a> PreparedLoss<'a> {
         matches!(self.spec.loss, Loss::CrossEntropy) && self.spec.options.label_smoothing != 0.0
     }
 
+    /// Each row's argmax (its predicted token) is asked for.
+    pub(crate) fn needs_argmax(&self) -> bool {
+        self.spec.options.predicted_tokens
+    }
+
     /// Whether each row takes part (mask 1, and not cross-entropy's `ignore_index`).
     pub fn active_rows(&self) -> &[bool] {
         &self.active
@@ -114,7 +119,8 @@ impl<'a> PreparedLoss<'a> {
     ) -> Result<Vec<PartialRowStats>, LossError> {
         self.check_shard_len(logits.len(), &columns)?;
         let block = Block::all_rows(&self.spec.rows, &self.active, columns);
-        cpu::statistics(logits, &block, LogitMap::of(self.spec.options), self.needs_sum_u(), max)
+        let map = LogitMap::of(self.spec.options);
+        cpu::statistics(logits, &block, map, self.needs_sum_u(), self.needs_argmax(), max)
     }
 
     /// Step 2 from the statistics of the whole vocabulary (one shard's, or [`combine_shards`]'s).
@@ -241,9 +247,10 @@ fn run_with_gradient<T: Element>(
     };
     prepared.check_shard_len(target.logits().len(), &(0..spec.rows.vocab))?;
     let block = Block::all_rows(&spec.rows, &prepared.active, 0..spec.rows.vocab);
-    let rows = cpu::sweep(target, &block, &objective, LogitMap::of(spec.options), prepared.needs_sum_u())?;
+    let map = LogitMap::of(spec.options);
+    let rows = cpu::sweep(target, &block, &objective, map, prepared.needs_sum_u(), prepared.needs_argmax())?;
     let (stats, outcomes): (Vec<RowStats>, Vec<_>) = rows.into_iter().unzip();
-    Ok(objective.output(&spec.rows, &prepared.active, &stats, &outcomes))
+    Ok(objective.output(&spec.rows, &prepared.active, &stats, &outcomes, spec.options.predicted_tokens))
 }
 
 /// The loss and per-token outputs, no gradient.

@@ -73,4 +73,4 @@ pub use options::{
     RolloutCorrection,
 };
 pub use owned::{LossInputs, LossKind};
-pub use stats::{PartialRowStats, RowStats};
+pub use stats::{Argmax, PartialRowStats, RowStats};

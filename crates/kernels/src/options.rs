@@ -199,6 +199,10 @@ pub struct LossOptions {
     /// Soft cap `c`: the logits become `c tanh(x / c)` before the temperature divides them
     /// (Gemma 2's final logit soft-capping, Liger's `softcap`); `None`: no cap.
     pub softcap: Option<f64>,
+    /// Also report each row's predicted token, the first column of its largest logit (after the
+    /// soft cap), in [`LossOutput::predicted`](crate::LossOutput::predicted): Liger's
+    /// `return_predicted_tokens`, and with the targets its `return_token_accuracy`. Any op.
+    pub predicted_tokens: bool,
     /// Lower clip: `r_c = clip(r, 1 - epsilon_low, 1 + epsilon_high)`.
     pub epsilon_low: f64,
     /// Upper clip; `None` means equal to `epsilon_low`. For `cispo` it is the raw upper bound on `r`.
@@ -266,6 +270,7 @@ impl Default for LossOptions {
         Self {
             temperature: 1.0,
             softcap: None,
+            predicted_tokens: false,
             epsilon_low: 0.2,
             epsilon_high: None,
             delta: None,
@@ -312,6 +317,7 @@ impl LossOptions {
     pub const NAMES: &'static [&'static str] = &[
         "temperature",
         "softcap",
+        "predicted_tokens",
         "epsilon_low",
         "epsilon_high",
         "delta",

@@ -35,12 +35,43 @@ pub struct PartialRowStats {
     /// with the sums, so a one-token vocabulary gets `log p = 0` exactly; the exact product takes
     /// the target's rounding (half an ulp of `u`: 1e-6 at `u` ~ 30) out of `log p`.
     pub target_u: Option<f64>,
+    /// The part's largest logit and its first column, when asked for (`LossOptions::predicted_tokens`).
+    pub argmax: Option<Argmax>,
+}
+
+/// A row part's largest logit (after the soft cap; before the temperature, which does not change
+/// the order but may make two f32 products equal) and the first column holding it, in the
+/// vocabulary's numbering: the predicted token, as `torch.argmax` and Liger give it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Argmax {
+    pub value: f32,
+    pub column: usize,
+}
+
+impl Argmax {
+    /// The larger of two parts' maxima; of equal ones, the lower column (the first, whatever the
+    /// order the parts combine in).
+    pub fn max(self, other: Self) -> Self {
+        if other.value > self.value || (other.value == self.value && other.column < self.column) {
+            other
+        } else {
+            self
+        }
+    }
+
+    /// Of two optional maxima, the larger ([`Argmax::max`]); either when the other is missing.
+    pub fn either(a: Option<Self>, b: Option<Self>) -> Option<Self> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
 }
 
 impl PartialRowStats {
     /// The statistics of nothing: the identity of [`combine`](Self::combine).
     pub const EMPTY: Self =
-        Self { max: f32::NEG_INFINITY, sum_exp: 0.0, sum_exp_shifted: 0.0, sum_u: 0.0, target_u: None };
+        Self { max: f32::NEG_INFINITY, sum_exp: 0.0, sum_exp_shifted: 0.0, sum_u: 0.0, target_u: None, argmax: None };
 
     /// Combines the statistics of two disjoint parts of a row (what an all-reduce of max then sum
     /// carries between devices). Computed in f64, rounded once.
@@ -67,6 +98,7 @@ impl PartialRowStats {
             sum_exp_shifted: e as f32,
             sum_u: (self.sum_u as f64 + other.sum_u as f64) as f32,
             target_u: self.target_u.or(other.target_u),
+            argmax: Argmax::either(self.argmax, other.argmax),
         }
     }
 
@@ -101,6 +133,7 @@ impl PartialRowStats {
             entropy: ln_s - mean_shift,
             logp: self.target_u.map(|u| u - lse + drift * (u - self.max as f64 - mean_shift)),
             mean_u: self.sum_u as f64 / vocab as f64,
+            argmax: self.argmax.map(|a| a.column),
         }
     }
 }
@@ -116,6 +149,8 @@ pub struct RowStats {
     pub logp: Option<f64>,
     /// `mean_j u_j`.
     pub mean_u: f64,
+    /// The predicted token ([`Argmax`]), when asked for.
+    pub argmax: Option<usize>,
 }
 
 #[cfg(test)]
@@ -130,6 +165,7 @@ mod tests {
             sum_exp_shifted: u.iter().map(|&x| ((x - m) as f64).exp() * (x - m) as f64).sum::<f64>() as f32,
             sum_u: u.iter().map(|&x| x as f64).sum::<f64>() as f32,
             target_u: target.map(|t| u[t] as f64),
+            argmax: None,
         }
     }
 
@@ -168,6 +204,7 @@ mod tests {
                     as f32,
                 sum_u: 0.0,
                 target_u: Some(u[17]),
+                argmax: None,
             };
             let exact: Vec<f64> = x.iter().map(|&v| v as f64 / temperature).collect();
             let lse = exact.iter().map(|&v| v.exp()).sum::<f64>().ln();
@@ -175,5 +212,24 @@ mod tests {
             let got = stats.finish(x.len(), temperature).logp.unwrap();
             assert!((got - want).abs() < 2e-7, "T {temperature}: {got} vs {want}");
         }
+    }
+
+    /// Parts' maxima combine to the whole row's first largest column, in any order of combining,
+    /// ties included.
+    #[test]
+    fn argmax_of_parts_is_the_first_of_the_whole() {
+        let u = [1.0f32, 3.0, -2.0, 3.0, 0.5, 3.0, 2.0];
+        let part = |cols: std::ops::Range<usize>| PartialRowStats {
+            argmax: cols.clone().map(|c| Argmax { value: u[c], column: c }).reduce(Argmax::max),
+            ..PartialRowStats::EMPTY
+        };
+        for split in 0..=u.len() {
+            let (a, b) = (part(0..split), part(split..u.len()));
+            for c in [a.combine(b), b.combine(a)] {
+                assert_eq!(c.argmax, Some(Argmax { value: 3.0, column: 1 }), "split at {split}");
+                assert_eq!(c.finish(u.len(), 1.0).argmax, Some(1));
+            }
+        }
+        assert_eq!(PartialRowStats::EMPTY.combine(PartialRowStats::EMPTY).argmax, None);
     }
 }

@@ -214,6 +214,14 @@ impl TrainConfig {
                     .into(),
             });
         }
+        if self.loss.options.predicted_tokens {
+            return Err(TrainError::Config {
+                origin: "loss.predicted_tokens".into(),
+                why: "an output of the loss ops (`flashgrpo loss`, the Python bindings), which the trainer would \
+                      compute and drop; leave it unset"
+                    .into(),
+            });
+        }
         if self.model.path.is_none() {
             // The architecture's checks; the vocabulary is checked against the tokenizer later.
             self.model.new_config(1)?;
@@ -285,6 +293,13 @@ mod tests {
     fn a_soft_cap_is_refused() {
         let e = TrainConfig::from_value(serde_json::json!({"loss": {"softcap": 30.0}}), "t.yaml").unwrap_err();
         assert!(e.to_string().contains("loss.softcap"), "{e}");
+    }
+
+    #[test]
+    fn predicted_tokens_are_refused() {
+        let value = serde_json::json!({"loss": {"predicted_tokens": true}});
+        let e = TrainConfig::from_value(value, "t.yaml").unwrap_err();
+        assert!(e.to_string().contains("loss.predicted_tokens"), "{e}");
     }
 
     #[test]

@@ -17,8 +17,8 @@ use std::ops::Range;
 
 use flashgrpo_collective::{share, Collective, ReduceOp};
 use flashgrpo_kernels::{
-    combine_shards, ChunkBudget, Element, GradientTarget, LinearGradients, LinearInputs, LossOutput, LossSpec,
-    PartialRowStats, PreparedLinearLoss, PreparedLoss,
+    combine_shards, ChunkBudget, Element, GradientTarget, LinearGradients, LinearInputs, LossError, LossOutput,
+    LossSpec, PartialRowStats, PreparedLinearLoss, PreparedLoss,
 };
 
 use crate::error::Result;
@@ -54,6 +54,7 @@ fn decode(values: &[f32]) -> Vec<PartialRowStats> {
             sum_exp_shifted: v[2],
             sum_u: v[3],
             target_u: (v[6] != 0.0).then_some(v[4] as f64 + v[5] as f64),
+            argmax: None, // the trainer asks for no predicted tokens
         })
         .collect()
 }
@@ -73,6 +74,19 @@ pub fn combined_statistics(
     Ok(combine_shards(vocab, &shards)?)
 }
 
+/// The exchange carries no argmax: predicted tokens are refused rather than left out.
+fn refuse_predicted_tokens(spec: &LossSpec<'_>) -> Result<()> {
+    if spec.options.predicted_tokens {
+        return Err(LossError::InvalidOption {
+            name: "predicted_tokens",
+            message: "vocabulary-parallel losses do not report predicted tokens yet; run without --vocab-parallel"
+                .into(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// The loss over logits split by columns: `logits` is this rank's `[N, columns.len()]` slice;
 /// with `grad`, its gradient (same shape) is written there. Every rank returns the same output.
 pub fn logits_loss<T: Element>(
@@ -81,6 +95,7 @@ pub fn logits_loss<T: Element>(
     logits: &[T],
     grad: Option<&mut [T]>,
 ) -> Result<LossOutput> {
+    refuse_predicted_tokens(&spec)?;
     let vocab = spec.rows.vocab;
     let cols = columns(comm, vocab);
     let prepared = PreparedLoss::new(spec)?;
@@ -129,6 +144,7 @@ pub fn linear_loss<T: Element>(
     grads: Option<LinearShardGrads<'_>>,
     budget: ChunkBudget,
 ) -> Result<LossOutput> {
+    refuse_predicted_tokens(&spec)?;
     let vocab = spec.rows.vocab;
     let cols = columns(comm, vocab);
     let prepared = PreparedLinearLoss::new(spec, budget)?;

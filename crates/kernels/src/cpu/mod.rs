@@ -7,6 +7,7 @@
 //! three steps on a row before moving on: the row is read from memory once, and the gradient pass
 //! rereads it from cache (a 151936-wide f32 row is 594 KiB and fits in L2).
 
+mod argmax;
 pub mod isa;
 mod math;
 mod row;
@@ -22,7 +23,7 @@ use crate::error::LossError;
 use crate::inputs::Rows;
 use crate::objective::{Objective, RowGradient, RowOutcome};
 use crate::options::LossOptions;
-use crate::stats::{inverse_temperature, PartialRowStats, RowStats};
+use crate::stats::{inverse_temperature, Argmax, PartialRowStats, RowStats};
 use isa::Isa;
 
 /// Where step 3 writes (for a whole batch, or for one row).
@@ -69,6 +70,7 @@ type SweepFn<T> = for<'a, 'f> unsafe fn(GradientTarget<'a, T>, f32, Option<usize
 type ZeroFn<T> = unsafe fn(&mut [T], bool);
 type CapFn<T> = unsafe fn(&[T], f32, &mut [f32]);
 type ChainFn<T> = unsafe fn(&[f32], Option<&[T]>, &mut [T], f32);
+type FirstMaxFn<T> = unsafe fn(&[T]) -> Option<(f32, usize)>;
 
 /// The row kernels compiled for one instruction set.
 #[derive(Clone, Copy)]
@@ -79,6 +81,7 @@ struct Kernels<T> {
     zero_row: ZeroFn<T>,
     cap: CapFn<T>,
     chain: ChainFn<T>,
+    first_max: FirstMaxFn<T>,
 }
 
 /// Compiles the row kernels for one instruction set: `$simd` is the [`simd::Simd`] token.
@@ -129,6 +132,13 @@ macro_rules! isa_kernels {
                 softcap::chain_row($simd, grad, logits, out, cap)
             }
 
+            /// # Safety
+            /// As for `statistics`.
+            $(#[$attr])*
+            pub unsafe fn first_max<T: Element>(row: &[T]) -> Option<(f32, usize)> {
+                argmax::first_max(row)
+            }
+
             pub fn kernels<T: Element>() -> Kernels<T> {
                 Kernels {
                     statistics: statistics::<T>,
@@ -137,6 +147,7 @@ macro_rules! isa_kernels {
                     zero_row: zero_row::<T>,
                     cap: cap::<T>,
                     chain: chain::<T>,
+                    first_max: first_max::<T>,
                 }
             }
         }
@@ -308,13 +319,14 @@ impl LogitMap {
 }
 
 /// Step 1: partial statistics of every active row of the block (`logits` holds
-/// `[block.len, columns.len()]`); `sum u` only when `sum_u`. Inactive rows are not read.
-/// A NaN or Inf makes the lowest such row an error.
+/// `[block.len, columns.len()]`); `sum u` only when `sum_u`, the argmax only when `argmax`.
+/// Inactive rows are not read. A NaN or Inf makes the lowest such row an error.
 pub(crate) fn statistics<T: Element>(
     logits: &[T],
     block: &Block<'_>,
     map: LogitMap,
     sum_u: bool,
+    argmax: bool,
     max: RowMax,
 ) -> Result<Vec<PartialRowStats>, LossError> {
     let width = block.columns.len();
@@ -333,9 +345,15 @@ pub(crate) fn statistics<T: Element>(
             if !block.active[i] {
                 return PartialRowStats::EMPTY;
             }
+            let first = block.columns.start;
             match map.softcap {
-                None => k.statistics(r, inv_t, block.target(i), sum_u, max),
-                Some(cap) => k.capped_statistics(&k32, r, cap, inv_t, block.target(i), sum_u, max),
+                None => PartialRowStats {
+                    argmax: if argmax { k.argmax(r, first) } else { None },
+                    ..k.statistics(r, inv_t, block.target(i), sum_u, max)
+                },
+                Some(cap) => {
+                    k.capped_statistics(&k32, r, cap, inv_t, block.target(i), sum_u, argmax.then_some(first), max)
+                }
             }
         })
         .collect();
@@ -386,14 +404,16 @@ pub(crate) fn gradient<T: Element>(
 }
 
 /// Steps 1 to 3 row by row, for a row-local objective, over a block of whole rows (columns
-/// `0..V`). Returns each row's statistics and outcome in order, or the lowest row with a NaN or
-/// Inf (whose gradient is not written; other rows' may be).
+/// `0..V`); the argmax only when `argmax`, taken before the gradient overwrites a row. Returns
+/// each row's statistics and outcome in order, or the lowest row with a NaN or Inf (whose
+/// gradient is not written; other rows' may be).
 pub(crate) fn sweep<T: Element>(
     target: GradientTarget<'_, T>,
     block: &Block<'_>,
     objective: &Objective<'_>,
     map: LogitMap,
     sum_u: bool,
+    argmax: bool,
 ) -> Result<Vec<(RowStats, RowOutcome)>, LossError> {
     debug_assert!(objective.is_row_local());
     debug_assert_eq!(block.columns, 0..block.rows.vocab);
@@ -421,7 +441,11 @@ pub(crate) fn sweep<T: Element>(
             Some(outcome.grad)
         };
         match map.softcap {
-            Some(cap) => k.capped_sweep(&k32, write, inv_t, y, sum_u, cap, &mut finish),
+            Some(cap) => k.capped_sweep(&k32, write, inv_t, y, sum_u, argmax.then_some(0), cap, &mut finish),
+            None if argmax => {
+                let found: Option<Argmax> = k.argmax(write.logits(), 0);
+                k.sweep(write, inv_t, y, sum_u, large, &mut |p| finish(PartialRowStats { argmax: found, ..p }))
+            }
             None => k.sweep(write, inv_t, y, sum_u, large, &mut finish),
         };
         result

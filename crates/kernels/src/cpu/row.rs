@@ -439,6 +439,7 @@ fn statistics_natural<S: Simd, T: Element, const STORE: bool, const SUM_U: bool,
         sum_u: su,
         // The f32 `u` the sums were taken of ([`PartialRowStats::target_u`]).
         target_u: target.map(|y| (row[y].to_f32() * inv_t) as f64),
+        argmax: None,
     }
 }
 
@@ -537,6 +538,7 @@ impl Base2Sums {
             sum_exp_shifted: ((units.w * self.sum_t + kappa * sum) * scale) as f32,
             sum_u,
             target_u: None,
+            argmax: None,
         }
     }
 }
@@ -608,6 +610,7 @@ fn statistics_base2<S: Simd, T: Element, const STORE: bool, const SUM_U: bool, c
             sum_exp_shifted: sums.sum_d,
             sum_u: sums.sum_v,
             target_u: None,
+            argmax: None,
         };
         poisoned |= !tile_stats.is_finite();
         exact = exact.combine(tile_stats);
@@ -1209,6 +1212,7 @@ mod tests {
             } else {
                 (row[target] * inv_t) as f64
             }),
+            argmax: None,
         }
     }
 

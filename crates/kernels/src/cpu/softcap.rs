@@ -99,7 +99,8 @@ pub(super) fn chain_row<S: Simd, T: Element>(s: S, grad: &[f32], logits: Option<
 }
 
 impl<T: Element> Kernels<T> {
-    /// Step 1 on the capped values of `row` (`k32`: the f32 kernels of the same instruction set).
+    /// Step 1 on the capped values of `row` (`k32`: the f32 kernels of the same instruction set);
+    /// with `argmax = Some(first column)`, the argmax of the capped values.
     #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and the cap
     pub(super) fn capped_statistics(
         &self,
@@ -109,11 +110,13 @@ impl<T: Element> Kernels<T> {
         inv_t: f32,
         target: Option<usize>,
         sum_u: bool,
+        argmax: Option<usize>,
         max: RowMax,
     ) -> PartialRowStats {
         with_rows(row.len(), |u, _| {
             self.cap(row, cap, u);
-            k32.statistics(u, inv_t, target, sum_u, max)
+            let found = argmax.and_then(|first| k32.argmax(u, first));
+            PartialRowStats { argmax: found, ..k32.statistics(u, inv_t, target, sum_u, max) }
         })
     }
 
@@ -135,8 +138,9 @@ impl<T: Element> Kernels<T> {
         })
     }
 
-    /// Steps 1 to 3 on the capped values of a whole row ([`Kernels::sweep`]); false, writing
-    /// nothing, when `finish` refuses the statistics.
+    /// Steps 1 to 3 on the capped values of a whole row ([`Kernels::sweep`]), and their argmax
+    /// with `argmax = Some(first column)`; false, writing nothing, when `finish` refuses the
+    /// statistics.
     #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and the cap
     pub(super) fn capped_sweep(
         &self,
@@ -145,13 +149,17 @@ impl<T: Element> Kernels<T> {
         inv_t: f32,
         target: Option<usize>,
         sum_u: bool,
+        argmax: Option<usize>,
         cap: f32,
         finish: Finish<'_>,
     ) -> bool {
         let (src, out) = dst.into_parts();
         with_rows(out.len(), |u, grad| {
             self.cap(src.unwrap_or(out), cap, u);
-            let done = k32.sweep(GradientTarget::Into { logits: u, out: grad }, inv_t, target, sum_u, false, finish);
+            let found = argmax.and_then(|first| k32.argmax(u, first));
+            let finish: Finish<'_> = &mut |p| finish(PartialRowStats { argmax: found, ..p });
+            let into = GradientTarget::Into { logits: u, out: grad };
+            let done = k32.sweep(into, inv_t, target, sum_u, false, finish);
             if done {
                 self.chain(grad, src, out, cap);
             }

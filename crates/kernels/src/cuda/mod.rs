@@ -40,12 +40,19 @@ use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 
 /// [`PreparedLoss::new`] for the CUDA passes, which refuse what they do not apply rather than
-/// ignore it: a soft cap (`LossOptions::softcap`, applied by the CPU engine only for now).
+/// ignore it: a soft cap (`LossOptions::softcap`) and the predicted tokens
+/// (`LossOptions::predicted_tokens`), both computed by the CPU engine only for now.
 pub(crate) fn prepare(spec: LossSpec<'_>) -> Result<PreparedLoss<'_>, LossError> {
     if spec.options.softcap.is_some() {
         return Err(LossError::InvalidOption {
             name: "softcap",
             message: "the CUDA backend does not apply a soft cap yet; run this loss on the CPU".to_string(),
+        });
+    }
+    if spec.options.predicted_tokens {
+        return Err(LossError::InvalidOption {
+            name: "predicted_tokens",
+            message: "the CUDA backend does not report predicted tokens yet; run this loss on the CPU".to_string(),
         });
     }
     PreparedLoss::new(spec)

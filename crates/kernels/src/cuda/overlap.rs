@@ -103,7 +103,7 @@ impl CudaDevice {
             outcomes.extend(o);
         }
         clock.mark("blocks");
-        let output = objective.output(rows, active, &stats, &outcomes);
+        let output = objective.output(rows, active, &stats, &outcomes, false); // `cuda::prepare` refuses predicted tokens
         clock.mark("output");
         Ok(output)
     }

@@ -149,6 +149,7 @@ fn statistics_from(raw: &[f32], with_targets: bool) -> Vec<PartialRowStats> {
             sum_exp_shifted: s[2],
             sum_u: s[3],
             target_u: with_targets.then_some(s[4] as f64),
+            argmax: None, // `cuda::prepare` refuses `predicted_tokens`
         })
         .collect()
 }

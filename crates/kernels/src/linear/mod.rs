@@ -476,7 +476,8 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             let n = chunk.len() * self.width();
             let rows = &self.computed[chunk];
             let block = chunk_block(self.prepared, &self.columns, rows);
-            let got = cpu::statistics(&self.z[..n], &block, map, self.prepared.needs_sum_u(), max)?;
+            let (sum_u, argmax) = (self.prepared.needs_sum_u(), self.prepared.needs_argmax());
+            let got = cpu::statistics(&self.z[..n], &block, map, sum_u, argmax, max)?;
             for (&row, s) in rows.iter().zip(got) {
                 stats[row] = s;
             }
@@ -525,6 +526,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
                 objective,
                 map,
                 self.prepared.needs_sum_u(),
+                self.prepared.needs_argmax(),
             )?;
             let live: Vec<bool> = got.iter().map(|(_, outcome)| !outcome.grad.is_zero()).collect();
             for (&row, r) in rows.iter().zip(got) {
@@ -600,7 +602,13 @@ pub fn linear_forward_backward<T: Element>(
     if let Some(objective) = prepared.row_local_objective() {
         let rows = streamer.sweep(&objective, &mut grads)?;
         let (stats, outcomes): (Vec<RowStats>, Vec<_>) = rows.into_iter().unzip();
-        return Ok(objective.output(&spec.rows, prepared.active_rows(), &stats, &outcomes));
+        return Ok(objective.output(
+            &spec.rows,
+            prepared.active_rows(),
+            &stats,
+            &outcomes,
+            spec.options.predicted_tokens,
+        ));
     }
     let stats = streamer.statistics(RowMax::Unneeded)?;
     let (output, row_grads) = prepared.objective(&stats)?;

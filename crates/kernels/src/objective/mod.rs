@@ -40,6 +40,9 @@ pub struct LossOutput {
     /// `lse = log sum_j exp(u_j)` of each row (0 where the row takes no part): what Liger's
     /// z-loss output (`return_z_loss`, `lse_square_scale * lse^2`) is made of.
     pub lse: Vec<f32>,
+    /// With `LossOptions::predicted_tokens`: each row's predicted token ([`crate::Argmax`]), -1
+    /// where the row takes no part (Liger's `predicted_tokens`).
+    pub predicted: Option<Vec<i64>>,
 }
 
 /// The four scalars of one row's gradient and the row's `lse`, all in f32 as the gradient pass
@@ -235,8 +238,16 @@ impl<'a> Objective<'a> {
         }
     }
 
-    /// Gathers the rows' outcomes into the op's outputs; the loss is summed in row order.
-    pub fn output(&self, rows: &Rows, active: &[bool], stats: &[RowStats], outcomes: &[RowOutcome]) -> LossOutput {
+    /// Gathers the rows' outcomes into the op's outputs; the loss is summed in row order. With
+    /// `predicted`, each active row's statistics carry its argmax (`LossOptions::predicted_tokens`).
+    pub fn output(
+        &self,
+        rows: &Rows,
+        active: &[bool],
+        stats: &[RowStats],
+        outcomes: &[RowOutcome],
+        predicted: bool,
+    ) -> LossOutput {
         let grpo = matches!(self, Objective::Grpo(_));
         LossOutput {
             loss: ordered_sum(outcomes.iter().map(|o| o.weighted_loss)),
@@ -246,6 +257,7 @@ impl<'a> Objective<'a> {
             kl: grpo.then(|| outcomes.iter().map(|o| o.kl as f32).collect()),
             is_clipped: grpo.then(|| outcomes.iter().map(|o| if o.clipped { 1.0 } else { 0.0 }).collect()),
             lse: per_active_row(active, |i| stats[i].lse),
+            predicted: predicted.then(|| predicted_tokens(active, stats)),
         }
     }
 }
@@ -262,8 +274,24 @@ pub fn evaluate(
     debug_assert_eq!(active.len(), stats.len(), "one activity flag per row of statistics");
     let objective = Objective::new(loss, rows, options, shard, active);
     let outcomes = objective.all(active, stats, None);
-    let output = objective.output(rows, active, stats, &outcomes);
+    let output = objective.output(rows, active, stats, &outcomes, options.predicted_tokens);
     (output, outcomes.into_iter().map(|o| o.grad).collect())
+}
+
+/// Each row's predicted token, -1 where it takes no part.
+///
+/// # Panics
+/// If an active row's statistics carry no argmax (the statistics pass was not asked for it).
+fn predicted_tokens(active: &[bool], stats: &[RowStats]) -> Vec<i64> {
+    let column = |(s, &a): (&RowStats, &bool)| {
+        if a {
+            s.argmax.expect("the statistics of an active row carry its argmax when predicted tokens are asked for")
+                as i64
+        } else {
+            -1
+        }
+    };
+    stats.iter().zip(active).map(column).collect()
 }
 
 /// Refuses a per-token upstream gradient the objective cannot take ([`Objective::all`]'s

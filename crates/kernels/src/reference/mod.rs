@@ -36,6 +36,9 @@ pub struct ReferenceOutput {
     pub is_clipped: Option<Vec<f64>>,
     /// Each row's `lse` (of the capped `u` under a soft cap).
     pub lse: Vec<f64>,
+    /// With `predicted_tokens`: the first column of each row's largest (capped) logit, -1 where
+    /// the row takes no part.
+    pub predicted: Option<Vec<i64>>,
     /// `dL/dlogits`, `[N*V]`; `None` for `entropy`.
     pub grad: Option<Vec<f64>>,
 }
@@ -47,19 +50,23 @@ struct Softmax {
     lse: f64,
     entropy: f64,
     mean_u: f64,
+    /// The first column of the largest capped logit.
+    argmax: usize,
 }
 
 impl Softmax {
     /// `u = x / T`, or `c tanh(x / c) / T` with a soft cap `c`.
     fn of(logits: &[f64], options: &LossOptions) -> Self {
         let cap = |x: f64| options.softcap.map_or(x, |c| c * (x / c).tanh());
-        let u: Vec<f64> = logits.iter().map(|&x| cap(x) / options.temperature).collect();
+        let capped: Vec<f64> = logits.iter().map(|&x| cap(x)).collect();
+        let argmax = (0..capped.len()).fold(0, |best, j| if capped[j] > capped[best] { j } else { best });
+        let u: Vec<f64> = capped.iter().map(|&x| x / options.temperature).collect();
         let max = u.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let lse = max + u.iter().map(|&x| (x - max).exp()).sum::<f64>().ln();
         let log_p: Vec<f64> = u.iter().map(|&x| x - lse).collect();
         let entropy = -log_p.iter().map(|&l| l.exp() * l).sum::<f64>();
         let mean_u = u.iter().sum::<f64>() / u.len() as f64;
-        Self { log_p, lse, entropy, mean_u }
+        Self { log_p, lse, entropy, mean_u, argmax }
     }
 }
 
@@ -108,6 +115,7 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
     }
     let row = |i: usize| &logits[i * v..(i + 1) * v];
     let mut q = vec![RowQ::<f64>::default(); n];
+    let mut predicted = vec![-1i64; n];
     for i in (0..n).filter(|&i| active[i]) {
         if row(i).iter().any(|x| !x.is_finite()) {
             let (b, t) = rows.position(i);
@@ -116,6 +124,7 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
         let sm = Softmax::of(row(i), options);
         let logp = rows.targets.map_or(0.0, |y| sm.log_p[y[i] as usize]);
         q[i] = RowQ { logp, entropy: sm.entropy, lse: sm.lse, mean_u: sm.mean_u };
+        predicted[i] = sm.argmax as i64;
     }
     let norm = Normalisers::resolve(rows, &active, options, spec.batch_shard);
     let masked =
@@ -125,6 +134,7 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
         logp: rows.targets.map(|_| masked(&|i| q[i].logp)),
         entropy: masked(&|i| q[i].entropy),
         lse: masked(&|i| q[i].lse),
+        predicted: options.predicted_tokens.then_some(predicted),
         ..Default::default()
     };
     let derivatives: Option<Vec<RowDerivatives>> = match &spec.loss {

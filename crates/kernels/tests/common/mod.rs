@@ -231,6 +231,8 @@ pub fn assert_data_matches_reference<T: Element>(data: &Data, grad_tol: f64) {
         check("is_clipped", g, w);
     }
     assert_eq!(got.kl.is_some(), want.kl.is_some());
+    let softcap = data.case.options.softcap;
+    assert_predicted(&name, got.predicted.as_deref(), want.predicted.as_deref(), &exact, data.case.vocab, softcap);
     match (grad, want.grad) {
         (Some(g), Some(w)) => {
             let err = relative_norm_error(g.iter().map(|x| x.to_f32() as f64), &w);
@@ -238,6 +240,33 @@ pub fn assert_data_matches_reference<T: Element>(data: &Data, grad_tol: f64) {
         }
         (None, None) => {}
         (g, w) => panic!("gradient presence differs: fused {} reference {} in {name}", g.is_some(), w.is_some()),
+    }
+}
+
+/// Each row's predicted token against the reference's: the same column, or, under a soft cap, one
+/// whose capped logit equals the reference's largest to f32's rounding (the kernels cap in f32,
+/// where two logits the f64 reference tells apart may cap to one value).
+pub fn assert_predicted(
+    name: &str,
+    got: Option<&[i64]>,
+    want: Option<&[i64]>,
+    logits: &[f64],
+    vocab: usize,
+    softcap: Option<f64>,
+) {
+    assert_eq!(got.is_some(), want.is_some(), "predicted tokens computed, kernels vs reference, in {name}");
+    let (Some(got), Some(want)) = (got, want) else { return };
+    assert_eq!(got.len(), want.len(), "predicted tokens length in {name}");
+    let cap = |x: f64| softcap.map_or(x, |c| c * (x / c).tanh());
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if g == w {
+            continue;
+        }
+        assert!(softcap.is_some() && g >= 0 && w >= 0, "predicted[{i}] = {g} vs reference {w} in {name}");
+        let row = &logits[i * vocab..(i + 1) * vocab];
+        let (a, b) = (cap(row[g as usize]), cap(row[w as usize]));
+        let tol = 4.0 * f32::EPSILON as f64 * b.abs();
+        assert!((a - b).abs() <= tol, "predicted[{i}] = {g} (capped {a}) vs reference {w} (capped {b}) in {name}");
     }
 }
 
