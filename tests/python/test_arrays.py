@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peers"))
 
 import flashgrpo.arrays as fa  # noqa: E402
+import flashgrpo.jax  # noqa: E402
 from crosscheck import grpo_options, linear_inputs, materialised, trl_grpo  # noqa: E402
 from loss_cli import CHECKS, FAILURES, close, close_norm, expect_error, report  # noqa: E402
 
@@ -80,6 +81,12 @@ def check_cross_entropy_and_linear():
         case = f"arrays cross_entropy {framework}"
         close(case, "loss", torch.tensor(out["loss"]), want.detach(), 1e-5)
         close_norm(case, "grad", to_torch(out["grad"]), r.grad, 1e-5)
+        # `predicted_tokens=True`: each row's first argmax, int64, -1 on the ignored row.
+        tokens = fa.loss("cross_entropy", x, targets, predicted_tokens=True).get("predicted_tokens")
+        want_tokens = np.where(targets != -100, logits.argmax(-1), -1)
+        CHECKS[0] += 1
+        if tokens is None or tokens.dtype != np.int64 or not np.array_equal(tokens, want_tokens):
+            FAILURES.append(f"{case}: predicted_tokens {tokens} vs {want_tokens}")
     torch.manual_seed(2)
     hidden, weight, bias = linear_inputs(2, 5, 16, 90, True)
     t = torch.randint(0, 90, (2, 5))
@@ -97,6 +104,11 @@ def check_cross_entropy_and_linear():
         close_norm(case, "grad_hidden", to_torch(out["grad_hidden"]), h.grad, 1e-4)
         close_norm(case, "grad_weight", to_torch(out["grad_weight"]), w.grad, 1e-4)
         close_norm(case, "grad_bias", to_torch(out["grad_bias"]), b.grad, 1e-4)
+        tokens = fa.linear_loss("entropy", conv(hidden), conv(weight), bias=conv(bias), predicted_tokens=True,
+                                chunk_memory_mb=1)["predicted_tokens"]
+        CHECKS[0] += 1
+        if not np.array_equal(tokens, lg.detach().argmax(-1).numpy()):
+            FAILURES.append(f"{case}: predicted_tokens {tokens} vs {lg.argmax(-1)}")
 
 
 def check_errors():
@@ -119,6 +131,8 @@ def check_errors():
                  lambda: fa.loss("cross_entropy", logits, targets + 0.7))
     expect_error("arrays out= with in_place", ValueError, ["out", "in_place"],
                  lambda: fa.loss("cross_entropy", logits.copy(), targets, in_place=True, out=np.zeros_like(logits)))
+    expect_error("predicted_tokens through flashgrpo.jax", NotImplementedError, ["predicted_tokens", "flashgrpo.jax"],
+                 lambda: flashgrpo.jax.cross_entropy(jnp.asarray(logits), jnp.asarray(targets), predicted_tokens=True))
 
 
 def main():

@@ -553,6 +553,87 @@ def check_z_loss_and_token_scaling():
             close_norm(case, name, g, wg, 1e-4)
 
 
+def check_token_accuracy_and_predicted_tokens():
+    """Liger's ``return_token_accuracy`` / ``return_predicted_tokens`` on ``CrossEntropyLoss``
+    (``LigerCrossEntropyLoss``) and ``FusedLinearCrossEntropyLoss``: the predicted tokens are
+    ``torch.argmax`` of the (soft-capped) float64 logits (-1 on ignored rows; a near tie may go
+    either way, checked on the logits), the accuracy 1 where that is the target over the rows not
+    ignored, per token or their mean (``sum`` too, as Liger), NaN over no rows; the loss and its
+    gradients as without them."""
+    N, H, V = 12, 8, 61
+    hidden, weight, bias = linear_inputs(1, N, H, V, True)
+    h = hidden.reshape(N, H)
+    targets = torch.randint(0, V, (N,))
+    targets[[2, 7]] = -100
+    logits64 = h.double() @ weight.double().T + bias.double()
+    targets[[0, 5]] = logits64[[0, 5]].argmax(-1)  # some rows right
+    for module, red, cap, dtype, extras in [
+        ("logits", "mean", None, "f32", (False, True, True)),
+        ("logits", "none", 4.0, "f32", (True, True, False)),
+        ("logits", "sum", None, "bf16", (False, True, True)),
+        ("linear", "mean", None, "f32", (True, True, True)),
+        ("linear", "none", None, "f32", (False, False, True)),
+        ("linear", "sum", 3.0, "bf16", (False, True, True)),
+    ]:
+        z_flag, acc_flag, tok_flag = extras
+        case = f"{module} CrossEntropyLoss {red} softcap={cap} {dtype} z/accuracy/tokens={extras}"
+        kw = dict(lse_square_scale=1e-3, softcap=cap, reduction=red, return_z_loss=z_flag,
+                  return_token_accuracy=acc_flag, return_predicted_tokens=tok_flag)
+        hh, ww, bb = (as_dtype(t, dtype).clone().requires_grad_(True) for t in (h, weight, bias))
+        if module == "logits":
+            x = (hh.detach() @ ww.detach().T + bb.detach()).clone().requires_grad_(True)
+            seen = x.detach().double()
+            out = ft.CrossEntropyLoss(**kw)(x, targets)
+            plain = ft.CrossEntropyLoss(lse_square_scale=1e-3, softcap=cap, reduction=red)(x.detach(), targets)
+        else:
+            seen = hh.detach().double() @ ww.detach().double().T + bb.detach().double()
+            out = ft.FusedLinearCrossEntropyLoss(**kw)(ww, hh, targets, bb)
+            plain = ft.FusedLinearCrossEntropyLoss(lse_square_scale=1e-3, softcap=cap, reduction=red)(ww, hh, targets,
+                                                                                                    bb)
+        if not isinstance(out, ft.CrossEntropyOutput):
+            fail(case, f"returned {type(out).__name__}")
+            continue
+        if (out.z_loss is not None) != z_flag or (out.token_accuracy is not None) != acc_flag or \
+                (out.predicted_tokens is not None) != tok_flag:
+            fail(case, "the extras returned are not those asked for")
+            continue
+        close(case, "loss as without the extras", out.loss.detach(), plain.detach(), 0.0)
+        capped = seen if cap is None else cap * torch.tanh(seen / cap)
+        kept = targets != -100
+        want_tokens = torch.where(kept, capped.argmax(-1), -1)
+        tokens = out.predicted_tokens
+        if tokens is None:
+            tokens = ft.CrossEntropyLoss(softcap=cap, return_predicted_tokens=True)(seen.float(), targets).predicted_tokens
+        CHECKS[0] += 1
+        if tokens.dtype != torch.int64 or tuple(tokens.shape) != tuple(targets.shape):
+            fail(case, f"predicted_tokens {tokens.dtype} {list(tokens.shape)}")
+        rows = torch.arange(N)
+        # The token predicted is the largest logit, to the rounding of the logits and of the cap.
+        top = capped[rows, want_tokens.clamp(min=0)]
+        got_value = capped[rows, tokens.clamp(min=0)]
+        near = (top - got_value).abs() <= 1e-5 * top.abs().clamp(min=1.0)
+        if not torch.equal(tokens < 0, ~kept) or not bool(near[kept].all()):
+            fail(case, f"predicted_tokens {tokens.tolist()} vs argmax {want_tokens.tolist()}")
+        if acc_flag:
+            correct = ((tokens == targets) & kept).float()
+            want = correct if red == "none" else correct.sum() / kept.sum()
+            CHECKS[0] += 1
+            if out.token_accuracy.dtype != torch.float32 or out.token_accuracy.requires_grad:
+                fail(case, f"token_accuracy {out.token_accuracy.dtype}")
+            close(case, "token_accuracy", out.token_accuracy, want, 0.0)
+        if module == "logits" and dtype == "f32" and red != "none":
+            (out.loss).backward()
+            x2 = x.detach().clone().requires_grad_(True)
+            ft.CrossEntropyLoss(lse_square_scale=1e-3, softcap=cap, reduction=red)(x2, targets).backward()
+            close(case, "d logits as without the extras", x.grad, x2.grad, 0.0)
+    # No row taking part: Liger's 0 / 0.
+    none_kept = torch.full((4,), -100)
+    out = ft.CrossEntropyLoss(return_token_accuracy=True, return_predicted_tokens=True)(torch.randn(4, 9), none_kept)
+    CHECKS[0] += 1
+    if not (torch.isnan(out.token_accuracy) and torch.equal(out.predicted_tokens, torch.full((4,), -1))):
+        fail("CrossEntropyLoss over ignored rows only", f"{out.token_accuracy} {out.predicted_tokens}")
+
+
 def check_triton_per_token():
     """`triton_grpo_loss(reduce=False)`: the per-token loss back-propagated with a per-token
     upstream gradient (`loss.backward(dy)`, as Liger's tests do), in place (written in the
@@ -804,6 +885,10 @@ def check_errors():
                  lambda: ft.fused_linear_grpo_loss(torch.randn(2, 3, 4), torch.randn(10, 5), targets, adv))
     expect_error("Liger option we lack", NotImplementedError, ["ce_weight"],
                  lambda: ft.FusedLinearCrossEntropyLoss(ce_weight=torch.ones(10)))
+    expect_error("Liger option we lack (logits level)", NotImplementedError, ["weight"],
+                 lambda: ft.CrossEntropyLoss(weight=torch.ones(10)))
+    expect_error("label_smoothing out of range", ValueError, ["label_smoothing"],
+                 lambda: ft.CrossEntropyLoss(label_smoothing=1.5))
     expect_error("use_ref_model without a reference", ValueError, ["use_ref_model", "ref_input"],
                  lambda: ft.FusedLinearGRPOLoss(use_ref_model=True)(
                      torch.randn(2, 3, 4), torch.randn(10, 4), targets, torch.ones(2, 3), adv))
@@ -845,6 +930,7 @@ def main():
     check_logits_level_modules()
     check_softcap()
     check_z_loss_and_token_scaling()
+    check_token_accuracy_and_predicted_tokens()
     check_triton_per_token()
     check_per_token_fused_linear()
     check_bf16_products()

@@ -25,7 +25,8 @@ pub struct LossArgs {
     #[arg(long)]
     pub inputs: PathBuf,
     /// Output safetensors file: loss, per_token_loss, logp, entropy, (GRPO) kl, is_clipped,
-    /// grad_logits (or grad_hidden, grad_weight, grad_bias).
+    /// (with `--set predicted_tokens=true`) predicted_tokens (i64, -1 where a row takes no
+    /// part), grad_logits (or grad_hidden, grad_weight, grad_bias).
     #[arg(long)]
     pub out: PathBuf,
     #[arg(long = "impl", value_enum, default_value_t = Impl::Fused)]
@@ -111,6 +112,9 @@ fn outputs(batch: &Batch, results: Results) -> Vec<Output> {
         if let Some(v) = values {
             out.push(Output::f32(name, bt.clone(), v));
         }
+    }
+    if let Some(p) = &r.predicted {
+        out.push(Output::i64("predicted_tokens", bt.clone(), p));
     }
     for g in &results.grads {
         out.push(Output::float(g.name, g.shape.clone(), &g.data));

@@ -221,6 +221,7 @@ pub fn reference_results(batch: &Batch, options: &LossOptions) -> Result<(Result
         kl: r.kl.as_deref().map(to_f32),
         is_clipped: r.is_clipped.as_deref().map(to_f32),
         lse: to_f32(&r.lse),
+        predicted: r.predicted.clone(),
     };
     let rounded = grads
         .iter()

@@ -245,6 +245,15 @@ impl Output {
         }
     }
 
+    pub fn i64(name: &str, shape: Vec<usize>, values: &[i64]) -> Self {
+        Self {
+            name: name.into(),
+            dtype: Dtype::I64,
+            shape,
+            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+
     pub fn float(name: &str, shape: Vec<usize>, data: &FloatData) -> Self {
         let bytes = match data {
             FloatData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),

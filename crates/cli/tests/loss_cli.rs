@@ -197,6 +197,44 @@ fn every_op_writes_its_outputs() {
     }
 }
 
+/// `--set predicted_tokens=true`: an i64 `predicted_tokens [B, T]`, each row's first argmax, -1 on
+/// masked rows, in every impl (the reference's own argmax included); absent without it.
+#[test]
+fn predicted_tokens_are_written_as_i64() {
+    let dir = Dir::new("predicted");
+    let (input, data) = grpo_inputs(&dir, Dtype::BF16);
+    let want: Vec<i64> = (0..B * L)
+        .map(|i| {
+            if data.mask[i] == 0.0 {
+                return -1;
+            }
+            let row: Vec<f32> = data.logits[i * V..(i + 1) * V].iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+            (0..V).fold(0, |best, j| if row[j] > row[best] { j } else { best }) as i64
+        })
+        .collect();
+    for imp in ["reference", "fused", "fused-inplace"] {
+        let out = dir.path("out.safetensors");
+        let run = |sets: &[&str]| {
+            let mut cmd = bin();
+            cmd.args(["loss", "--op", "grpo", "--impl", imp]);
+            for set in sets {
+                cmd.args(["--set", set]);
+            }
+            let o = cmd.arg("--inputs").arg(&input).arg("--out").arg(&out).output().unwrap();
+            assert!(o.status.success(), "{imp}: {}", String::from_utf8_lossy(&o.stderr));
+            std::fs::read(&out).unwrap()
+        };
+        let bytes = run(&["predicted_tokens=true"]);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let t = st.tensor("predicted_tokens").unwrap();
+        assert_eq!((t.dtype(), t.shape()), (Dtype::I64, &[B, L][..]), "{imp}");
+        let got: Vec<i64> = t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(got, want, "{imp}");
+        let bytes = run(&[]);
+        assert!(SafeTensors::deserialize(&bytes).unwrap().tensor("predicted_tokens").is_err(), "{imp}");
+    }
+}
+
 /// Runs `flashgrpo loss` expecting failure; returns stderr and checks no output was written.
 fn fails(dir: &Dir, op: &str, tensors: &[T], sets: &[&str]) -> String {
     let input = dir.path("bad.safetensors");

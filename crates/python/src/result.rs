@@ -40,9 +40,29 @@ impl LossResult {
         self.output.loss
     }
 
-    /// Whether the per-token output `name` was computed.
+    /// Whether the per-token output `name` was computed (`predicted_tokens`: the i64 one).
     fn has(&self, name: &str) -> PyResult<bool> {
+        if name == "predicted_tokens" {
+            return Ok(self.output.predicted.is_some());
+        }
         Ok(self.per_token(name)?.is_some())
+    }
+
+    /// Copies the predicted tokens (`LossOptions::predicted_tokens`; -1 where a row takes no part)
+    /// into the i64 buffer of `len` elements at `address`.
+    fn copy_tokens_into(&self, address: usize, len: usize) -> PyResult<()> {
+        let values = self.output.predicted.as_deref();
+        let values = values.ok_or_else(|| PyKeyError::new_err("`predicted_tokens` was not computed"))?;
+        if values.len() != len {
+            return Err(PyValueError::new_err(format!(
+                "`predicted_tokens` has {} values, the buffer {len}",
+                values.len()
+            )));
+        }
+        // SAFETY: the module's contract for `address`.
+        let out = unsafe { Address::new("out", address, len).slice_mut::<i64>() }.map_err(PyValueError::new_err)?;
+        out.ok_or_else(|| PyValueError::new_err("null output buffer"))?.copy_from_slice(values);
+        Ok(())
     }
 
     /// Copies the per-token output `name` into the f32 buffer of `len` elements at `address`.

@@ -5,7 +5,7 @@ Front ends (each imported on demand, so that the package needs neither framework
 
 - ``flashgrpo.torch``: ``torch.autograd`` functions (``grpo_loss``, ``cross_entropy``, ``entropy``,
   ``logprob`` and their ``fused_linear_*`` forms) and drop-in modules for Liger-Kernel's
-  (``FusedLinearGRPOLoss``, ``GRPOLoss``, ``FusedLinearCrossEntropyLoss``);
+  (``FusedLinearGRPOLoss``, ``GRPOLoss``, ``CrossEntropyLoss``, ``FusedLinearCrossEntropyLoss``);
 - ``flashgrpo.arrays``: the same losses on NumPy or JAX arrays (read in place), returning NumPy.
 
 All math is in the Rust kernels (``flashgrpo._native``); the options are those of the project's

@@ -88,6 +88,10 @@ def _outputs(result, n, shape):
             values = np.empty(n, dtype=np.float32)
             result.copy_into(name, values.ctypes.data if n else _EMPTY, n)
             out[name] = values.reshape(shape)
+    if result.has("predicted_tokens"):  # `predicted_tokens=True`: int64, -1 where a row takes no part
+        tokens = np.empty(n, dtype=np.int64)
+        result.copy_tokens_into(tokens.ctypes.data if n else _EMPTY, n)
+        out["predicted_tokens"] = tokens.reshape(shape)
     return out
 
 

@@ -46,6 +46,14 @@ _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 _NO_COTANGENTS = (None,) * 7
 
 
+def _options_json(options):
+    """``options_json``, refusing what the JAX calls' fixed outputs cannot carry."""
+    if options.get("predicted_tokens"):
+        raise NotImplementedError("`predicted_tokens` is not returned by flashgrpo.jax; use flashgrpo.torch or "
+                                  "flashgrpo.arrays")
+    return options_json(options)
+
+
 @functools.cache
 def _register():
     for name, capsule in _native.ffi_handlers().items():
@@ -159,9 +167,9 @@ def _run_logits(op, value, logits, options, in_place=False, **row_inputs):
     batch, seq_len = _rows("logits", logits, "V")
     side = _per_row(batch, seq_len, **row_inputs)
     if batch * seq_len == 0:
-        options_json(options)  # an unknown option is an error whatever the batch
+        _options_json(options)  # an unknown option is an error whatever the batch
         return _empty_batch(value, logits.shape[:-1], logits)
-    out, per_token = _logits_loss(op, value, options_json(options), bool(in_place), logits, *side)
+    out, per_token = _logits_loss(op, value, _options_json(options), bool(in_place), logits, *side)
     shape = logits.shape[:-1]
     per_token = {k: jax.lax.stop_gradient(v).reshape(shape) for k, v in per_token.items()}
     return out, per_token
@@ -318,21 +326,21 @@ def _linear_inputs(hidden, weight, bias, row_inputs):
 def _run_linear_rows(op, value, hidden, weight, bias, options, chunk_memory_mb, bf16_products=None, **row_inputs):
     hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
     if hidden.size == 0:
-        options_json(options)
+        _options_json(options)
         return _empty_batch(value, hidden.shape[:-1], hidden)[0]
     _register()
     chunk = _budget(chunk_memory_mb, bf16_products, hidden, weight, bias)
-    out = _linear_rows(op, value, options_json(options), chunk, hidden, weight, bias, *side)
+    out = _linear_rows(op, value, _options_json(options), chunk, hidden, weight, bias, *side)
     return out.reshape(hidden.shape[:-1])
 
 
 def _run_linear(op, hidden, weight, bias, options, chunk_memory_mb, bf16_products=None, **row_inputs):
     hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, row_inputs)
     if hidden.size == 0:
-        options_json(options)
+        _options_json(options)
         return _empty_batch("loss", hidden.shape[:-1], hidden)
     chunk = _budget(chunk_memory_mb, bf16_products, hidden, weight, bias)
-    loss, per_token = _linear_loss(op, options_json(options), chunk, hidden, weight, bias, *side)
+    loss, per_token = _linear_loss(op, _options_json(options), chunk, hidden, weight, bias, *side)
     shape = hidden.shape[:-1]
     return loss, {k: jax.lax.stop_gradient(v).reshape(shape) for k, v in per_token.items()}
 

@@ -19,9 +19,10 @@ Functions (logits ``[B, T, V]``; cross-entropy, entropy and log-probabilities al
 - ``fused_linear_grpo_loss``, ``fused_linear_cross_entropy``, ``fused_linear_entropy``,
   ``fused_linear_logprob``: the same from ``hidden [.., H]``, ``weight [V, H]`` and ``bias [V]``.
 
-Modules: ``FusedLinearGRPOLoss``, ``GRPOLoss`` and ``FusedLinearCrossEntropyLoss`` take the
-constructor and forward arguments of Liger-Kernel's ``LigerFusedLinearGRPOLoss``,
-``triton_grpo_loss`` and ``LigerFusedLinearCrossEntropyLoss`` and return what they return.
+Modules: ``FusedLinearGRPOLoss``, ``GRPOLoss``, ``CrossEntropyLoss`` and
+``FusedLinearCrossEntropyLoss`` take the constructor and forward arguments of Liger-Kernel's
+``LigerFusedLinearGRPOLoss``, ``triton_grpo_loss``, ``LigerCrossEntropyLoss`` and
+``LigerFusedLinearCrossEntropyLoss`` and return what they return.
 """
 
 import dataclasses
@@ -51,7 +52,9 @@ __all__ = [
     "fused_linear_logprob",
     "FusedLinearGRPOLoss",
     "GRPOLoss",
+    "CrossEntropyLoss",
     "FusedLinearCrossEntropyLoss",
+    "CrossEntropyOutput",
     "triton_grpo_loss",
     "liger_fused_linear_grpo",
     "release_cached_memory",
@@ -171,6 +174,11 @@ def _per_token(result, n, shape):
             out[name] = t.reshape(shape)
         else:
             out[name] = None
+    out["predicted_tokens"] = None
+    if result.has("predicted_tokens"):
+        t = torch.empty(n, dtype=torch.int64)
+        result.copy_tokens_into(_address(t), n)
+        out["predicted_tokens"] = t.reshape(shape)
     return out
 
 
@@ -756,6 +764,74 @@ def _z_loss(per_token, target, options):
     return total.float()
 
 
+def _token_accuracy(per_token, target, options):
+    """Liger's ``token_accuracy``: 1 where the predicted token is the target, over the rows not
+    ignored; per token (0 on ignored rows) with ``reduction="none"``, else their mean (as Liger
+    divides the sum by the count for ``"sum"`` too; NaN over no rows, as Liger's 0 / 0)."""
+    taking_part = target != options["ignore_index"]
+    correct = ((per_token["predicted_tokens"] == target) & taking_part).to(torch.float32)
+    if options["reduction"] == "none":
+        return correct
+    return correct.sum() / taking_part.sum()
+
+
+def _cross_entropy_result(loss, per_token, target, options, dtype, extras):
+    """The loss alone, or Liger's ``CrossEntropyOutput`` with the extras asked for (``extras``:
+    ``return_z_loss``, ``return_token_accuracy``, ``return_predicted_tokens``)."""
+    z_loss, accuracy, predicted = extras
+    if not (z_loss or accuracy or predicted):
+        return loss
+    return CrossEntropyOutput(
+        loss=loss,
+        z_loss=_z_loss(per_token, target, options).to(dtype) if z_loss else None,
+        token_accuracy=_token_accuracy(per_token, target, options) if accuracy else None,
+        predicted_tokens=per_token["predicted_tokens"] if predicted else None)
+
+
+def _cross_entropy_options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, weight_name, weight,
+                           return_z_loss, return_token_accuracy, return_predicted_tokens, token_scaling=False):
+    """The options of Liger's cross-entropy modules as LOSSES.md's, checked as Liger checks them,
+    and the extras asked for."""
+    if weight is not None:
+        raise NotImplementedError(f"`{weight_name}` (per-class weights) is not supported by flashgrpo")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"`reduction` must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"`label_smoothing` must be between 0.0 and 1.0, got {label_smoothing}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"`softcap` must be > 0 or None, got {softcap}")
+    extras = (bool(return_z_loss), bool(return_token_accuracy), bool(return_predicted_tokens))
+    options = dict(ignore_index=ignore_index, z_loss=lse_square_scale, label_smoothing=label_smoothing,
+                   reduction=reduction, softcap=softcap, token_scaling=bool(token_scaling),
+                   predicted_tokens=extras[1] or extras[2])
+    return options, extras
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """Drop-in for ``liger_kernel.transformers.LigerCrossEntropyLoss``: the same constructor and
+    ``forward(_input, target)`` on logits ``[BT, V]`` (or ``[B, T, V]``). ``lse_square_scale`` is
+    LOSSES.md's ``z_loss``. With ``return_z_loss``, ``return_token_accuracy`` or
+    ``return_predicted_tokens`` the forward returns Liger's ``CrossEntropyOutput``: ``z_loss`` as
+    in ``FusedLinearCrossEntropyLoss``; ``token_accuracy`` (float32) 1 where the first argmax of
+    the (soft-capped) logits is the target, over the rows not ignored, per token with
+    ``reduction="none"``, else their mean; ``predicted_tokens`` (int64, the target's shape) that
+    argmax, -1 on ignored rows. Per-class ``weight`` is refused rather than ignored."""
+
+    def __init__(self, weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
+                 softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
+        super().__init__()
+        self.options, self.extras = _cross_entropy_options(
+            ignore_index, lse_square_scale, label_smoothing, reduction, softcap, "weight", weight, return_z_loss,
+            return_token_accuracy, return_predicted_tokens)
+
+    def forward(self, _input, target):
+        o = self.options
+        per_row = "per_token_loss" if o["reduction"] == "none" else None
+        loss, per_token = _logits_call("cross_entropy", _input, o, per_row=per_row, out_shape=target.shape,
+                                       targets=target)
+        return _cross_entropy_result(loss, per_token, target, o, _input.dtype, self.extras)
+
+
 class FusedLinearCrossEntropyLoss(torch.nn.Module):
     """Drop-in for ``liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss``: the same
     constructor and ``forward(lin_weight, _input, target, bias=None)``; ``accum_dtype`` is accepted
@@ -764,35 +840,23 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
     ``CrossEntropyOutput(loss, z_loss)``: ``z_loss`` is ``lse_square_scale * lse^2`` over the rows
     not ignored, reduced as the loss (mean over those rows, sum, or per token), without a
     gradient, in the input's dtype. ``use_token_scaling`` is LOSSES.md's ``token_scaling`` (each
-    row's loss, gradient and z-loss times its detached ``p_y``). Liger's options with no kernel here
-    (``ce_weight``, ``return_token_accuracy``, ``return_predicted_tokens``) are refused rather than
-    ignored."""
+    row's loss, gradient and z-loss times its detached ``p_y``). ``return_token_accuracy`` and
+    ``return_predicted_tokens`` as in ``CrossEntropyLoss``, of the logits ``_input @ lin_weight^T
+    (+ bias)`` in f32. Per-class ``ce_weight`` is refused rather than ignored."""
 
     def __init__(self, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
                  reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False,
                  return_token_accuracy=False, return_predicted_tokens=False, chunk_memory_mb=None):
         super().__init__()
-        unsupported = dict(ce_weight=ce_weight is not None,
-                           return_token_accuracy=return_token_accuracy,
-                           return_predicted_tokens=return_predicted_tokens)
-        for name, given in unsupported.items():
-            if given:
-                raise NotImplementedError(f"FusedLinearCrossEntropyLoss: `{name}` is not supported by flashgrpo")
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"`reduction` must be 'mean', 'sum' or 'none', got {reduction!r}")
         del accum_dtype
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"`softcap` must be > 0 or None, got {softcap}")
-        self.options = dict(ignore_index=ignore_index, z_loss=lse_square_scale, label_smoothing=label_smoothing,
-                            reduction=reduction, softcap=softcap, token_scaling=bool(use_token_scaling))
+        self.options, self.extras = _cross_entropy_options(
+            ignore_index, lse_square_scale, label_smoothing, reduction, softcap, "ce_weight", ce_weight, return_z_loss,
+            return_token_accuracy, return_predicted_tokens, token_scaling=use_token_scaling)
         self.chunk_memory_mb = chunk_memory_mb
-        self.return_z_loss = bool(return_z_loss)
 
     def forward(self, lin_weight, _input, target, bias=None):
         o = self.options
         per_row = "per_token_loss" if o["reduction"] == "none" else None
         loss, per_token = _linear_call("cross_entropy", _input, lin_weight, bias, o, per_row=per_row,
                                        out_shape=target.shape, chunk_memory_mb=self.chunk_memory_mb, targets=target)
-        if not self.return_z_loss:
-            return loss
-        return CrossEntropyOutput(loss=loss, z_loss=_z_loss(per_token, target, o).to(_input.dtype))
+        return _cross_entropy_result(loss, per_token, target, o, _input.dtype, self.extras)
