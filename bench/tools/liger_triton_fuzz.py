@@ -9,10 +9,14 @@ interpreter (`TRITON_INTERPRET=1`): the peers' real code, not a re-derivation of
   token, at sequence level too), logits f32 or bf16, ours in place or not. V from 1 past Liger's 4096-wide block.
 - `flashgrpo.torch.cross_entropy` against `liger_kernel.transformers.LigerCrossEntropyLoss`
   (ignore_index, label smoothing, `lse_square_scale` = our `z_loss`, mean / sum / none, `softcap`
-  since 2026-11-30).
+  since 2026-11-30); with `return_z_loss`, `return_token_accuracy` or `return_predicted_tokens`
+  drawn, the drop-in `flashgrpo.torch.CrossEntropyLoss` (since 2026-11-30, second session).
 - `flashgrpo.torch.FusedLinearCrossEntropyLoss` against `LigerFusedLinearCrossEntropyLoss`
   (the Triton one, with bias or not; `softcap`, `return_z_loss` and `use_token_scaling` since
-  2026-11-30).
+  2026-11-30, `return_token_accuracy` and `return_predicted_tokens` since its second session).
+  Predicted tokens must be Liger's but where a row's two largest logits (float64, capped) are
+  within the logits' own rounding (f32: 1e-5; Liger's bf16 logits: 1e-2), where either may come
+  out; the token accuracy may differ by those rows alone.
 - With `--only logprob` (not in the default mix, which stays as recorded in docs/BENCHMARKS.md):
   `flashgrpo.torch.logprob` against Liger's `fused_selective_log_softmax`, logits around 0 or 20.
 
@@ -284,22 +288,79 @@ def ce_case(rng, g, tol):
     opts = dict(ignore_index=ignore, label_smoothing=rng.choice([0.0, 0.0, 0.1, 0.3]),
                 lse_square_scale=rng.choice([0.0, 0.0, 1e-4, 1e-2]), reduction=rng.choice(["mean", "sum", "none"]),
                 softcap=rng.choice([None, None, 2.0, 30.0]))
+    extras = draw_extras(rng)
     upstream = torch.randn(N, generator=g)
-    desc = f"cross_entropy N={N} V={V} {str(dtype)[6:]} {opts}"
+    desc = f"cross_entropy N={N} V={V} {str(dtype)[6:]} {opts} {extras}"
 
     def run(fn):
         x = logits.clone().requires_grad_()
-        loss = fn(x)
+        loss, outputs = with_extras(fn(x))
         (loss * upstream).sum().backward() if opts["reduction"] == "none" else loss.backward()
-        return [("loss", loss.detach().float()), ("grad", x.grad.float())]
+        return [("loss", loss.detach().float()), ("grad", x.grad.float())] + outputs
 
     ours_fn = lambda x: ft.cross_entropy(x, targets, reduction=opts["reduction"], ignore_index=ignore,  # noqa: E731
                                          label_smoothing=opts["label_smoothing"], z_loss=opts["lse_square_scale"],
                                          softcap=opts["softcap"])
-    ours, theirs = both(lambda: run(ours_fn), lambda: run(lambda x: LigerCrossEntropyLoss(**opts)(x, targets)))
+    if any(extras.values()):
+        ours_fn = lambda x: ft.CrossEntropyLoss(**opts, **extras)(x, targets)  # noqa: E731
+    ours, theirs = both(lambda: run(ours_fn),
+                        lambda: run(lambda x: LigerCrossEntropyLoss(**opts, **extras)(x, targets)))
     exact = dict(run(lambda x: ce_reference(x, targets, opts)))
     torch32 = dict(run(lambda x: ce_reference(x, targets, opts, torch.float32)))
-    return desc, compare(ours, theirs, tol, dtype, exact=exact, torch32=torch32)
+    results = compare(ours, theirs, tol, dtype, exact=exact, torch32=torch32)
+    return desc, results + compare_tokens(ours, theirs, capped(logits.double(), opts), targets, opts, 1e-5)
+
+
+def draw_extras(rng):
+    """Liger's cross-entropy outputs besides the loss, each drawn (all off half the time)."""
+    if rng.random() < 0.5:
+        return {}
+    return dict(return_z_loss=rng.random() < 0.4, return_token_accuracy=rng.random() < 0.6,
+                return_predicted_tokens=rng.random() < 0.6)
+
+
+def with_extras(out):
+    """(loss, [(name, value)]) of a cross-entropy module's result: the loss alone, or Liger's
+    `CrossEntropyOutput` (ours has the same fields). The tokens' entries are named `token:...`,
+    compared by `compare_tokens`."""
+    if torch.is_tensor(out):
+        return out, []
+    named = [("z_loss", out.z_loss), ("token:token_accuracy", out.token_accuracy),
+             ("token:predicted_tokens", out.predicted_tokens)]
+    return out.loss, [(n, v.detach() if n.startswith("token:") else v.detach().float()) for n, v in named
+                      if v is not None]
+
+
+def compare_tokens(ours, theirs, logits64, targets, opts, tie):
+    """Predicted tokens and token accuracy against Liger's: equal, but on rows whose two largest
+    float64 logits are within `tie` (relative), where either token may come out and the accuracy
+    may differ by those rows."""
+    if isinstance(ours, Exception) or isinstance(theirs, Exception):
+        return []
+    o, t = dict(ours), dict(theirs)
+    kept = targets != opts.get("ignore_index", -100)
+    top2 = logits64.topk(min(2, logits64.shape[-1]), -1).values
+    near = (top2[:, 0] - top2[:, -1]).abs() <= tie * top2[:, 0].abs().clamp(min=1.0)
+    near = near & (logits64.shape[-1] > 1) & kept
+    results = []
+    if "token:predicted_tokens" in t:
+        got, want = o.get("token:predicted_tokens"), t["token:predicted_tokens"]
+        ok = got is not None and got.dtype == want.dtype and got.shape == want.shape
+        ok = ok and bool(((got == want) | near).all())
+        results.append((f"predicted_tokens ({int(near.sum())} near ties)", 0.0 if ok else float("inf"), 1.0))
+    if "token:token_accuracy" in t:
+        got, want = o.get("token:token_accuracy"), t["token:token_accuracy"]
+        if got is None or got.shape != want.shape or got.dtype != want.dtype:
+            results.append(("token_accuracy: shape or dtype", float("inf"), 1.0))
+        elif opts["reduction"] == "none":
+            ok = bool(((got == want) | near).all())
+            results.append(("token_accuracy", 0.0 if ok else float("inf"), 1.0))
+        else:
+            both_nan = bool(torch.isnan(got) and torch.isnan(want))
+            slack = float(near.sum()) / max(float(kept.sum()), 1.0) + 1e-6
+            e = 0.0 if both_nan else abs(float(got) - float(want))
+            results.append(("token_accuracy", e, slack))
+    return results
 
 
 def ce_reference(x, targets, opts, dtype=torch.float64):
@@ -355,19 +416,18 @@ def flce_case(rng, g, tol):
     opts = dict(label_smoothing=rng.choice([0.0, 0.0, 0.1]), lse_square_scale=rng.choice([0.0, 0.0, 1e-3]),
                 reduction=rng.choice(["mean", "sum", "none"]), softcap=rng.choice([None, None, 2.0, 30.0]),
                 return_z_loss=rng.random() < 0.3, use_token_scaling=rng.random() < 0.3)
+    if rng.random() < 0.5:
+        opts.update(return_token_accuracy=rng.random() < 0.6, return_predicted_tokens=rng.random() < 0.6)
     upstream = torch.randn(N, generator=g)
     desc = f"fused_linear_cross_entropy N={N} H={H} V={V} {str(dtype)[6:]} bias={b is not None} {opts}"
 
     def run(module):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         bb = None if b is None else b.clone().requires_grad_()
-        loss = module(ww, hh, targets, bb)
-        z_loss = []
-        if opts["return_z_loss"]:  # Liger's CrossEntropyOutput (ours has the same fields)
-            loss, z_loss = loss.loss, [("z_loss", loss.z_loss.detach().float())]
+        loss, outputs = with_extras(module(ww, hh, targets, bb))
         (loss * upstream).sum().backward() if opts["reduction"] == "none" else loss.backward()
         out = [("loss", loss.detach().float()), ("grad_hidden", hh.grad.float()), ("grad_weight", ww.grad.float())]
-        return out + ([("grad_bias", bb.grad.float())] if bb is not None else []) + z_loss
+        return out + ([("grad_bias", bb.grad.float())] if bb is not None else []) + outputs
 
     ours, theirs = both(lambda: run(ft.FusedLinearCrossEntropyLoss(**opts)),
                         lambda: run(LigerFusedLinearCrossEntropyLoss(**opts)))
@@ -377,11 +437,14 @@ def flce_case(rng, g, tol):
         def module(ww, hh, t, bb):
             logits = hh.to(dtype) @ ww.to(dtype).T + (0 if bb is None else bb.to(dtype))
             loss = ce_reference(logits, t, ce_opts, dtype)
-            return SimpleNamespace(loss=loss, z_loss=z_loss_reference(logits, t, ce_opts)) if opts["return_z_loss"] \
-                else loss
+            z_loss = z_loss_reference(logits, t, ce_opts) if opts["return_z_loss"] else None
+            return SimpleNamespace(loss=loss, z_loss=z_loss, token_accuracy=None, predicted_tokens=None)
         return dict(run(module))
 
-    return desc, compare(ours, theirs, tol, dtype, exact=reference(torch.float64), torch32=reference(torch.float32))
+    results = compare(ours, theirs, tol, dtype, exact=reference(torch.float64), torch32=reference(torch.float32))
+    logits64 = capped(h.double() @ w.double().T + (0 if b is None else b.double()), ce_opts)
+    tie = 1e-2 if dtype == torch.bfloat16 else 1e-5  # Liger's logits are in the inputs' dtype
+    return desc, results + compare_tokens(ours, theirs, logits64, targets, ce_opts, tie)
 
 
 def compare(ours, theirs, tol, dtype, f32_loss=False, exact=None, floors=None, torch32=None, perturbed=None):
@@ -404,6 +467,8 @@ def compare(ours, theirs, tol, dtype, f32_loss=False, exact=None, floors=None, t
     want = dict(theirs)
     results = []
     for name, got in ours:
+        if name.startswith("token:"):  # compared by `compare_tokens`
+            continue
         if name not in want:
             results.append((f"{name}: Liger returns none", float("inf"), 1.0))
             continue
@@ -418,7 +483,7 @@ def compare(ours, theirs, tol, dtype, f32_loss=False, exact=None, floors=None, t
             if moved >= gate / 3 and e <= 3 * moved:
                 name, e = f"{key} (ill-conditioned in float32: Liger moves by {moved:.2g} for one ulp of its inputs)", 0.0
         results.append((name, e, gate))
-    missing = set(want) - {n for n, _ in ours}
+    missing = {n for n in want if not n.startswith("token:")} - {n for n, _ in ours}
     results += [(f"{n}: ours returns none", float("inf"), 1.0) for n in missing]
     return results
 

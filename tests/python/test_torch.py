@@ -626,6 +626,35 @@ def check_token_accuracy_and_predicted_tokens():
             x2 = x.detach().clone().requires_grad_(True)
             ft.CrossEntropyLoss(lse_square_scale=1e-3, softcap=cap, reduction=red)(x2, targets).backward()
             close(case, "d logits as without the extras", x.grad, x2.grad, 0.0)
+    # The loss in the logits' dtype (Liger's `loss_1d` is), the fused-linear one in float32.
+    xb = torch.randn(6, 40).to(torch.bfloat16)
+    yb = torch.randint(0, 40, (6,))
+    got = ft.CrossEntropyLoss(return_token_accuracy=True)(xb, yb).loss.dtype
+    got_linear = ft.FusedLinearCrossEntropyLoss()(torch.randn(40, 8).to(torch.bfloat16),
+                                                  torch.randn(6, 8).to(torch.bfloat16), yb).dtype
+    CHECKS[0] += 1
+    if (got, got_linear) != (torch.bfloat16, torch.float32):
+        fail("loss dtypes of the cross-entropy drop-ins", f"{got}, {got_linear}")
+    # `ignore_index=-1`, the value of a predicted token on an ignored row: such a row is not right.
+    x = torch.randn(5, 30)
+    y = x.argmax(-1)
+    y[1] = -1
+    out = ft.CrossEntropyLoss(ignore_index=-1, reduction="none", return_token_accuracy=True,
+                              return_predicted_tokens=True)(x, y)
+    close("ignore_index=-1", "token_accuracy", out.token_accuracy, torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0]), 0.0)
+    close("ignore_index=-1", "predicted_tokens", out.predicted_tokens.double(),
+          torch.where(y < 0, -1, x.argmax(-1)).double(), 0.0)
+    # Liger's attributes, read at each call.
+    module = ft.FusedLinearCrossEntropyLoss()
+    w8, h8, y = torch.randn(30, 8), torch.randn(5, 8), y.clamp(min=0)
+    CHECKS[0] += 1
+    if not torch.is_tensor(module(w8, h8, y)):
+        fail("FusedLinearCrossEntropyLoss attributes", "the plain loss expected")
+    module.return_predicted_tokens = True
+    got = module(w8, h8, y)
+    CHECKS[0] += 1
+    if not isinstance(got, ft.CrossEntropyOutput) or got.predicted_tokens is None:
+        fail("FusedLinearCrossEntropyLoss attributes", "return_predicted_tokens set after construction is not read")
     # No row taking part: Liger's 0 / 0.
     none_kept = torch.full((4,), -100)
     out = ft.CrossEntropyLoss(return_token_accuracy=True, return_predicted_tokens=True)(torch.randn(4, 9), none_kept)
@@ -889,6 +918,8 @@ def check_errors():
                  lambda: ft.CrossEntropyLoss(weight=torch.ones(10)))
     expect_error("label_smoothing out of range", ValueError, ["label_smoothing"],
                  lambda: ft.CrossEntropyLoss(label_smoothing=1.5))
+    expect_error("predicted_tokens without an output", ValueError, ["predicted_tokens", "CrossEntropyLoss"],
+                 lambda: ft.cross_entropy(torch.randn(3, 5), torch.zeros(3, dtype=torch.long), predicted_tokens=True))
     expect_error("use_ref_model without a reference", ValueError, ["use_ref_model", "ref_input"],
                  lambda: ft.FusedLinearGRPOLoss(use_ref_model=True)(
                      torch.randn(2, 3, 4), torch.randn(10, 4), targets, torch.ones(2, 3), adv))

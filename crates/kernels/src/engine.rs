@@ -161,6 +161,16 @@ impl<'a> PreparedLoss<'a> {
                 return Err(LossError::Shard(format!("no shard holds the target column of row {i}")));
             }
         }
+        // Statistics from an exchange that drops the argmax (the option came later than many).
+        let no_argmax = |(s, &a): (&PartialRowStats, &bool)| a && s.argmax.is_none();
+        if self.needs_argmax() {
+            if let Some(i) = stats.par_iter().zip(&self.active).position_first(no_argmax) {
+                return Err(LossError::Shard(format!(
+                    "the statistics of row {i} carry no argmax, which predicted_tokens needs (every shard's \
+                     PartialRowStats::argmax must reach combine_shards)"
+                )));
+            }
+        }
         let finished: Vec<RowStats> = stats
             .par_iter()
             .zip(&self.active)

@@ -44,7 +44,9 @@ pub struct PartialRowStats {
 /// vocabulary's numbering: the predicted token, as `torch.argmax` and Liger give it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Argmax {
+    /// The largest logit, in f32 (bf16 and f16 widened exactly; `c tanh(x / c)` under a soft cap).
     pub value: f32,
+    /// Its first column, in the whole vocabulary's numbering (a shard's first column added).
     pub column: usize,
 }
 

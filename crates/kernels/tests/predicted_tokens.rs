@@ -135,8 +135,7 @@ fn ties_go_to_the_first_column() {
     for isa in flashgrpo_kernels::Isa::available() {
         flashgrpo_kernels::with_isa(isa, || {
             for op in [Op::Grpo, Op::CrossEntropy, Op::Entropy] {
-                let case = predicting(op, (1, places.len(), v)).with(|o| o.softcap = None);
-                let mut case = case;
+                let mut case = predicting(op, (1, places.len(), v));
                 case.mask = MaskKind::None;
                 let mut data = case.data();
                 for (i, cols) in places.iter().enumerate() {
@@ -187,6 +186,20 @@ fn vocabulary_shards_equal_unsharded() {
             partials.reverse();
         }
     }
+}
+
+/// Statistics that carry no argmax (a caller's own exchange of shards' statistics that drops
+/// it) are an error naming the row, not a panic.
+#[test]
+fn statistics_without_an_argmax_are_an_error() {
+    let mut case = predicting(Op::CrossEntropy, (1, 4, 30));
+    case.mask = MaskKind::None;
+    let data = case.data();
+    let prepared = PreparedLoss::new(data.spec()).unwrap();
+    let mut stats = prepared.statistics(&data.logits, 0..30).unwrap();
+    stats[2].argmax = None;
+    let e = prepared.objective(&stats).unwrap_err().to_string();
+    assert!(e.contains("row 2") && e.contains("predicted_tokens"), "{e}");
 }
 
 #[test]

@@ -4,8 +4,8 @@
 //! A pass of its own over the row rather than a term in the statistics loop, which is bound by its
 //! FP operations (docs/BENCHMARKS.md, "Where the in-place sweep's time goes"): asked for, it costs
 //! a read of the row (from memory before the sweep, which then finds the row in cache); not asked
-//! for, nothing. Two loops LLVM vectorises: the maximum over 16 lanes, then the first 16 values
-//! holding it, compared 16 at a time. With a soft cap it runs on the capped values the losses see
+//! for, nothing. Two loops LLVM vectorises: the maximum over 16 lanes, then the first block of
+//! 16 values holding it, compared 16 at a time, and the column within it. With a soft cap it runs on the capped values the losses see
 //! (`softcap.rs`), where two logits may cap to the same f32.
 
 use super::Kernels;

@@ -277,7 +277,8 @@ impl<'d, 'p, 'a, T: CudaElement> Streamer<'d, 'p, 'a, T> {
             self.backward(chunk, hidden, &row_grads, grads, i == 0)?;
         }
         let (stats, outcomes): (Vec<_>, Vec<_>) = results.into_iter().unzip();
-        Ok(objective.output(rows, active, &stats, &outcomes, false)) // `cuda::prepare` refuses predicted tokens
+        // `cuda::prepare` refuses predicted tokens: were it to stop, the missing argmax would panic here.
+        Ok(objective.output(rows, active, &stats, &outcomes, prepared.spec().options.predicted_tokens))
     }
 
     /// The two-pass path (sequence-level objectives): every row's statistics, the objective, then

@@ -103,7 +103,8 @@ impl CudaDevice {
             outcomes.extend(o);
         }
         clock.mark("blocks");
-        let output = objective.output(rows, active, &stats, &outcomes, false); // `cuda::prepare` refuses predicted tokens
+        // `cuda::prepare` refuses predicted tokens: were it to stop, the missing argmax would panic here.
+        let output = objective.output(rows, active, &stats, &outcomes, prepared.spec().options.predicted_tokens);
         clock.mark("output");
         Ok(output)
     }

@@ -263,6 +263,10 @@ impl<'a> Objective<'a> {
 }
 
 /// Evaluates the objective of `loss` over the rows. `stats[i]` is ignored where `active[i]` is false.
+///
+/// # Panics
+/// With `options.predicted_tokens`, if an active row's statistics carry no argmax
+/// (`PreparedLoss::objective` checks it and returns an error instead).
 pub fn evaluate(
     loss: &Loss,
     rows: &Rows,

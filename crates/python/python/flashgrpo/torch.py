@@ -285,12 +285,22 @@ def _wants_gradient(*inputs):
 # ---------------------------------------------------------------- the two calls
 
 
-def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=None, defer=False, **row_inputs):
+def _refuse_tokens(options, tokens):
+    """``predicted_tokens`` only where the caller hands the tokens back (the cross-entropy modules):
+    elsewhere it would be computed and dropped."""
+    if options.get("predicted_tokens") and not tokens:
+        raise ValueError("`predicted_tokens` has no output here: use CrossEntropyLoss or FusedLinearCrossEntropyLoss "
+                         "with return_predicted_tokens=True / return_token_accuracy=True, or flashgrpo.arrays")
+
+
+def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=None, defer=False, tokens=False,
+                 **row_inputs):
     """Runs ``op`` over logits ``[B, T, V]`` (or ``[N, V]``); returns the loss value (with the
     kernels' gradient attached when the logits require one) and the per-token outputs. ``defer``:
     the gradient is written in the backward, over the logits with ``in_place`` (Liger's
     ``inplace``), else over a copy of them (see ``_DeferredGradients``): what a per-token loss whose
     rows mix within a sequence (sequence-level importance sampling) needs for a per-token upstream."""
+    _refuse_tokens(options, tokens)
     x = _float_input("logits", logits)
     if x.dim() not in (2, 3):
         raise ValueError(f"`logits` must be [B, T, V] or [N, V], got shape {list(x.shape)}")
@@ -330,11 +340,12 @@ def _default_products(*inputs):
 
 
 def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None, chunk_memory_mb=None,
-                 bf16_products=None, **row_inputs):
+                 bf16_products=None, tokens=False, **row_inputs):
     """Runs ``op`` over ``hidden [B, T, H] (or [N, H]) @ weight[V, H]^T + bias``. A weight or bias
     of another dtype than ``hidden`` is cast to it (a copy, as Liger-Kernel casts the weight); the
     gradients come back in each input's own dtype. A per-token ``value`` (``per_row``) gets its
     gradients in the backward, where the upstream gradient of each token is known."""
+    _refuse_tokens(options, tokens)
     h = _float_input("hidden", hidden)
     w = _float_input("weight", weight)
     b = None if bias is None else _float_input("bias", bias)
@@ -775,10 +786,10 @@ def _token_accuracy(per_token, target, options):
     return correct.sum() / taking_part.sum()
 
 
-def _cross_entropy_result(loss, per_token, target, options, dtype, extras):
-    """The loss alone, or Liger's ``CrossEntropyOutput`` with the extras asked for (``extras``:
-    ``return_z_loss``, ``return_token_accuracy``, ``return_predicted_tokens``)."""
-    z_loss, accuracy, predicted = extras
+def _cross_entropy_result(module, loss, per_token, target, options, dtype):
+    """The loss alone, or Liger's ``CrossEntropyOutput`` with the extras the module asks for
+    (``return_z_loss``, ``return_token_accuracy``, ``return_predicted_tokens``)."""
+    z_loss, accuracy, predicted = module.return_z_loss, module.return_token_accuracy, module.return_predicted_tokens
     if not (z_loss or accuracy or predicted):
         return loss
     return CrossEntropyOutput(
@@ -788,10 +799,8 @@ def _cross_entropy_result(loss, per_token, target, options, dtype, extras):
         predicted_tokens=per_token["predicted_tokens"] if predicted else None)
 
 
-def _cross_entropy_options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, weight_name, weight,
-                           return_z_loss, return_token_accuracy, return_predicted_tokens, token_scaling=False):
-    """The options of Liger's cross-entropy modules as LOSSES.md's, checked as Liger checks them,
-    and the extras asked for."""
+def _check_cross_entropy(*, weight_name, weight, label_smoothing, reduction, softcap):
+    """Liger's cross-entropy modules' checks (as errors, not asserts), and per-class weights refused."""
     if weight is not None:
         raise NotImplementedError(f"`{weight_name}` (per-class weights) is not supported by flashgrpo")
     if reduction not in ("mean", "sum", "none"):
@@ -800,63 +809,89 @@ def _cross_entropy_options(ignore_index, lse_square_scale, label_smoothing, redu
         raise ValueError(f"`label_smoothing` must be between 0.0 and 1.0, got {label_smoothing}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"`softcap` must be > 0 or None, got {softcap}")
-    extras = (bool(return_z_loss), bool(return_token_accuracy), bool(return_predicted_tokens))
-    options = dict(ignore_index=ignore_index, z_loss=lse_square_scale, label_smoothing=label_smoothing,
-                   reduction=reduction, softcap=softcap, token_scaling=bool(token_scaling),
-                   predicted_tokens=extras[1] or extras[2])
-    return options, extras
+
+
+def _cross_entropy_options(module):
+    """LOSSES.md's options from a cross-entropy module's attributes, Liger's names, read at each
+    call (as Liger's forward reads them: a caller may change them between calls)."""
+    return dict(ignore_index=module.ignore_index, z_loss=module.lse_square_scale,
+                label_smoothing=module.label_smoothing, reduction=module.reduction, softcap=module.softcap,
+                token_scaling=bool(getattr(module, "use_token_scaling", False)),
+                predicted_tokens=bool(module.return_token_accuracy or module.return_predicted_tokens))
 
 
 class CrossEntropyLoss(torch.nn.Module):
-    """Drop-in for ``liger_kernel.transformers.LigerCrossEntropyLoss``: the same constructor and
-    ``forward(_input, target)`` on logits ``[BT, V]`` (or ``[B, T, V]``). ``lse_square_scale`` is
-    LOSSES.md's ``z_loss``. With ``return_z_loss``, ``return_token_accuracy`` or
-    ``return_predicted_tokens`` the forward returns Liger's ``CrossEntropyOutput``: ``z_loss`` as
-    in ``FusedLinearCrossEntropyLoss``; ``token_accuracy`` (float32) 1 where the first argmax of
-    the (soft-capped) logits is the target, over the rows not ignored, per token with
-    ``reduction="none"``, else their mean; ``predicted_tokens`` (int64, the target's shape) that
-    argmax, -1 on ignored rows. Per-class ``weight`` is refused rather than ignored."""
+    """Drop-in for ``liger_kernel.transformers.LigerCrossEntropyLoss``: the same constructor,
+    attributes and ``forward(_input, target)`` on logits ``[BT, V]`` (or ``[B, T, V]``); the loss in
+    the logits' dtype, as Liger's. ``lse_square_scale`` is LOSSES.md's ``z_loss``. With
+    ``return_z_loss``, ``return_token_accuracy`` or ``return_predicted_tokens`` the forward returns
+    Liger's ``CrossEntropyOutput``: ``z_loss`` as in ``FusedLinearCrossEntropyLoss``;
+    ``token_accuracy`` (float32) 1 where the first argmax of the (soft-capped) logits is the target,
+    over the rows not ignored, per token with ``reduction="none"``, else their mean;
+    ``predicted_tokens`` (int64, the target's shape) that argmax, -1 on ignored rows. Per-class
+    ``weight`` is refused rather than ignored."""
 
     def __init__(self, weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
                  softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
         super().__init__()
-        self.options, self.extras = _cross_entropy_options(
-            ignore_index, lse_square_scale, label_smoothing, reduction, softcap, "weight", weight, return_z_loss,
-            return_token_accuracy, return_predicted_tokens)
+        _check_cross_entropy(weight_name="weight", weight=weight, label_smoothing=label_smoothing,
+                             reduction=reduction, softcap=softcap)
+        self.weight = weight
+        self.ignore_index = ignore_index
+        self.lse_square_scale = lse_square_scale
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.softcap = softcap
+        self.return_z_loss = return_z_loss
+        self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
 
     def forward(self, _input, target):
-        o = self.options
+        o = _cross_entropy_options(self)
         per_row = "per_token_loss" if o["reduction"] == "none" else None
         loss, per_token = _logits_call("cross_entropy", _input, o, per_row=per_row, out_shape=target.shape,
-                                       targets=target)
-        return _cross_entropy_result(loss, per_token, target, o, _input.dtype, self.extras)
+                                       tokens=True, targets=target)
+        return _cross_entropy_result(self, loss.to(_input.dtype), per_token, target, o, _input.dtype)
 
 
 class FusedLinearCrossEntropyLoss(torch.nn.Module):
     """Drop-in for ``liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss``: the same
-    constructor and ``forward(lin_weight, _input, target, bias=None)``; ``accum_dtype`` is accepted
-    and ignored (the kernels accumulate in f32). ``lse_square_scale`` is LOSSES.md's ``z_loss``,
-    ``softcap`` LOSSES.md's ``softcap``. With ``return_z_loss=True`` the forward returns Liger's
-    ``CrossEntropyOutput(loss, z_loss)``: ``z_loss`` is ``lse_square_scale * lse^2`` over the rows
-    not ignored, reduced as the loss (mean over those rows, sum, or per token), without a
-    gradient, in the input's dtype. ``use_token_scaling`` is LOSSES.md's ``token_scaling`` (each
-    row's loss, gradient and z-loss times its detached ``p_y``). ``return_token_accuracy`` and
-    ``return_predicted_tokens`` as in ``CrossEntropyLoss``, of the logits ``_input @ lin_weight^T
-    (+ bias)`` in f32. Per-class ``ce_weight`` is refused rather than ignored."""
+    constructor, attributes and ``forward(lin_weight, _input, target, bias=None)``; the loss in
+    float32, as Liger's; ``accum_dtype`` is accepted and ignored (the kernels accumulate in f32).
+    ``lse_square_scale`` is LOSSES.md's ``z_loss``, ``softcap`` LOSSES.md's ``softcap``. With
+    ``return_z_loss=True`` the forward returns Liger's ``CrossEntropyOutput(loss, z_loss)``:
+    ``z_loss`` is ``lse_square_scale * lse^2`` over the rows not ignored, reduced as the loss (mean
+    over those rows, sum, or per token), without a gradient, in the input's dtype.
+    ``use_token_scaling`` is LOSSES.md's ``token_scaling`` (each row's loss, gradient and z-loss
+    times its detached ``p_y``). ``return_token_accuracy`` and ``return_predicted_tokens`` as in
+    ``CrossEntropyLoss``, of the logits ``_input @ lin_weight^T (+ bias)`` computed in f32 (Liger
+    computes them in the input's dtype: with bf16 inputs, two near-equal logits it rounds to one
+    value go to the lower column there, to the larger f32 one here). Per-class ``ce_weight`` is
+    refused rather than ignored."""
 
     def __init__(self, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
                  reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False,
                  return_token_accuracy=False, return_predicted_tokens=False, chunk_memory_mb=None):
         super().__init__()
-        del accum_dtype
-        self.options, self.extras = _cross_entropy_options(
-            ignore_index, lse_square_scale, label_smoothing, reduction, softcap, "ce_weight", ce_weight, return_z_loss,
-            return_token_accuracy, return_predicted_tokens, token_scaling=use_token_scaling)
+        _check_cross_entropy(weight_name="ce_weight", weight=ce_weight, label_smoothing=label_smoothing,
+                             reduction=reduction, softcap=softcap)
+        self.ce_weight = ce_weight
+        self.ignore_index = ignore_index
+        self.lse_square_scale = lse_square_scale
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.softcap = softcap
+        self.return_z_loss = return_z_loss
+        self.accum_dtype = accum_dtype
+        self.use_token_scaling = use_token_scaling
+        self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
         self.chunk_memory_mb = chunk_memory_mb
 
     def forward(self, lin_weight, _input, target, bias=None):
-        o = self.options
+        o = _cross_entropy_options(self)
         per_row = "per_token_loss" if o["reduction"] == "none" else None
         loss, per_token = _linear_call("cross_entropy", _input, lin_weight, bias, o, per_row=per_row,
-                                       out_shape=target.shape, chunk_memory_mb=self.chunk_memory_mb, targets=target)
-        return _cross_entropy_result(loss, per_token, target, o, _input.dtype, self.extras)
+                                       out_shape=target.shape, chunk_memory_mb=self.chunk_memory_mb, tokens=True,
+                                       targets=target)
+        return _cross_entropy_result(self, loss, per_token, target, o, _input.dtype)
