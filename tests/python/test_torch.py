@@ -655,6 +655,15 @@ def check_token_accuracy_and_predicted_tokens():
     CHECKS[0] += 1
     if not isinstance(got, ft.CrossEntropyOutput) or got.predicted_tokens is None:
         fail("FusedLinearCrossEntropyLoss attributes", "return_predicted_tokens set after construction is not read")
+    # Liger's functional forms: the modules called once.
+    kw = dict(ignore_index=-1, reduction="sum", lse_square_scale=1e-3, return_z_loss=True, return_token_accuracy=True)
+    want, got = ft.CrossEntropyLoss(**kw)(x, y), ft.liger_cross_entropy(x, y, **kw)
+    close("liger_cross_entropy", "loss", got.loss, want.loss, 0.0)
+    close("liger_cross_entropy", "z_loss", got.z_loss, want.z_loss, 0.0)
+    close("liger_cross_entropy", "token_accuracy", got.token_accuracy, want.token_accuracy, 0.0)
+    got = ft.liger_fused_linear_cross_entropy(h8, w8, y, None, return_predicted_tokens=True)
+    close("liger_fused_linear_cross_entropy", "predicted_tokens", got.predicted_tokens.double(),
+          module(w8, h8, y).predicted_tokens.double(), 0.0)
     # No row taking part: Liger's 0 / 0.
     none_kept = torch.full((4,), -100)
     out = ft.CrossEntropyLoss(return_token_accuracy=True, return_predicted_tokens=True)(torch.randn(4, 9), none_kept)

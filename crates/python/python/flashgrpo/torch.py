@@ -57,6 +57,8 @@ __all__ = [
     "CrossEntropyOutput",
     "triton_grpo_loss",
     "liger_fused_linear_grpo",
+    "liger_cross_entropy",
+    "liger_fused_linear_cross_entropy",
     "release_cached_memory",
 ]
 
@@ -820,7 +822,27 @@ def _cross_entropy_options(module):
                 predicted_tokens=bool(module.return_token_accuracy or module.return_predicted_tokens))
 
 
-class CrossEntropyLoss(torch.nn.Module):
+class _LigerCrossEntropyModule(torch.nn.Module):
+    """What Liger's two cross-entropy modules share: their checks, and the constructor arguments
+    kept as attributes of the same names (``_cross_entropy_options`` reads them at each call)."""
+
+    def __init__(self, *, weight_name, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+                 return_z_loss, return_token_accuracy, return_predicted_tokens):
+        super().__init__()
+        _check_cross_entropy(weight_name=weight_name, weight=weight, label_smoothing=label_smoothing,
+                             reduction=reduction, softcap=softcap)
+        setattr(self, weight_name, weight)
+        self.ignore_index = ignore_index
+        self.lse_square_scale = lse_square_scale
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.softcap = softcap
+        self.return_z_loss = return_z_loss
+        self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
+
+
+class CrossEntropyLoss(_LigerCrossEntropyModule):
     """Drop-in for ``liger_kernel.transformers.LigerCrossEntropyLoss``: the same constructor,
     attributes and ``forward(_input, target)`` on logits ``[BT, V]`` (or ``[B, T, V]``); the loss in
     the logits' dtype, as Liger's. ``lse_square_scale`` is LOSSES.md's ``z_loss``. With
@@ -833,18 +855,10 @@ class CrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
                  softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
-        super().__init__()
-        _check_cross_entropy(weight_name="weight", weight=weight, label_smoothing=label_smoothing,
-                             reduction=reduction, softcap=softcap)
-        self.weight = weight
-        self.ignore_index = ignore_index
-        self.lse_square_scale = lse_square_scale
-        self.label_smoothing = label_smoothing
-        self.reduction = reduction
-        self.softcap = softcap
-        self.return_z_loss = return_z_loss
-        self.return_token_accuracy = return_token_accuracy
-        self.return_predicted_tokens = return_predicted_tokens
+        super().__init__(weight_name="weight", weight=weight, ignore_index=ignore_index,
+                         lse_square_scale=lse_square_scale, label_smoothing=label_smoothing, reduction=reduction,
+                         softcap=softcap, return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                         return_predicted_tokens=return_predicted_tokens)
 
     def forward(self, _input, target):
         o = _cross_entropy_options(self)
@@ -854,7 +868,7 @@ class CrossEntropyLoss(torch.nn.Module):
         return _cross_entropy_result(self, loss.to(_input.dtype), per_token, target, o, _input.dtype)
 
 
-class FusedLinearCrossEntropyLoss(torch.nn.Module):
+class FusedLinearCrossEntropyLoss(_LigerCrossEntropyModule):
     """Drop-in for ``liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss``: the same
     constructor, attributes and ``forward(lin_weight, _input, target, bias=None)``; the loss in
     float32, as Liger's; ``accum_dtype`` is accepted and ignored (the kernels accumulate in f32).
@@ -872,20 +886,12 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
     def __init__(self, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
                  reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False,
                  return_token_accuracy=False, return_predicted_tokens=False, chunk_memory_mb=None):
-        super().__init__()
-        _check_cross_entropy(weight_name="ce_weight", weight=ce_weight, label_smoothing=label_smoothing,
-                             reduction=reduction, softcap=softcap)
-        self.ce_weight = ce_weight
-        self.ignore_index = ignore_index
-        self.lse_square_scale = lse_square_scale
-        self.label_smoothing = label_smoothing
-        self.reduction = reduction
-        self.softcap = softcap
-        self.return_z_loss = return_z_loss
+        super().__init__(weight_name="ce_weight", weight=ce_weight, ignore_index=ignore_index,
+                         lse_square_scale=lse_square_scale, label_smoothing=label_smoothing, reduction=reduction,
+                         softcap=softcap, return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                         return_predicted_tokens=return_predicted_tokens)
         self.accum_dtype = accum_dtype
         self.use_token_scaling = use_token_scaling
-        self.return_token_accuracy = return_token_accuracy
-        self.return_predicted_tokens = return_predicted_tokens
         self.chunk_memory_mb = chunk_memory_mb
 
     def forward(self, lin_weight, _input, target, bias=None):
@@ -895,3 +901,25 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
                                        out_shape=target.shape, chunk_memory_mb=self.chunk_memory_mb, tokens=True,
                                        targets=target)
         return _cross_entropy_result(self, loss, per_token, target, o, _input.dtype)
+
+
+def liger_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                        reduction="mean", label_smoothing=0.0, lse_square_scale=0.0, softcap=None,
+                        return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
+    """Drop-in for ``liger_kernel.transformers.functional.liger_cross_entropy``: ``CrossEntropyLoss``
+    called once. ``size_average`` and ``reduce`` are placeholders there (ignored), and here."""
+    del size_average, reduce
+    return CrossEntropyLoss(weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+                            return_z_loss, return_token_accuracy, return_predicted_tokens)(input, target)
+
+
+def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight=None, ignore_index=-100,
+                                     lse_square_scale=0.0, label_smoothing=0.0, reduction="mean", softcap=None,
+                                     return_z_loss=False, accum_dtype=None, use_token_scaling=False,
+                                     return_token_accuracy=False, return_predicted_tokens=False):
+    """Drop-in for ``liger_kernel.transformers.functional.liger_fused_linear_cross_entropy``:
+    ``FusedLinearCrossEntropyLoss`` called once."""
+    module = FusedLinearCrossEntropyLoss(ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+                                         return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
+                                         return_predicted_tokens)
+    return module(weight, input, target, bias)
