@@ -17,6 +17,10 @@ interpreter (`TRITON_INTERPRET=1`): the peers' real code, not a re-derivation of
   Predicted tokens must be Liger's but where a row's two largest logits (float64, capped) are
   within the logits' own rounding (f32: 1e-5; Liger's bf16 logits: 1e-2), where either may come
   out; the token accuracy may differ by those rows alone.
+- With `--class-weights` (not in the default mix either): every cross-entropy case (both kinds)
+  with per-class weights in [0.25, 1.75), Liger's `weight` / `ce_weight` against ours (since
+  2026-11-30, third session); the float64 reference is `F.cross_entropy(weight=)` with Liger's
+  unweighted z-loss.
 - With `--only logprob` (not in the default mix, which stays as recorded in docs/BENCHMARKS.md):
   `flashgrpo.torch.logprob` against Liger's `fused_selective_log_softmax`, logits around 0 or 20.
 
@@ -28,7 +32,7 @@ per-token formula for unreduced losses; the KL): not a failure where ours is wit
 the gate of float64 and as close as Liger, or where float32 itself cannot do better (see
 `compare`).
 
-Usage: python liger_triton_fuzz.py [--seed 1] [--cases 200] [--only grpo|ce|flce|logprob]
+Usage: python liger_triton_fuzz.py [--seed 1] [--cases 200] [--only grpo|ce|flce|logprob] [--class-weights]
 """
 
 import os
@@ -290,7 +294,8 @@ def ce_case(rng, g, tol):
                 softcap=rng.choice([None, None, 2.0, 30.0]))
     extras = draw_extras(rng)
     upstream = torch.randn(N, generator=g)
-    desc = f"cross_entropy N={N} V={V} {str(dtype)[6:]} {opts} {extras}"
+    weight = class_weights(V, g)
+    desc = f"cross_entropy N={N} V={V} {str(dtype)[6:]} {opts} {extras} class_weights={weight is not None}"
 
     def run(fn):
         x = logits.clone().requires_grad_()
@@ -300,13 +305,13 @@ def ce_case(rng, g, tol):
 
     ours_fn = lambda x: ft.cross_entropy(x, targets, reduction=opts["reduction"], ignore_index=ignore,  # noqa: E731
                                          label_smoothing=opts["label_smoothing"], z_loss=opts["lse_square_scale"],
-                                         softcap=opts["softcap"])
+                                         softcap=opts["softcap"], class_weights=weight)
     if any(extras.values()):
-        ours_fn = lambda x: ft.CrossEntropyLoss(**opts, **extras)(x, targets)  # noqa: E731
+        ours_fn = lambda x: ft.CrossEntropyLoss(weight, **opts, **extras)(x, targets)  # noqa: E731
     ours, theirs = both(lambda: run(ours_fn),
-                        lambda: run(lambda x: LigerCrossEntropyLoss(**opts, **extras)(x, targets)))
-    exact = dict(run(lambda x: ce_reference(x, targets, opts)))
-    torch32 = dict(run(lambda x: ce_reference(x, targets, opts, torch.float32)))
+                        lambda: run(lambda x: LigerCrossEntropyLoss(weight, **opts, **extras)(x, targets)))
+    exact = dict(run(lambda x: ce_reference(x, targets, opts, weight=weight)))
+    torch32 = dict(run(lambda x: ce_reference(x, targets, opts, torch.float32, weight)))
     results = compare(ours, theirs, tol, dtype, exact=exact, torch32=torch32)
     return desc, results + compare_tokens(ours, theirs, capped(logits.double(), opts), targets, opts, 1e-5)
 
@@ -363,15 +368,30 @@ def compare_tokens(ours, theirs, logits64, targets, opts, tie):
     return results
 
 
-def ce_reference(x, targets, opts, dtype=torch.float64):
-    """Cross-entropy with label smoothing and Liger's z-loss (`lse_square_scale * lse^2` per kept
-    row) in `dtype`, PyTorch's own operations, on `c tanh(x / c)` with a soft cap `c`."""
+def ce_reference(x, targets, opts, dtype=torch.float64, weight=None):
+    """Cross-entropy with label smoothing, per-class `weight` and Liger's z-loss
+    (`lse_square_scale * lse^2` per kept row) in `dtype`, PyTorch's own operations, on
+    `c tanh(x / c)` with a soft cap `c`. With weights `mean` divides the cross-entropy by the kept
+    rows' summed target weights (PyTorch's and Liger's) and the z-loss by their count (Liger's)."""
     xx = capped(x.to(dtype), opts)
     kept = targets != opts["ignore_index"]
-    per = torch.nn.functional.cross_entropy(xx, targets, reduction="none", ignore_index=opts["ignore_index"],
+    w = None if weight is None else weight.to(dtype)
+    per = torch.nn.functional.cross_entropy(xx, targets, weight=w, reduction="none", ignore_index=opts["ignore_index"],
                                             label_smoothing=opts["label_smoothing"])
-    per = per + opts["lse_square_scale"] * torch.logsumexp(xx, -1) ** 2 * kept
-    return reduced(per * token_scale(xx, targets, opts), kept, opts)
+    z = opts["lse_square_scale"] * torch.logsumexp(xx, -1) ** 2 * kept
+    scale = token_scale(xx, targets, opts)
+    if w is None or opts["reduction"] != "mean":
+        return reduced((per + z) * scale, kept, opts)
+    target_weight = (w[(targets * kept).long()] * kept).sum()
+    return (per * scale).sum() / target_weight + reduced(z * scale, kept, opts)
+
+
+CLASS_WEIGHTS = [False]
+
+
+def class_weights(vocab, g):
+    """Per-class weights in [0.25, 1.75) with `--class-weights`, else None."""
+    return 0.25 + 1.5 * torch.rand(vocab, generator=g) if CLASS_WEIGHTS[0] else None
 
 
 def capped(x, opts):
@@ -419,7 +439,9 @@ def flce_case(rng, g, tol):
     if rng.random() < 0.5:
         opts.update(return_token_accuracy=rng.random() < 0.6, return_predicted_tokens=rng.random() < 0.6)
     upstream = torch.randn(N, generator=g)
-    desc = f"fused_linear_cross_entropy N={N} H={H} V={V} {str(dtype)[6:]} bias={b is not None} {opts}"
+    weight = class_weights(V, g)
+    desc = f"fused_linear_cross_entropy N={N} H={H} V={V} {str(dtype)[6:]} bias={b is not None} {opts} " \
+           f"class_weights={weight is not None}"
 
     def run(module):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -429,14 +451,14 @@ def flce_case(rng, g, tol):
         out = [("loss", loss.detach().float()), ("grad_hidden", hh.grad.float()), ("grad_weight", ww.grad.float())]
         return out + ([("grad_bias", bb.grad.float())] if bb is not None else []) + outputs
 
-    ours, theirs = both(lambda: run(ft.FusedLinearCrossEntropyLoss(**opts)),
-                        lambda: run(LigerFusedLinearCrossEntropyLoss(**opts)))
+    ours, theirs = both(lambda: run(ft.FusedLinearCrossEntropyLoss(weight, **opts)),
+                        lambda: run(LigerFusedLinearCrossEntropyLoss(weight, **opts)))
     ce_opts = dict(opts, ignore_index=-100)
 
     def reference(dtype):
         def module(ww, hh, t, bb):
             logits = hh.to(dtype) @ ww.to(dtype).T + (0 if bb is None else bb.to(dtype))
-            loss = ce_reference(logits, t, ce_opts, dtype)
+            loss = ce_reference(logits, t, ce_opts, dtype, weight)
             z_loss = z_loss_reference(logits, t, ce_opts) if opts["return_z_loss"] else None
             return SimpleNamespace(loss=loss, z_loss=z_loss, token_accuracy=None, predicted_tokens=None)
         return dict(run(module))
@@ -509,7 +531,9 @@ def main():
     p.add_argument("--cases", type=int, default=200)
     p.add_argument("--tol", type=float, default=2e-5)
     p.add_argument("--only", choices=["grpo", "ce", "flce", "logprob"])
+    p.add_argument("--class-weights", action="store_true", help="every cross-entropy case with per-class weights")
     args = p.parse_args()
+    CLASS_WEIGHTS[0] = args.class_weights
     rng, g = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     kinds = {"grpo": grpo_case, "ce": ce_case, "flce": flce_case, "logprob": logprob_case}
     checks, refusals, failures, worst, liger_rounding = 0, 0, [], {}, []

@@ -672,6 +672,89 @@ def check_token_accuracy_and_predicted_tokens():
         fail("CrossEntropyLoss over ignored rows only", f"{out.token_accuracy} {out.predicted_tokens}")
 
 
+def check_class_weights():
+    """Per-class weights (``CrossEntropyLoss(weight=)``, ``FusedLinearCrossEntropyLoss(ce_weight=)``,
+    the functions' ``class_weights=``) against float64 ``F.cross_entropy(weight=, label_smoothing=)``
+    autograd, with Liger's unweighted z-loss added (``mean`` over the rows not ignored): every
+    reduction, label smoothing (the weights then reach every column), a soft cap, bf16, ignored
+    rows; the weights read at each call; bad weights named."""
+    N, H, V = 14, 8, 67
+    hidden, weight, bias = linear_inputs(1, N, H, V, True)
+    h = hidden.reshape(N, H)
+    targets = torch.randint(0, V, (N,))
+    targets[[3, 9]] = -100
+    c = torch.rand(V) * 1.5 + 0.25
+    c[::7] = 0.0
+    for module, red, s, z, cap, dtype in [
+        ("logits", "mean", 0.0, 0.0, None, "f32"),
+        ("logits", "mean", 0.1, 1e-3, None, "f32"),
+        ("logits", "sum", 0.3, 0.0, 4.0, "f32"),
+        ("logits", "none", 0.2, 1e-3, None, "f32"),
+        ("logits", "mean", 0.1, 0.0, None, "bf16"),
+        ("linear", "mean", 0.1, 1e-3, None, "f32"),
+        ("linear", "none", 0.0, 0.0, 3.0, "f32"),
+        ("linear", "sum", 0.2, 0.0, None, "bf16"),
+        ("function", "mean", 0.1, 1e-3, None, "f32"),
+        ("function-linear", "mean", 0.1, 0.0, None, "f32"),
+        ("in-place", "sum", 0.1, 0.0, None, "f32"),
+    ]:
+        case = f"class weights, {module} {red} s={s} z={z} softcap={cap} {dtype}"
+        hh, ww, bb = (as_dtype(t, dtype).clone().requires_grad_(True) for t in (h, weight, bias))
+        logits = (hh.detach() @ ww.detach().T + bb.detach()).clone()
+        x = logits.clone().requires_grad_(True)
+        kw = dict(lse_square_scale=z, label_smoothing=s, reduction=red, softcap=cap)
+        if module == "logits":
+            got = ft.CrossEntropyLoss(weight=c, **kw)(x, targets)
+        elif module == "linear":
+            got = ft.FusedLinearCrossEntropyLoss(ce_weight=c, **kw)(ww, hh, targets, bb)
+        elif module == "function":
+            got = ft.cross_entropy(x, targets, reduction=red, label_smoothing=s, z_loss=z, class_weights=c)
+        elif module == "function-linear":
+            got = ft.fused_linear_cross_entropy(hh, ww, targets, bias=bb, reduction=red, label_smoothing=s, z_loss=z,
+                                                class_weights=c)
+        else:
+            x = logits.clone()
+            got = ft.cross_entropy(x.requires_grad_(True), targets, reduction=red, label_smoothing=s,
+                                   class_weights=c, in_place=True)
+        upstream = torch.rand(N) if red == "none" else torch.tensor(1.0)
+        (got.float() * upstream).sum().backward()
+        hd, wd, bd = (t.detach().double().requires_grad_(True) for t in (hh, ww, bb))
+        xd = hd @ wd.T + bd if module in ("linear", "function-linear") else logits.double().requires_grad_(True)
+        capped = xd if cap is None else cap * torch.tanh(xd / cap)
+        kept = (targets != -100).double()
+        want = F.cross_entropy(capped, targets, weight=c.double(), label_smoothing=s, reduction=red)
+        z_rows = z * torch.logsumexp(capped, -1) ** 2 * kept
+        want = want + (z_rows if red == "none" else z_rows.sum() / (kept.sum() if red == "mean" else 1.0))
+        (want * upstream.double()).sum().backward()
+        close(case, "loss", got.detach().float(), want.detach(), 1e-5 if dtype == "f32" else 1e-2)
+        if module in ("linear", "function-linear"):
+            tol = 1e-4 if dtype == "f32" else 2e-2
+            for name, g, wg in [("d hidden", hh.grad, hd.grad), ("d weight", ww.grad, wd.grad),
+                                ("d bias", bb.grad, bd.grad)]:
+                close_norm(case, name, g, wg, tol)
+        else:
+            close_norm(case, "d logits", x.grad, xd.grad, 1e-5 if dtype == "f32" else 1e-2)
+    # The weights are an attribute read at each call, as Liger's forward reads it.
+    module = ft.CrossEntropyLoss()
+    x = torch.randn(6, 20)
+    y = torch.randint(0, 20, (6,))
+    plain = module(x, y)
+    module.weight = torch.rand(20) + 0.5
+    close("CrossEntropyLoss.weight set after construction", "loss", module(x, y),
+          F.cross_entropy(x.double(), y, weight=module.weight.double()), 1e-5)
+    close("CrossEntropyLoss without weight", "loss", plain, F.cross_entropy(x.double(), y), 1e-5)
+    expect_error("class weights of the wrong length", ValueError, ["class_weights", "[20]"],
+                 lambda: ft.CrossEntropyLoss(weight=torch.ones(19))(x, y))
+    expect_error("integer class weights", TypeError, ["weight", "floating"],
+                 lambda: ft.CrossEntropyLoss(weight=torch.ones(20, dtype=torch.int64)))
+    expect_error("class weights with a NaN", ValueError, ["class_weights", "class 4"],
+                 lambda: ft.cross_entropy(x, y, class_weights=torch.ones(20).index_fill(0, torch.tensor([4]),
+                                                                                         float("nan"))))
+    import flashgrpo.arrays as fa  # noqa: PLC0415
+    expect_error("class weights on another op", ValueError, ["class_weights", "grpo"],
+                 lambda: fa.loss("grpo", x.numpy()[None], y.numpy()[None], [1.0], class_weights=[1.0] * 20))
+
+
 def check_triton_per_token():
     """`triton_grpo_loss(reduce=False)`: the per-token loss back-propagated with a per-token
     upstream gradient (`loss.backward(dy)`, as Liger's tests do), in place (written in the
@@ -921,10 +1004,8 @@ def check_errors():
     expect_error("ref_logp required", ValueError, ["ref_logp"], lambda: ft.grpo_loss(logits, targets, adv, beta=0.1))
     expect_error("weight shape", ValueError, ["weight"],
                  lambda: ft.fused_linear_grpo_loss(torch.randn(2, 3, 4), torch.randn(10, 5), targets, adv))
-    expect_error("Liger option we lack", NotImplementedError, ["ce_weight"],
-                 lambda: ft.FusedLinearCrossEntropyLoss(ce_weight=torch.ones(10)))
-    expect_error("Liger option we lack (logits level)", NotImplementedError, ["weight"],
-                 lambda: ft.CrossEntropyLoss(weight=torch.ones(10)))
+    expect_error("integer ce_weight", TypeError, ["ce_weight"],
+                 lambda: ft.FusedLinearCrossEntropyLoss(ce_weight=torch.ones(10, dtype=torch.int32)))
     expect_error("label_smoothing out of range", ValueError, ["label_smoothing"],
                  lambda: ft.CrossEntropyLoss(label_smoothing=1.5))
     expect_error("predicted_tokens without an output", ValueError, ["predicted_tokens", "CrossEntropyLoss"],
@@ -971,6 +1052,7 @@ def main():
     check_softcap()
     check_z_loss_and_token_scaling()
     check_token_accuracy_and_predicted_tokens()
+    check_class_weights()
     check_triton_per_token()
     check_per_token_fused_linear()
     check_bf16_products()

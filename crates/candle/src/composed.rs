@@ -82,7 +82,10 @@ impl ComposedLoss {
                     is_ratio: is_ratio.as_deref().map(rows_tensor).transpose()?,
                 }
             }
-            LossKind::CrossEntropy => {
+            LossKind::CrossEntropy { class_weights: Some(_) } => {
+                bail!("the composed baseline has no class weights; use `loss_from_logits` or `loss_from_hidden`")
+            }
+            LossKind::CrossEntropy { class_weights: None } => {
                 for (m, &y) in mask.iter_mut().zip(&targets_i64) {
                     if y == o.ignore_index {
                         *m = 0.0;
@@ -216,7 +219,7 @@ mod tests {
     #[test]
     fn a_soft_cap_is_refused() {
         let inputs = LossInputs {
-            kind: LossKind::CrossEntropy,
+            kind: LossKind::CrossEntropy { class_weights: None },
             batch: 1,
             seq_len: 2,
             targets: Some(vec![0, 1]),

@@ -32,7 +32,7 @@ fn inputs(kind_grpo: bool) -> (Arc<LossInputs>, flashgrpo_kernels::synthetic::Sy
             sampling_logp: Some(data.old_logp.iter().map(|x| x + 0.05).collect()),
         }
     } else {
-        LossKind::CrossEntropy
+        LossKind::CrossEntropy { class_weights: None }
     };
     // GRPO with two of LOSSES.md's additions: a whole-batch one (the entropy quantile) and the
     // rollout correction from `sampling_logp`.
@@ -65,7 +65,7 @@ fn spec<'a>(i: &'a LossInputs, data: &'a flashgrpo_kernels::synthetic::Synthetic
             is_ratio: None,
             sampling_logp: sampling_logp.as_deref(),
         }),
-        _ => Loss::CrossEntropy,
+        _ => Loss::CrossEntropy(Default::default()),
     };
     LossSpec {
         loss,

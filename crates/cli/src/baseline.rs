@@ -133,7 +133,10 @@ mod tests {
                     ..Default::default()
                 },
             ),
-            (Loss::CrossEntropy, LossOptions { label_smoothing: 0.1, z_loss: 1e-3, ..Default::default() }),
+            (
+                Loss::CrossEntropy(Default::default()),
+                LossOptions { label_smoothing: 0.1, z_loss: 1e-3, ..Default::default() },
+            ),
             (Loss::Logprob, LossOptions::default()),
         ];
         for (loss, options) in cases {

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Result};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use flashgrpo_kernels::{IsRatio, LossOptions, LossSpec, Op, PolicyInputs, Rows};
+use flashgrpo_kernels::{CrossEntropyInputs, IsRatio, Loss, LossOptions, LossSpec, Op, PolicyInputs, Rows};
 
 use crate::tensor_io::{expect_shape, FloatData, TensorFile};
 
@@ -28,6 +28,7 @@ pub const INPUT_NAMES: &[&str] = &[
     "ref_logp",
     "is_ratio",
     "sampling_logp",
+    "class_weights",
 ];
 
 /// What the loss is computed on: the logits, or the hidden states and lm_head they come from.
@@ -93,6 +94,8 @@ pub struct Batch {
     pub is_ratio: Option<(Vec<f32>, bool)>,
     /// The sampler's per-token log-probabilities (TRL's `sampling_per_token_logps`).
     pub sampling_logp: Option<Vec<f32>>,
+    /// Cross-entropy: `[V]` class weights.
+    pub class_weights: Option<Vec<f32>>,
 }
 
 impl Batch {
@@ -121,6 +124,7 @@ impl Batch {
             ref_logp: None,
             is_ratio: None,
             sampling_logp: None,
+            class_weights: None,
         };
         if op != Op::Entropy || file.shape("targets").is_some() {
             let (targets, s) = file.ids("targets", "the chosen token of each row, [B, T]")?;
@@ -131,6 +135,7 @@ impl Batch {
             expect_shape("mask", &s, &bt, &per_row)?;
             b.mask = Some(mask);
         }
+        b.class_weights = read_class_weights(file, op, vocab, &per_row)?;
         if op == Op::Grpo {
             let Some((adv, s)) = file.floats("advantages")? else {
                 bail!("missing tensor `advantages` (GRPO needs one advantage per sequence, [B] = [{batch}]); it holds: {}", file.names().join(", "));
@@ -172,7 +177,12 @@ impl Batch {
             }),
             sampling_logp: self.sampling_logp.as_deref(),
         });
-        let loss = self.op.loss(policy).expect("a grpo batch has its advantages");
+        let loss = match self.op.loss(policy).expect("a grpo batch has its advantages") {
+            Loss::CrossEntropy(_) => {
+                Loss::CrossEntropy(CrossEntropyInputs { class_weights: self.class_weights.as_deref() })
+            }
+            loss => loss,
+        };
         LossSpec {
             loss,
             rows: Rows {
@@ -186,6 +196,16 @@ impl Batch {
             batch_shard: None,
         }
     }
+}
+
+/// `class_weights [V]`, cross-entropy's only.
+pub fn read_class_weights(file: &TensorFile, op: Op, vocab: usize, per_row: &str) -> Result<Option<Vec<f32>>> {
+    let Some((c, s)) = file.floats("class_weights")? else { return Ok(None) };
+    if op != Op::CrossEntropy {
+        bail!("`class_weights` weighs cross-entropy's classes; the `{}` op takes none", op.name());
+    }
+    expect_shape("class_weights", &s, &[vocab], &format!("{per_row} (one weight per class)"))?;
+    Ok(Some(c))
 }
 
 /// Reads `logits [B,T,V]`, or `hidden [B,T,H]` + `weight [V,H]` (+ `bias [V]`): the scores, the

@@ -37,6 +37,8 @@ pub struct InputSpec {
     pub with_old_logp: bool,
     /// GRPO: pass `sampling_logp` (the rollout engine's log-probabilities).
     pub with_sampling_logp: bool,
+    /// Cross-entropy: pass class weights `[V]` (in [0.5, 1.5)).
+    pub with_class_weights: bool,
     /// GRPO: pass `ref_logp` (required when beta != 0).
     pub with_ref_logp: bool,
     /// Read `logits [B,T,V]` (and any other inputs present) from this safetensors file instead;
@@ -67,6 +69,7 @@ impl Default for InputSpec {
             ignore_fraction: 0.0,
             with_old_logp: true,
             with_sampling_logp: false,
+            with_class_weights: false,
             with_ref_logp: true,
             logits_file: None,
             hidden_size: None,
@@ -156,6 +159,8 @@ impl InputSpec {
             ref_logp: (grpo && self.with_ref_logp).then_some(old_ref.1),
             is_ratio: None,
             sampling_logp,
+            class_weights: (self.op == Op::CrossEntropy && self.with_class_weights)
+                .then(|| (0..spec.vocab).map(|_| 0.5 + rng.uniform() as f32).collect()),
         };
         if let Some(file) = file {
             overlay_file_inputs(&mut batch, &file)?;
@@ -208,6 +213,9 @@ fn overlay_file_inputs(batch: &mut Batch, file: &TensorFile) -> Result<()> {
     if let Some((m, s)) = file.mask("mask")? {
         expect_shape("mask", &s, &bt, &because)?;
         batch.mask = Some(m);
+    }
+    if let Some(c) = crate::batch::read_class_weights(file, batch.op, batch.vocab, &because)? {
+        batch.class_weights = Some(c);
     }
     if batch.op == Op::Grpo {
         if let Some((a, s)) = file.floats("advantages")? {

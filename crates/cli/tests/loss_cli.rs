@@ -235,6 +235,86 @@ fn predicted_tokens_are_written_as_i64() {
     }
 }
 
+/// `class_weights [V]` (cross-entropy): the reference's loss and gradient with the weights, in
+/// every impl, with label smoothing; on another op, or of the wrong length, a named error.
+#[test]
+fn class_weights_are_read_for_cross_entropy() {
+    let dir = Dir::new("class-weights");
+    let (plain, data) = grpo_inputs(&dir, Dtype::F32);
+    let weights: Vec<f32> = (0..V).map(|j| 0.25 + (j % 5) as f32 * 0.4).collect();
+    let input = dir.path("weighted.safetensors");
+    let bytes = std::fs::read(&plain).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let copy = |name: &'static str| {
+        let t = st.tensor(name).unwrap();
+        T { name, dtype: t.dtype(), shape: t.shape().to_vec(), bytes: t.data().to_vec() }
+    };
+    write(&input, &[copy("logits"), copy("targets"), copy("mask"), f32s("class_weights", vec![V], &weights)]);
+    let options = LossOptions { label_smoothing: 0.1, z_loss: 1e-3, ..Default::default() };
+    let spec = LossSpec {
+        loss: Loss::CrossEntropy(flashgrpo_kernels::CrossEntropyInputs { class_weights: Some(&weights) }),
+        rows: Rows { batch: B, seq_len: L, vocab: V, targets: Some(&data.targets), mask: Some(&data.mask) },
+        options: &options,
+        batch_shard: None,
+    };
+    let logits64: Vec<f64> = data.logits.iter().map(|&x| x as f64).collect();
+    let want = reference::evaluate(spec, &logits64).unwrap();
+    for imp in ["reference", "fused", "fused-inplace"] {
+        let out = dir.path("out.safetensors");
+        let o = bin()
+            .args([
+                "loss",
+                "--op",
+                "cross_entropy",
+                "--impl",
+                imp,
+                "--set",
+                "label_smoothing=0.1",
+                "--set",
+                "z_loss=1e-3",
+            ])
+            .arg("--inputs")
+            .arg(&input)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{imp}: {}", String::from_utf8_lossy(&o.stderr));
+        let bytes = std::fs::read(&out).unwrap();
+        let (loss, _) = read_f32(&bytes, "loss");
+        assert!(
+            (loss[0] as f64 - want.loss).abs() < 1e-6 * want.loss.abs().max(1.0),
+            "{imp}: {} vs {}",
+            loss[0],
+            want.loss
+        );
+        let (g, _) = read_f32(&bytes, "grad_logits");
+        let g_ref = want.grad.as_ref().unwrap();
+        let err: f64 = g.iter().zip(g_ref).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt()
+            / g_ref.iter().map(|b| b * b).sum::<f64>().sqrt();
+        assert!(err < 1e-5, "{imp}: gradient error {err}");
+    }
+    let e = fails(
+        &dir,
+        "grpo",
+        &[
+            copy("logits"),
+            copy("targets"),
+            f32s("advantages", vec![B], &[1.0, -1.0]),
+            f32s("class_weights", vec![V], &weights),
+        ],
+        &[],
+    );
+    assert!(e.contains("class_weights") && e.contains("grpo"), "{e}");
+    let e = fails(
+        &dir,
+        "cross_entropy",
+        &[copy("logits"), copy("targets"), f32s("class_weights", vec![V - 1], &weights[1..])],
+        &[],
+    );
+    assert!(e.contains("`class_weights` has shape [49]") && e.contains("[50]"), "{e}");
+}
+
 /// Runs `flashgrpo loss` expecting failure; returns stderr and checks no output was written.
 fn fails(dir: &Dir, op: &str, tensors: &[T], sets: &[&str]) -> String {
     let input = dir.path("bad.safetensors");

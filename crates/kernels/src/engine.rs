@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use crate::cpu::{self, Block, GradientTarget, LogitMap, RowMax};
+use crate::cpu::{self, Block, GradientTarget, LogitMap, RowMax, SumU, Wanted};
 use crate::element::Element;
 use crate::error::LossError;
 use crate::inputs::{validate, BatchShard, Loss, Rows};
@@ -54,14 +54,25 @@ impl<'a> PreparedLoss<'a> {
         &self.spec
     }
 
-    /// `sum u` feeds label smoothing only; the statistics skip it otherwise.
-    pub(crate) fn needs_sum_u(&self) -> bool {
-        matches!(self.spec.loss, Loss::CrossEntropy) && self.spec.options.label_smoothing != 0.0
+    /// `sum u` feeds label smoothing only (class-weighted with class weights); the statistics
+    /// skip it otherwise.
+    pub(crate) fn sum_u(&self) -> SumU<'a> {
+        match self.spec.loss {
+            Loss::CrossEntropy(inputs) if self.spec.options.label_smoothing != 0.0 => {
+                inputs.class_weights.map_or(SumU::Plain, SumU::Weighted)
+            }
+            _ => SumU::Skip,
+        }
     }
 
     /// Each row's argmax (its predicted token) is asked for.
     pub(crate) fn needs_argmax(&self) -> bool {
         self.spec.options.predicted_tokens
+    }
+
+    /// What the statistics pass adds to the row kernels' own statistics.
+    pub(crate) fn wanted(&self) -> Wanted<'a> {
+        Wanted { sum_u: self.sum_u(), argmax: self.needs_argmax() }
     }
 
     /// Whether each row takes part (mask 1, and not cross-entropy's `ignore_index`).
@@ -120,7 +131,7 @@ impl<'a> PreparedLoss<'a> {
         self.check_shard_len(logits.len(), &columns)?;
         let block = Block::all_rows(&self.spec.rows, &self.active, columns);
         let map = LogitMap::of(self.spec.options);
-        cpu::statistics(logits, &block, map, self.needs_sum_u(), self.needs_argmax(), max)
+        cpu::statistics(logits, &block, map, self.wanted(), max)
     }
 
     /// Step 2 from the statistics of the whole vocabulary (one shard's, or [`combine_shards`]'s).
@@ -208,6 +219,7 @@ impl<'a> PreparedLoss<'a> {
             &Block::all_rows(&self.spec.rows, &self.active, columns),
             grads,
             LogitMap::of(self.spec.options),
+            self.sum_u().weights(),
         );
         Ok(())
     }
@@ -258,7 +270,7 @@ fn run_with_gradient<T: Element>(
     prepared.check_shard_len(target.logits().len(), &(0..spec.rows.vocab))?;
     let block = Block::all_rows(&spec.rows, &prepared.active, 0..spec.rows.vocab);
     let map = LogitMap::of(spec.options);
-    let rows = cpu::sweep(target, &block, &objective, map, prepared.needs_sum_u(), prepared.needs_argmax())?;
+    let rows = cpu::sweep(target, &block, &objective, map, prepared.wanted())?;
     let (stats, outcomes): (Vec<RowStats>, Vec<_>) = rows.into_iter().unzip();
     Ok(objective.output(&spec.rows, &prepared.active, &stats, &outcomes, spec.options.predicted_tokens))
 }

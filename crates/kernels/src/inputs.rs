@@ -71,6 +71,15 @@ impl<'a> PolicyInputs<'a> {
     }
 }
 
+/// The cross-entropy-only inputs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CrossEntropyInputs<'a> {
+    /// `[V]`: a weight per class (PyTorch's and Liger's `weight`, Liger's `ce_weight`). A row
+    /// weighs `c[y]`, and label smoothing's uniform target becomes `c_j / V`; `mean` divides by
+    /// the rows' summed `c[y]` (LOSSES.md, "Class weights").
+    pub class_weights: Option<&'a [f32]>,
+}
+
 /// The ops of LOSSES.md, by name: what every front end (CLI, candle, Python) parses an op into
 /// before it gathers the op's inputs into a [`Loss`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
@@ -103,7 +112,7 @@ impl Op {
                 tensor: "advantages",
                 why: "the grpo op needs one advantage per sequence".into(),
             })?),
-            Op::CrossEntropy => Loss::CrossEntropy,
+            Op::CrossEntropy => Loss::CrossEntropy(CrossEntropyInputs::default()),
             Op::Entropy => Loss::Entropy,
             Op::Logprob => Loss::Logprob,
         })
@@ -124,7 +133,7 @@ impl std::str::FromStr for Op {
 #[derive(Debug, Clone, Copy)]
 pub enum Loss<'a> {
     Grpo(PolicyInputs<'a>),
-    CrossEntropy,
+    CrossEntropy(CrossEntropyInputs<'a>),
     /// No gradient; `loss` is the mean entropy over unmasked rows.
     Entropy,
     /// `loss = sum(mask * logp)`, whose gradient this op returns.
@@ -139,7 +148,7 @@ impl Loss<'_> {
     pub fn op(&self) -> Op {
         match self {
             Loss::Grpo(_) => Op::Grpo,
-            Loss::CrossEntropy => Op::CrossEntropy,
+            Loss::CrossEntropy(_) => Op::CrossEntropy,
             Loss::Entropy => Op::Entropy,
             Loss::Logprob => Op::Logprob,
         }
@@ -148,6 +157,14 @@ impl Loss<'_> {
     /// Entropy alone has no gradient output.
     pub fn has_gradient(&self) -> bool {
         !matches!(self, Loss::Entropy)
+    }
+
+    /// Cross-entropy's class weights, when given.
+    pub fn class_weights(&self) -> Option<&[f32]> {
+        match self {
+            Loss::CrossEntropy(inputs) => inputs.class_weights,
+            _ => None,
+        }
     }
 }
 
@@ -171,6 +188,9 @@ pub struct BatchShard {
     /// reductions average over them); `None` takes `global_batch`, right when no sequence is
     /// empty.
     pub global_sequences_with_tokens: Option<f64>,
+    /// Cross-entropy with class weights `c`: the summed `c[y]` of the whole batch's counted rows,
+    /// which `mean` divides by; `None` sums this shard's.
+    pub global_target_weight: Option<f64>,
 }
 
 impl BatchShard {
@@ -182,6 +202,7 @@ impl BatchShard {
             entropy_threshold: None,
             global_bonus_rows: None,
             global_sequences_with_tokens: None,
+            global_target_weight: None,
         }
     }
 }
@@ -195,10 +216,18 @@ pub(crate) struct Normalisers {
     pub sequences_with_tokens: f64,
     pub num_items: f64,
     pub max_completion_length: f64,
+    /// The summed class weight of the counted rows' targets (`valid_rows` without class weights).
+    pub target_weight: f64,
 }
 
 impl Normalisers {
-    pub fn resolve(rows: &Rows, active: &[bool], options: &LossOptions, shard: Option<BatchShard>) -> Self {
+    pub fn resolve(
+        loss: &Loss,
+        rows: &Rows,
+        active: &[bool],
+        options: &LossOptions,
+        shard: Option<BatchShard>,
+    ) -> Self {
         let t = rows.seq_len.max(1);
         let (batch, valid_rows, sequences_with_tokens) = match shard {
             Some(s) => (
@@ -212,12 +241,21 @@ impl Normalisers {
                 active.chunks(t).filter(|seq| seq.iter().any(|&a| a)).count() as f64,
             ),
         };
+        let target_weight = match (shard.and_then(|s| s.global_target_weight), loss.class_weights(), rows.targets) {
+            (Some(global), _, _) => global,
+            (None, Some(c), Some(y)) => {
+                let weights = y.iter().zip(active).filter(|(_, &a)| a).map(|(&y, _)| c[y as usize] as f64);
+                weights.fold(0.0, |acc, w| acc + w)
+            }
+            _ => valid_rows,
+        };
         Self {
             batch,
             valid_rows,
             sequences_with_tokens,
             num_items: options.num_items.unwrap_or(valid_rows),
             max_completion_length: options.max_completion_length.unwrap_or(rows.seq_len) as f64,
+            target_weight,
         }
     }
 }
@@ -266,7 +304,10 @@ pub fn validate(loss: &Loss, rows: &Rows, options: &LossOptions) -> Result<Vec<b
         Some(m) => m.iter().map(|&v| v != 0.0).collect(),
         None => vec![true; n],
     };
-    if let (Loss::CrossEntropy, Some(targets)) = (loss, rows.targets) {
+    if let Some(c) = loss.class_weights() {
+        validate_class_weights(c, rows.vocab)?;
+    }
+    if let (Loss::CrossEntropy(_), Some(targets)) = (loss, rows.targets) {
         for (a, &y) in active.iter_mut().zip(targets) {
             *a &= y != options.ignore_index;
         }
@@ -284,6 +325,24 @@ pub fn validate(loss: &Loss, rows: &Rows, options: &LossOptions) -> Result<Vec<b
         validate_policy_inputs(p, rows, options, &active)?;
     }
     Ok(active)
+}
+
+/// `[V]` finite weights: the reduction and the smoothing term sum them.
+fn validate_class_weights(c: &[f32], vocab: usize) -> Result<(), LossError> {
+    if c.len() != vocab {
+        return Err(LossError::Shape {
+            tensor: "class_weights",
+            got: vec![c.len()],
+            expected: format!("one weight per class of the vocabulary, [V] = [{vocab}]"),
+        });
+    }
+    match c.iter().position(|w| !w.is_finite()) {
+        Some(j) => Err(LossError::InvalidOption {
+            name: "class_weights",
+            message: format!("the weight of class {j} is {}; every class weight must be finite", c[j]),
+        }),
+        None => Ok(()),
+    }
 }
 
 fn validate_policy_inputs(

@@ -62,7 +62,7 @@ pub use cpu::GradientTarget;
 pub use element::{DType, Element};
 pub use engine::{combine_shards, forward, forward_backward, forward_backward_in_place, LossSpec, PreparedLoss};
 pub use error::LossError;
-pub use inputs::{BatchShard, IsRatio, Loss, Op, PolicyInputs, Rows};
+pub use inputs::{BatchShard, CrossEntropyInputs, IsRatio, Loss, Op, PolicyInputs, Rows};
 pub use linear::{
     linear_forward, linear_forward_backward, ChunkBudget, LinearGradients, LinearInputs, PreparedLinearLoss,
 };

@@ -5,7 +5,7 @@
 //! [`ChunkBudget`].
 
 use crate::engine::LossSpec;
-use crate::inputs::{BatchShard, IsRatio, Loss, PolicyInputs, Rows};
+use crate::inputs::{BatchShard, CrossEntropyInputs, IsRatio, Loss, PolicyInputs, Rows};
 use crate::linear::ChunkBudget;
 use crate::options::LossOptions;
 
@@ -24,7 +24,10 @@ pub enum LossKind {
         /// `[B*T]`: the sampler's own log-probabilities (rollout correction, off-policy mask).
         sampling_logp: Option<Vec<f32>>,
     },
-    CrossEntropy,
+    CrossEntropy {
+        /// `[V]`: a weight per class (LOSSES.md, "Class weights").
+        class_weights: Option<Vec<f32>>,
+    },
     Entropy,
     Logprob,
 }
@@ -61,7 +64,7 @@ impl LossInputs {
                 }),
                 sampling_logp: p.sampling_logp.map(<[f32]>::to_vec),
             },
-            Loss::CrossEntropy => LossKind::CrossEntropy,
+            Loss::CrossEntropy(c) => LossKind::CrossEntropy { class_weights: c.class_weights.map(<[f32]>::to_vec) },
             Loss::Entropy => LossKind::Entropy,
             Loss::Logprob => LossKind::Logprob,
         };
@@ -93,7 +96,9 @@ impl LossInputs {
                 }),
                 sampling_logp: sampling_logp.as_deref(),
             }),
-            LossKind::CrossEntropy => Loss::CrossEntropy,
+            LossKind::CrossEntropy { class_weights } => {
+                Loss::CrossEntropy(CrossEntropyInputs { class_weights: class_weights.as_deref() })
+            }
             LossKind::Entropy => Loss::Entropy,
             LossKind::Logprob => Loss::Logprob,
         };

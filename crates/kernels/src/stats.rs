@@ -26,7 +26,8 @@ pub struct PartialRowStats {
     pub sum_exp: f32,
     /// `sum exp(u - max) * (u - max)`.
     pub sum_exp_shifted: f32,
-    /// `sum u` (for label smoothing's `mean_j u_j`).
+    /// `sum u` (for label smoothing's `mean_j u_j`); with class weights `c` (cross-entropy),
+    /// `sum c_j u_j` over the part's columns.
     pub sum_u: f32,
     /// `u` at the target, when the target falls in this part, in f64: the exact product of the
     /// logit and the f32 inverse temperature where the sums are of exact products (the base-2
@@ -149,7 +150,7 @@ pub struct RowStats {
     pub entropy: f64,
     /// `log p_y`, when the row has a target.
     pub logp: Option<f64>,
-    /// `mean_j u_j`.
+    /// `mean_j u_j`; with class weights `c` (cross-entropy), `sum_j c_j u_j / V`.
     pub mean_u: f64,
     /// The predicted token ([`Argmax`]), when asked for.
     pub argmax: Option<usize>,

@@ -110,7 +110,7 @@ fn missing_targets_mask_values_and_options() {
     let logits = [0.0f32; 8];
     let options = LossOptions::default();
     let rows = Rows { batch: 1, seq_len: 2, vocab: 4, targets: None, mask: None };
-    let spec = LossSpec { loss: Loss::CrossEntropy, rows, options: &options, batch_shard: None };
+    let spec = LossSpec { loss: Loss::CrossEntropy(Default::default()), rows, options: &options, batch_shard: None };
     assert!(err_of(spec, &logits).contains("missing input `targets`"));
     // Entropy needs no targets.
     forward(LossSpec { loss: Loss::Entropy, ..spec }, &logits).unwrap();

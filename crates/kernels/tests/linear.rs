@@ -172,6 +172,20 @@ fn every_op_and_option_matches_the_reference() {
             o.z_loss = 1e-3;
         }),
     ]);
+    // Class weights: a row weight `c_y`, and with label smoothing a term per column.
+    let weighted = |c: Case| Case { class_weights: true, ignored: 0.2, ..c };
+    cases.extend([
+        weighted(Case::new(Op::CrossEntropy, 2, 6, 67)),
+        weighted(Case::new(Op::CrossEntropy, 2, 6, 67).with(|o| {
+            o.label_smoothing = 0.1;
+            o.z_loss = 1e-3;
+        })),
+        weighted(Case::new(Op::CrossEntropy, 2, 6, 67).with(|o| {
+            o.label_smoothing = 0.2;
+            o.softcap = Some(4.0);
+            o.reduction = Reduction::Sum;
+        })),
+    ]);
     for case in cases {
         let data = case.data();
         for (h, bias) in [(8, false), (13, true), (1, true)] {

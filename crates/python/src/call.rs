@@ -4,8 +4,8 @@
 
 use flashgrpo_kernels::{
     forward, forward_backward, forward_backward_in_place, linear_forward, linear_forward_backward, with_element,
-    Bf16Choice, ChunkBudget, DType, Element, IsRatio, LinearGradients, LinearInputs, LossOptions, LossOutput, LossSpec,
-    Op, PolicyInputs, Rows,
+    Bf16Choice, ChunkBudget, CrossEntropyInputs, DType, Element, IsRatio, LinearGradients, LinearInputs, Loss,
+    LossOptions, LossOutput, LossSpec, Op, PolicyInputs, Rows,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -34,6 +34,8 @@ pub struct RowAddresses {
     pub is_ratio: usize,
     pub is_ratio_per_sequence: bool,
     pub sampling_logp: usize,
+    /// Cross-entropy's `[V]` class weights.
+    pub class_weights: usize,
 }
 
 impl RowAddresses {
@@ -67,8 +69,17 @@ impl RowAddresses {
         } else {
             None
         };
+        if self.class_weights != 0 && op != Op::CrossEntropy {
+            return Err(format!("`class_weights` weighs cross-entropy's classes; the `{}` op takes none", op.name()));
+        }
+        let loss = match op.loss(policy).map_err(message)? {
+            Loss::CrossEntropy(_) => Loss::CrossEntropy(CrossEntropyInputs {
+                class_weights: unsafe { Address::new("class_weights", self.class_weights, self.vocab).slice()? },
+            }),
+            loss => loss,
+        };
         Ok(LossSpec {
-            loss: op.loss(policy).map_err(message)?,
+            loss,
             rows: Rows {
                 batch: self.batch,
                 seq_len: self.seq_len,

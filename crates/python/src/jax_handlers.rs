@@ -98,6 +98,8 @@ fn per_row_inputs(
         is_ratio: address(is_ratio),
         is_ratio_per_sequence: is_ratio.len() == batch && seq_len != 1,
         sampling_logp: address(arg(6)?),
+        // Class weights are not an operand of the JAX calls (docs/PYTHON.md).
+        class_weights: 0,
     })
 }
 

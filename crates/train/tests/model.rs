@@ -98,7 +98,7 @@ fn every_parameter_receives_a_gradient() {
         let mask: Vec<u8> = (0..b * t).map(|i| u8::from(i % t < 5 || i < t)).collect();
         let hidden = m.hidden_states(&x, Some(&mask), true).unwrap();
         let inputs = Arc::new(LossInputs {
-            kind: LossKind::CrossEntropy,
+            kind: LossKind::CrossEntropy { class_weights: None },
             batch: b,
             seq_len: t,
             targets: Some(x.flatten_all().unwrap().to_vec1::<u32>().unwrap().into_iter().map(i64::from).collect()),

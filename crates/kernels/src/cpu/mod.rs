@@ -8,6 +8,7 @@
 //! rereads it from cache (a 151936-wide f32 row is 594 KiB and fits in L2).
 
 mod argmax;
+mod class_weights;
 pub mod isa;
 mod math;
 mod row;
@@ -58,6 +59,14 @@ impl<'a, T> GradientTarget<'a, T> {
             GradientTarget::InPlace(row) => (None, row),
         }
     }
+
+    /// The target of [`into_parts`](Self::into_parts)'s parts.
+    pub(crate) fn of_parts(logits: Option<&'a [T]>, out: &'a mut [T]) -> Self {
+        match logits {
+            Some(logits) => GradientTarget::Into { logits, out },
+            None => GradientTarget::InPlace(out),
+        }
+    }
 }
 
 type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>, bool, RowMax) -> PartialRowStats;
@@ -71,6 +80,8 @@ type ZeroFn<T> = unsafe fn(&mut [T], bool);
 type CapFn<T> = unsafe fn(&[T], f32, &mut [f32]);
 type ChainFn<T> = unsafe fn(&[f32], Option<&[T]>, &mut [T], f32);
 type FirstMaxFn<T> = unsafe fn(&[T]) -> Option<(f32, usize)>;
+type WeightedSumFn<T> = unsafe fn(&[T], &[f32]) -> f32;
+type AddWeightedFn<T> = unsafe fn(&mut [T], f32, &[f32]);
 
 /// The row kernels compiled for one instruction set.
 #[derive(Clone, Copy)]
@@ -82,6 +93,8 @@ struct Kernels<T> {
     cap: CapFn<T>,
     chain: ChainFn<T>,
     first_max: FirstMaxFn<T>,
+    weighted_sum: WeightedSumFn<T>,
+    add_weighted: AddWeightedFn<T>,
 }
 
 /// Compiles the row kernels for one instruction set: `$simd` is the [`simd::Simd`] token.
@@ -139,6 +152,20 @@ macro_rules! isa_kernels {
                 argmax::first_max(row)
             }
 
+            /// # Safety
+            /// As for `statistics`.
+            $(#[$attr])*
+            pub unsafe fn weighted_sum<T: Element>(row: &[T], weights: &[f32]) -> f32 {
+                class_weights::weighted_sum(row, weights)
+            }
+
+            /// # Safety
+            /// As for `statistics`.
+            $(#[$attr])*
+            pub unsafe fn add_weighted<T: Element>(out: &mut [T], d: f32, weights: &[f32]) {
+                class_weights::add_weighted(out, d, weights)
+            }
+
             pub fn kernels<T: Element>() -> Kernels<T> {
                 Kernels {
                     statistics: statistics::<T>,
@@ -148,6 +175,8 @@ macro_rules! isa_kernels {
                     cap: cap::<T>,
                     chain: chain::<T>,
                     first_max: first_max::<T>,
+                    weighted_sum: weighted_sum::<T>,
+                    add_weighted: add_weighted::<T>,
                 }
             }
         }
@@ -318,15 +347,109 @@ impl LogitMap {
     }
 }
 
+/// Which `sum u` a row's statistics carry ([`PartialRowStats::sum_u`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum SumU<'a> {
+    /// None: no objective reads it.
+    Skip,
+    /// `sum_j u_j` (label smoothing), which the row kernels sum as they go.
+    Plain,
+    /// `sum_j c_j u_j`, with the class weights `c` of the whole vocabulary (label smoothing with
+    /// class weights): a pass of its own ([`class_weights`]); the gradient's `d` term is then
+    /// `d c_j` too.
+    Weighted(&'a [f32]),
+}
+
+impl<'a> SumU<'a> {
+    /// The class weights of the gradient's `d` term, when it has them.
+    pub fn weights(self) -> Option<&'a [f32]> {
+        match self {
+            SumU::Weighted(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+/// What step 1 adds to the row kernels' own statistics of a row part.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Wanted<'a> {
+    pub sum_u: SumU<'a>,
+    /// The part's argmax (`LossOptions::predicted_tokens`).
+    pub argmax: bool,
+}
+
+impl Wanted<'_> {
+    /// Whether the row kernels sum `u` themselves.
+    fn kernel_sum_u(&self) -> bool {
+        self.sum_u == SumU::Plain
+    }
+}
+
+/// What passes of their own add to the row kernels' statistics of a row part ([`Wanted`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Extras {
+    weighted_sum_u: Option<f32>,
+    argmax: Option<Argmax>,
+}
+
+impl Extras {
+    fn apply(self, p: PartialRowStats) -> PartialRowStats {
+        PartialRowStats { sum_u: self.weighted_sum_u.unwrap_or(p.sum_u), argmax: self.argmax, ..p }
+    }
+}
+
+impl<T: Element> Kernels<T> {
+    /// What `wanted` adds to the statistics of a row part (its logits or capped values `row`,
+    /// from column `first` of the vocabulary).
+    fn extras(&self, row: &[T], first: usize, wanted: Wanted<'_>, inv_t: f32) -> Extras {
+        Extras {
+            weighted_sum_u: wanted
+                .sum_u
+                .weights()
+                .map(|c| self.weighted_sum(row, &c[first..first + row.len()]) * inv_t),
+            argmax: if wanted.argmax { self.argmax(row, first) } else { None },
+        }
+    }
+
+    /// [`Kernels::sweep`] over a whole row with what `wanted` adds to its statistics, taken before
+    /// the gradient overwrites the row; with class weights, the gradient's `d c_j` added after
+    /// the row kernel wrote the rest (plain stores then: the term rereads the row).
+    #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and what is wanted
+    fn sweep_wanted(
+        &self,
+        dst: GradientTarget<'_, T>,
+        inv_t: f32,
+        target: Option<usize>,
+        wanted: Wanted<'_>,
+        large: bool,
+        finish: Finish<'_>,
+    ) -> bool {
+        let (src, out) = dst.into_parts();
+        let extras = self.extras(src.unwrap_or(out), 0, wanted, inv_t);
+        let weights = wanted.sum_u.weights();
+        let mut d = 0.0;
+        let mut finish = |p: PartialRowStats| {
+            let g = finish(extras.apply(p))?;
+            d = g.d;
+            Some(if weights.is_some() { g.without_d() } else { g })
+        };
+        let dst = GradientTarget::of_parts(src, &mut *out);
+        let done = self.sweep(dst, inv_t, target, wanted.kernel_sum_u(), large && weights.is_none(), &mut finish);
+        if let (true, Some(c)) = (done, weights) {
+            self.add_weighted(out, d, c);
+        }
+        done
+    }
+}
+
 /// Step 1: partial statistics of every active row of the block (`logits` holds
-/// `[block.len, columns.len()]`); `sum u` only when `sum_u`, the argmax only when `argmax`.
+/// `[block.len, columns.len()]`), with what `wanted` adds.
 /// Inactive rows are not read. A NaN or Inf makes the lowest such row an error.
 pub(crate) fn statistics<T: Element>(
     logits: &[T],
     block: &Block<'_>,
     map: LogitMap,
-    sum_u: bool,
-    argmax: bool,
+    wanted: Wanted<'_>,
     max: RowMax,
 ) -> Result<Vec<PartialRowStats>, LossError> {
     let width = block.columns.len();
@@ -336,6 +459,7 @@ pub(crate) fn statistics<T: Element>(
     }
     let k = Kernels::<T>::select();
     let k32 = Kernels::<f32>::select();
+    let first = block.columns.start;
     let stats: Vec<PartialRowStats> = logits
         .par_chunks(width)
         .with_min_len(rows_per_task(width))
@@ -345,15 +469,12 @@ pub(crate) fn statistics<T: Element>(
             if !block.active[i] {
                 return PartialRowStats::EMPTY;
             }
-            let first = block.columns.start;
             match map.softcap {
-                None => PartialRowStats {
-                    argmax: if argmax { k.argmax(r, first) } else { None },
-                    ..k.statistics(r, inv_t, block.target(i), sum_u, max)
-                },
-                Some(cap) => {
-                    k.capped_statistics(&k32, r, cap, inv_t, block.target(i), sum_u, argmax.then_some(first), max)
+                None => {
+                    let p = k.statistics(r, inv_t, block.target(i), wanted.kernel_sum_u(), max);
+                    k.extras(r, first, wanted, inv_t).apply(p)
                 }
+                Some(cap) => k.capped_statistics(&k32, r, cap, inv_t, block.target(i), first, wanted, max),
             }
         })
         .collect();
@@ -363,12 +484,14 @@ pub(crate) fn statistics<T: Element>(
     }
 }
 
-/// Step 3: the gradient of every row of the block; `grads` is indexed by global row.
+/// Step 3: the gradient of every row of the block; `grads` is indexed by global row. With
+/// `class_weights` (of the whole vocabulary), each row's `d` term is `d c_j`.
 pub(crate) fn gradient<T: Element>(
     target: GradientTarget<'_, T>,
     block: &Block<'_>,
     grads: &[RowGradient],
     map: LogitMap,
+    class_weights: Option<&[f32]>,
 ) {
     let width = block.columns.len();
     if width == 0 {
@@ -378,13 +501,20 @@ pub(crate) fn gradient<T: Element>(
     let min_len = rows_per_task(width);
     let k = Kernels::<T>::select();
     let k32 = Kernels::<f32>::select();
-    let large = target.written_bytes() >= STREAM_MIN_BYTES;
+    let weights = class_weights.map(|c| &c[block.columns.clone()]);
+    // The class weights' term rereads the row's gradient: it stays in cache.
+    let large = target.written_bytes() >= STREAM_MIN_BYTES && weights.is_none();
     let one_row = |l: usize, write: GradientTarget<'_, T>| {
         let i = block.row(l);
         let g = &grads[i];
-        match map.softcap {
+        match (map.softcap, weights) {
             // A zero gradient is written without reading the logits.
-            Some(cap) if !g.is_zero() => k.capped_gradient(&k32, write, g, inv_t, block.target(i), cap),
+            (Some(cap), _) if !g.is_zero() => k.capped_gradient(&k32, write, g, inv_t, block.target(i), cap, weights),
+            (_, Some(c)) => {
+                let (src, out) = write.into_parts();
+                k.gradient(GradientTarget::of_parts(src, &mut *out), &g.without_d(), inv_t, block.target(i), large);
+                k.add_weighted(out, g.d, c);
+            }
             _ => k.gradient(write, g, inv_t, block.target(i), large),
         }
     };
@@ -404,16 +534,16 @@ pub(crate) fn gradient<T: Element>(
 }
 
 /// Steps 1 to 3 row by row, for a row-local objective, over a block of whole rows (columns
-/// `0..V`); the argmax only when `argmax`, taken before the gradient overwrites a row. Returns
-/// each row's statistics and outcome in order, or the lowest row with a NaN or Inf (whose
-/// gradient is not written; other rows' may be).
+/// `0..V`), with what `wanted` adds to the statistics (taken before the gradient overwrites a
+/// row; class-weighted `sum u`: the gradient's `d` term is `d c_j`). Returns each row's
+/// statistics and outcome in order, or the lowest row with a NaN or Inf (whose gradient is not
+/// written; other rows' may be).
 pub(crate) fn sweep<T: Element>(
     target: GradientTarget<'_, T>,
     block: &Block<'_>,
     objective: &Objective<'_>,
     map: LogitMap,
-    sum_u: bool,
-    argmax: bool,
+    wanted: Wanted<'_>,
 ) -> Result<Vec<(RowStats, RowOutcome)>, LossError> {
     debug_assert!(objective.is_row_local());
     debug_assert_eq!(block.columns, 0..block.rows.vocab);
@@ -421,8 +551,10 @@ pub(crate) fn sweep<T: Element>(
     let inv_t = inverse_temperature(map.temperature);
     let k = Kernels::<T>::select();
     let k32 = Kernels::<f32>::select();
+    let weights = wanted.sum_u.weights();
     // Masked rows' zeros stream in place too (their logits are not read); the sweep streams
-    // computed rows only into a new buffer (in place, it has just read the row's lines).
+    // computed rows only into a new buffer (in place, it has just read the row's lines), and not
+    // when the class weights' term rereads the gradient (`sweep_wanted`).
     let large = target.written_bytes() >= STREAM_MIN_BYTES;
     let one_row = |i: usize, write: GradientTarget<'_, T>| -> Option<(RowStats, RowOutcome)> {
         let y = block.target(i);
@@ -441,12 +573,11 @@ pub(crate) fn sweep<T: Element>(
             Some(outcome.grad)
         };
         match map.softcap {
-            Some(cap) => k.capped_sweep(&k32, write, inv_t, y, sum_u, argmax.then_some(0), cap, &mut finish),
-            None if argmax => {
-                let found: Option<Argmax> = k.argmax(write.logits(), 0);
-                k.sweep(write, inv_t, y, sum_u, large, &mut |p| finish(PartialRowStats { argmax: found, ..p }))
+            Some(cap) => k.capped_sweep(&k32, write, inv_t, y, wanted, cap, &mut finish),
+            None if !wanted.argmax && weights.is_none() => {
+                k.sweep(write, inv_t, y, wanted.kernel_sum_u(), large, &mut finish)
             }
-            None => k.sweep(write, inv_t, y, sum_u, large, &mut finish),
+            None => k.sweep_wanted(write, inv_t, y, wanted, large, &mut finish),
         };
         result
     };

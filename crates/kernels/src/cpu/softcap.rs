@@ -16,7 +16,7 @@
 use std::cell::RefCell;
 
 use super::simd::Simd;
-use super::{Finish, GradientTarget, Kernels, RowMax};
+use super::{Finish, GradientTarget, Kernels, RowMax, Wanted};
 use crate::element::Element;
 use crate::objective::RowGradient;
 use crate::stats::PartialRowStats;
@@ -99,8 +99,8 @@ pub(super) fn chain_row<S: Simd, T: Element>(s: S, grad: &[f32], logits: Option<
 }
 
 impl<T: Element> Kernels<T> {
-    /// Step 1 on the capped values of `row` (`k32`: the f32 kernels of the same instruction set);
-    /// with `argmax = Some(first column)`, the argmax of the capped values.
+    /// Step 1 on the capped values of `row` (`k32`: the f32 kernels of the same instruction set),
+    /// with what `wanted` adds, of the capped values (the part's first column: `first`).
     #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and the cap
     pub(super) fn capped_statistics(
         &self,
@@ -109,18 +109,20 @@ impl<T: Element> Kernels<T> {
         cap: f32,
         inv_t: f32,
         target: Option<usize>,
-        sum_u: bool,
-        argmax: Option<usize>,
+        first: usize,
+        wanted: Wanted<'_>,
         max: RowMax,
     ) -> PartialRowStats {
         with_rows(row.len(), |u, _| {
             self.cap(row, cap, u);
-            let found = argmax.and_then(|first| k32.argmax(u, first));
-            PartialRowStats { argmax: found, ..k32.statistics(u, inv_t, target, sum_u, max) }
+            let p = k32.statistics(u, inv_t, target, wanted.kernel_sum_u(), max);
+            k32.extras(u, first, wanted, inv_t).apply(p)
         })
     }
 
-    /// Step 3: the f32 kernel's gradient with respect to the capped values, times the slope.
+    /// Step 3: the f32 kernel's gradient with respect to the capped values (its `d` term times
+    /// the columns' `class_weights`, when given), times the slope.
+    #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and the cap
     pub(super) fn capped_gradient(
         &self,
         k32: &Kernels<f32>,
@@ -129,18 +131,25 @@ impl<T: Element> Kernels<T> {
         inv_t: f32,
         target: Option<usize>,
         cap: f32,
+        class_weights: Option<&[f32]>,
     ) {
         let (src, out) = dst.into_parts();
         with_rows(out.len(), |u, grad| {
             self.cap(src.unwrap_or(out), cap, u);
-            k32.gradient(GradientTarget::Into { logits: u, out: grad }, g, inv_t, target, false);
+            let into = GradientTarget::Into { logits: u, out: grad };
+            match class_weights {
+                Some(c) => {
+                    k32.gradient(into, &g.without_d(), inv_t, target, false);
+                    k32.add_weighted(grad, g.d, c);
+                }
+                None => k32.gradient(into, g, inv_t, target, false),
+            }
             self.chain(grad, src, out, cap);
         })
     }
 
-    /// Steps 1 to 3 on the capped values of a whole row ([`Kernels::sweep`]), and their argmax
-    /// with `argmax = Some(first column)`; false, writing nothing, when `finish` refuses the
-    /// statistics.
+    /// Steps 1 to 3 on the capped values of a whole row ([`Kernels::sweep`]), with what `wanted`
+    /// adds, of the capped values; false, writing nothing, when `finish` refuses the statistics.
     #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and the cap
     pub(super) fn capped_sweep(
         &self,
@@ -148,18 +157,15 @@ impl<T: Element> Kernels<T> {
         dst: GradientTarget<'_, T>,
         inv_t: f32,
         target: Option<usize>,
-        sum_u: bool,
-        argmax: Option<usize>,
+        wanted: Wanted<'_>,
         cap: f32,
         finish: Finish<'_>,
     ) -> bool {
         let (src, out) = dst.into_parts();
         with_rows(out.len(), |u, grad| {
             self.cap(src.unwrap_or(out), cap, u);
-            let found = argmax.and_then(|first| k32.argmax(u, first));
-            let finish: Finish<'_> = &mut |p| finish(PartialRowStats { argmax: found, ..p });
             let into = GradientTarget::Into { logits: u, out: grad };
-            let done = k32.sweep(into, inv_t, target, sum_u, false, finish);
+            let done = k32.sweep_wanted(into, inv_t, target, wanted, false, finish);
             if done {
                 self.chain(grad, src, out, cap);
             }

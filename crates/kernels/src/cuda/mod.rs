@@ -41,7 +41,9 @@ use crate::error::LossError;
 
 /// [`PreparedLoss::new`] for the CUDA passes, which refuse what they do not apply rather than
 /// ignore it: a soft cap (`LossOptions::softcap`) and the predicted tokens
-/// (`LossOptions::predicted_tokens`), both computed by the CPU engine only for now.
+/// (`LossOptions::predicted_tokens`), both computed by the CPU engine only for now, and label
+/// smoothing weighted by class weights (the passes sum `u` unweighted; class weights without label
+/// smoothing are each row's `c_y`, which the host's objective applies).
 pub(crate) fn prepare(spec: LossSpec<'_>) -> Result<PreparedLoss<'_>, LossError> {
     if spec.options.softcap.is_some() {
         return Err(LossError::InvalidOption {
@@ -53,6 +55,14 @@ pub(crate) fn prepare(spec: LossSpec<'_>) -> Result<PreparedLoss<'_>, LossError>
         return Err(LossError::InvalidOption {
             name: "predicted_tokens",
             message: "the CUDA backend does not report predicted tokens yet; run this loss on the CPU".to_string(),
+        });
+    }
+    if spec.loss.class_weights().is_some() && spec.options.label_smoothing != 0.0 {
+        return Err(LossError::InvalidOption {
+            name: "class_weights",
+            message: "the CUDA backend does not weight label smoothing by class yet (class weights without label \
+                      smoothing run there); run this loss on the CPU"
+                .to_string(),
         });
     }
     PreparedLoss::new(spec)

@@ -476,8 +476,7 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             let n = chunk.len() * self.width();
             let rows = &self.computed[chunk];
             let block = chunk_block(self.prepared, &self.columns, rows);
-            let (sum_u, argmax) = (self.prepared.needs_sum_u(), self.prepared.needs_argmax());
-            let got = cpu::statistics(&self.z[..n], &block, map, sum_u, argmax, max)?;
+            let got = cpu::statistics(&self.z[..n], &block, map, self.prepared.wanted(), max)?;
             for (&row, s) in rows.iter().zip(got) {
                 stats[row] = s;
             }
@@ -496,7 +495,8 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             self.logits(&chunk);
             let n = chunk.len() * self.width();
             let block = chunk_block(self.prepared, &self.columns, &self.computed[chunk.clone()]);
-            cpu::gradient(GradientTarget::InPlace(&mut self.z[..n]), &block, row_grads, map);
+            let weights = self.prepared.sum_u().weights();
+            cpu::gradient(GradientTarget::InPlace(&mut self.z[..n]), &block, row_grads, map, weights);
             let rows = self.computed[chunk].to_vec();
             written |= self.backward(&rows, grads, written);
         }
@@ -520,14 +520,8 @@ impl<'p, 'a, T: Element> Streamer<'p, 'a, T> {
             let n = chunk.len() * self.width();
             let rows = &self.computed[chunk.clone()];
             let block = chunk_block(self.prepared, &self.columns, rows);
-            let got = cpu::sweep(
-                GradientTarget::InPlace(&mut self.z[..n]),
-                &block,
-                objective,
-                map,
-                self.prepared.needs_sum_u(),
-                self.prepared.needs_argmax(),
-            )?;
+            let got =
+                cpu::sweep(GradientTarget::InPlace(&mut self.z[..n]), &block, objective, map, self.prepared.wanted())?;
             let live: Vec<bool> = got.iter().map(|(_, outcome)| !outcome.grad.is_zero()).collect();
             for (&row, r) in rows.iter().zip(got) {
                 results[row] = r;

@@ -48,7 +48,8 @@ pub struct LossOutput {
 /// The four scalars of one row's gradient and the row's `lse`, all in f32 as the gradient pass
 /// uses them: `dlogits_j = (a [j = y] + p_j (b + c log p_j) + d) / T` with `p_j = exp(u_j - lse)`
 /// and `log p_j = u_j - lse` taken with this `lse` ([`GradTerms::finish`] folds its rounding into
-/// `b` and `c`). A row whose scalars are all zero gets a zero gradient without reading its logits.
+/// `b` and `c`). With class weights `c` (cross-entropy) the last term is `d c_j`, column by column.
+/// A row whose scalars are all zero gets a zero gradient without reading its logits.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct RowGradient {
     pub lse: f32,
@@ -63,6 +64,11 @@ impl RowGradient {
 
     pub fn is_zero(&self) -> bool {
         self.a == 0.0 && self.b == 0.0 && self.c == 0.0 && self.d == 0.0
+    }
+
+    /// The gradient without its `d` term (which a pass of its own adds, times class weights).
+    pub(crate) fn without_d(&self) -> Self {
+        Self { d: 0.0, ..*self }
     }
 
     /// The gradient times `k` (a row without a gradient stays without one, whatever `k`: an
@@ -103,7 +109,8 @@ impl GradTerms {
         self.b += g;
     }
 
-    /// A term `g * mean_j u_j`: `d mean/du_j = 1/V`.
+    /// A term `g * mean_j u_j`: `d mean/du_j = 1/V` (with class weights `c`, of
+    /// `sum_j c_j u_j / V`: `c_j / V`, which the gradient pass applies).
     pub fn mean_u(&mut self, g: f64, vocab: usize) {
         self.d += g / vocab as f64;
     }
@@ -162,12 +169,15 @@ impl<'a> Objective<'a> {
         shard: Option<BatchShard>,
         active: &[bool],
     ) -> Self {
-        let norm = Normalisers::resolve(rows, active, options, shard);
+        let norm = Normalisers::resolve(loss, rows, active, options, shard);
         match loss {
             Loss::Grpo(inputs) => {
                 Objective::Grpo(Box::new(grpo::Grpo::new(*inputs, *rows, options, norm, shard, active)))
             }
-            Loss::CrossEntropy => Objective::CrossEntropy(cross_entropy::CrossEntropy::new(options, rows.vocab, &norm)),
+            Loss::CrossEntropy(inputs) => {
+                let class_weights = inputs.class_weights.zip(rows.targets);
+                Objective::CrossEntropy(cross_entropy::CrossEntropy::new(options, rows.vocab, class_weights, &norm))
+            }
             Loss::Entropy => Objective::Entropy(norm),
             Loss::Logprob => Objective::Logprob(options.temperature),
         }
@@ -186,7 +196,7 @@ impl<'a> Objective<'a> {
     pub fn row(&self, row: usize, stats: &RowStats) -> RowOutcome {
         match self {
             Objective::Grpo(g) => g.row(row, stats),
-            Objective::CrossEntropy(c) => c.row(stats),
+            Objective::CrossEntropy(c) => c.row(row, stats),
             Objective::Entropy(norm) => simple::entropy(stats, norm),
             Objective::Logprob(temperature) => simple::logprob(stats, *temperature),
         }

@@ -55,8 +55,9 @@ struct Softmax {
 }
 
 impl Softmax {
-    /// `u = x / T`, or `c tanh(x / c) / T` with a soft cap `c`.
-    fn of(logits: &[f64], options: &LossOptions) -> Self {
+    /// `u = x / T`, or `c tanh(x / c) / T` with a soft cap `c`; `mean_u` weighted by the class
+    /// weights `c` when given (`sum_j c_j u_j / V`).
+    fn of(logits: &[f64], options: &LossOptions, class_weights: Option<&[f32]>) -> Self {
         let cap = |x: f64| options.softcap.map_or(x, |c| c * (x / c).tanh());
         let capped: Vec<f64> = logits.iter().map(|&x| cap(x)).collect();
         let argmax = (0..capped.len()).fold(0, |best, j| if capped[j] > capped[best] { j } else { best });
@@ -65,7 +66,8 @@ impl Softmax {
         let lse = max + u.iter().map(|&x| (x - max).exp()).sum::<f64>().ln();
         let log_p: Vec<f64> = u.iter().map(|&x| x - lse).collect();
         let entropy = -log_p.iter().map(|&l| l.exp() * l).sum::<f64>();
-        let mean_u = u.iter().sum::<f64>() / u.len() as f64;
+        let weight = |j: usize| class_weights.map_or(1.0, |c| c[j] as f64);
+        let mean_u = u.iter().enumerate().map(|(j, &x)| weight(j) * x).sum::<f64>() / u.len() as f64;
         Self { log_p, lse, entropy, mean_u, argmax }
     }
 }
@@ -121,12 +123,12 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
             let (b, t) = rows.position(i);
             return Err(LossError::NonFiniteLogits { row: i, b, t });
         }
-        let sm = Softmax::of(row(i), options);
+        let sm = Softmax::of(row(i), options, spec.loss.class_weights());
         let logp = rows.targets.map_or(0.0, |y| sm.log_p[y[i] as usize]);
         q[i] = RowQ { logp, entropy: sm.entropy, lse: sm.lse, mean_u: sm.mean_u };
         predicted[i] = sm.argmax as i64;
     }
-    let norm = Normalisers::resolve(rows, &active, options, spec.batch_shard);
+    let norm = Normalisers::resolve(&spec.loss, rows, &active, options, spec.batch_shard);
     let masked =
         |f: &dyn Fn(usize) -> f64| -> Vec<f64> { (0..n).map(|i| if active[i] { f(i) } else { 0.0 }).collect() };
 
@@ -176,14 +178,11 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
             out.is_clipped = Some(clipped);
             Some(d)
         }
-        Loss::CrossEntropy => {
-            let w = match options.reduction {
-                Reduction::Mean => 1.0 / norm.valid_rows.max(1.0),
-                Reduction::Sum | Reduction::None => 1.0,
-            };
-            out.per_token_loss = masked(&|i| cross_entropy(options, q[i]));
-            out.loss = (0..n).filter(|&i| active[i]).map(|i| w * out.per_token_loss[i]).sum();
-            Some(masked_derivatives(&active, &q, |i, x| cross_entropy(options, x[0]) * Dual::constant(w * up(i))))
+        Loss::CrossEntropy(inputs) => {
+            let ce = CrossEntropy::new(options, inputs.class_weights, rows, &norm);
+            out.per_token_loss = masked(&|i| ce.loss(i, q[i]).total().value());
+            out.loss = (0..n).filter(|&i| active[i]).map(|i| ce.loss(i, q[i]).reduced(&ce).value()).sum();
+            Some(masked_derivatives(&active, &q, |i, x| ce.loss(i, x[0]).reduced(&ce) * Dual::constant(up(i))))
         }
         Loss::Logprob => {
             out.per_token_loss = masked(&|i| q[i].logp);
@@ -200,7 +199,7 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
     out.grad = derivatives.map(|d| {
         let mut grad = vec![0.0; n * v];
         for i in (0..n).filter(|&i| active[i]) {
-            let sm = Softmax::of(row(i), options);
+            let sm = Softmax::of(row(i), options, spec.loss.class_weights());
             let y = rows.targets.map(|y| y[i] as usize);
             for (j, g) in grad[i * v..(i + 1) * v].iter_mut().enumerate() {
                 let (log_p, p) = (sm.log_p[j], sm.log_p[j].exp());
@@ -208,7 +207,7 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
                 let du = d[i].logp * (indicator - p)
                     + d[i].entropy * (-p * (log_p + sm.entropy))
                     + d[i].lse * p
-                    + d[i].mean_u / v as f64;
+                    + d[i].mean_u * spec.loss.class_weights().map_or(1.0, |c| c[j] as f64) / v as f64;
                 // d u_j / d x_j: 1 / T, times 1 - tanh^2(x_j / c) under a soft cap.
                 let slope = options.softcap.map_or(1.0, |c| 1.0 - (row(i)[j] / c).tanh().powi(2));
                 *g = du * slope / options.temperature;
@@ -255,14 +254,66 @@ fn masked_derivatives(
 }
 
 /// `(1-s) * (lse - u_y) + s * (lse - mean_j u_j) + z * lse^2`, with `u_y = logp + lse`.
-fn cross_entropy<S: Real>(options: &LossOptions, q: RowQ<S>) -> S {
-    let c = S::constant;
-    let s = options.label_smoothing;
-    let loss = c(1.0 - s) * -q.logp + c(s) * (q.lse - q.mean_u) + c(options.z_loss) * q.lse * q.lse;
-    if options.token_scaling {
-        loss * q.logp.exp().detach()
-    } else {
-        loss
+/// Cross-entropy as PyTorch's `F.cross_entropy(weight=c, label_smoothing=s)` writes it, with
+/// Liger's z-loss: a row's `(1-s) c_y (-log p_y) + (s/V) sum_j c_j (-log p_j)` (`c = 1` without
+/// class weights) plus `z lse^2`; `mean` divides the first by the counted rows' summed `c_y`
+/// (0 when they sum to 0) and the z-loss by their number.
+struct CrossEntropy<'a> {
+    options: &'a LossOptions,
+    class_weights: Option<&'a [f32]>,
+    targets: &'a [i64],
+    vocab: f64,
+    /// The reduction's weights of the cross-entropy and the z-loss terms.
+    weight: f64,
+    z_weight: f64,
+}
+
+/// One row's two terms, each already times the detached token scale.
+struct CrossEntropyTerms<S> {
+    cross_entropy: S,
+    z_loss: S,
+}
+
+impl<S: Real> CrossEntropyTerms<S> {
+    fn total(&self) -> S {
+        self.cross_entropy + self.z_loss
+    }
+
+    fn reduced(&self, ce: &CrossEntropy) -> S {
+        self.cross_entropy * S::constant(ce.weight) + self.z_loss * S::constant(ce.z_weight)
+    }
+}
+
+impl<'a> CrossEntropy<'a> {
+    fn new(
+        options: &'a LossOptions,
+        class_weights: Option<&'a [f32]>,
+        rows: &crate::inputs::Rows<'a>,
+        norm: &Normalisers,
+    ) -> Self {
+        let targets = rows.targets.unwrap_or_default();
+        let (weight, z_weight) = match options.reduction {
+            Reduction::Mean => {
+                (if norm.target_weight == 0.0 { 0.0 } else { 1.0 / norm.target_weight }, 1.0 / norm.valid_rows.max(1.0))
+            }
+            Reduction::Sum | Reduction::None => (1.0, 1.0),
+        };
+        Self { options, class_weights, targets, vocab: rows.vocab as f64, weight, z_weight }
+    }
+
+    fn loss<S: Real>(&self, row: usize, q: RowQ<S>) -> CrossEntropyTerms<S> {
+        let c = S::constant;
+        let s = self.options.label_smoothing;
+        let class = |j: usize| self.class_weights.map_or(1.0, |w| w[j] as f64);
+        let c_y = if self.targets.is_empty() { 1.0 } else { class(self.targets[row] as usize) };
+        let total_weight = self.class_weights.map_or(self.vocab, |w| w.iter().map(|&x| x as f64).sum());
+        // `sum_j c_j (-log p_j) = (sum_j c_j) lse - sum_j c_j u_j`, with `q.mean_u = sum_j c_j u_j / V`.
+        let smoothing = c(total_weight / self.vocab) * q.lse - q.mean_u;
+        let scale = if self.options.token_scaling { q.logp.exp().detach() } else { c(1.0) };
+        CrossEntropyTerms {
+            cross_entropy: (c((1.0 - s) * c_y) * -q.logp + c(s) * smoothing) * scale,
+            z_loss: c(self.options.z_loss) * q.lse * q.lse * scale,
+        }
     }
 }
 

@@ -4,7 +4,8 @@
 
 use flashgrpo_kernels::synthetic::{Rng, SyntheticSpec};
 use flashgrpo_kernels::{
-    forward, forward_backward, reference, Element, IsRatio, Loss, LossOptions, LossOutput, LossSpec, PolicyInputs, Rows,
+    forward, forward_backward, reference, CrossEntropyInputs, Element, IsRatio, Loss, LossOptions, LossOutput,
+    LossSpec, PolicyInputs, Rows,
 };
 
 /// The kernels' own op names.
@@ -40,6 +41,8 @@ pub struct Case {
     pub with_sampling: bool,
     /// Cross-entropy: the fraction of targets replaced by `ignore_index`.
     pub ignored: f64,
+    /// Cross-entropy: pass class weights (in [0.25, 1.75), every seventh class 0).
+    pub class_weights: bool,
     pub logit_std: f64,
 }
 
@@ -58,6 +61,7 @@ impl Case {
             is_ratio: IsRatioKind::None,
             with_sampling: false,
             ignored: 0.0,
+            class_weights: false,
             logit_std: 2.5,
         }
     }
@@ -106,7 +110,11 @@ impl Case {
                 .map(|&o| if rng.uniform() < 0.05 { f32::NAN } else { o + 0.2 * (rng.uniform() as f32 - 0.5) })
                 .collect()
         });
+        let class_weights = self.class_weights.then(|| {
+            (0..self.vocab).map(|j| if j % 7 == 3 { 0.0 } else { 0.25 + 1.5 * rng.uniform() as f32 }).collect()
+        });
         Data {
+            class_weights,
             logits: batch.logits,
             targets,
             mask,
@@ -132,6 +140,8 @@ pub struct Data {
     pub is_ratio: Option<Vec<f32>>,
     pub is_ratio_kind: IsRatioKind,
     pub sampling_logp: Option<Vec<f32>>,
+    /// Cross-entropy's `[V]` class weights.
+    pub class_weights: Option<Vec<f32>>,
     pub case: Case,
 }
 
@@ -158,7 +168,7 @@ impl Data {
                 }),
                 sampling_logp: self.sampling_logp.as_deref(),
             }),
-            Op::CrossEntropy => Loss::CrossEntropy,
+            Op::CrossEntropy => Loss::CrossEntropy(CrossEntropyInputs { class_weights: self.class_weights.as_deref() }),
             Op::Entropy => Loss::Entropy,
             Op::Logprob => Loss::Logprob,
         }

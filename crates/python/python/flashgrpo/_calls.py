@@ -41,7 +41,7 @@ def options_json(options):
 def rows(batch, seq_len, vocab, **addresses):
     """The row inputs of one call: shapes, and the address (0: absent) of every per-row buffer."""
     out = dict(batch=batch, seq_len=seq_len, vocab=vocab, targets=0, mask=0, advantages=0, old_logp=0,
-               ref_logp=0, is_ratio=0, is_ratio_per_sequence=False, sampling_logp=0)
+               ref_logp=0, is_ratio=0, is_ratio_per_sequence=False, sampling_logp=0, class_weights=0)
     for k, v in addresses.items():
         if k not in out:
             raise AssertionError(f"not a row input: {k}")

@@ -65,7 +65,7 @@ def _small(name, x, dtype, shapes):
 
 
 def _rows(batch, seq_len, vocab, targets=None, mask=None, advantages=None, old_logp=None, ref_logp=None,
-          is_ratio=None, sampling_logp=None):
+          is_ratio=None, sampling_logp=None, class_weights=None):
     bt = [(batch, seq_len)] + ([(seq_len,)] if batch == 1 else [])
     kept = dict(
         targets=_small("targets", targets, np.int64, bt),
@@ -75,6 +75,7 @@ def _rows(batch, seq_len, vocab, targets=None, mask=None, advantages=None, old_l
         ref_logp=_small("ref_logp", ref_logp, np.float32, bt),
         is_ratio=_small("is_ratio", is_ratio, np.float32, bt + [(batch,), (batch, 1)]),
         sampling_logp=_small("sampling_logp", sampling_logp, np.float32, bt),
+        class_weights=_small("class_weights", class_weights, np.float32, [(vocab,)]),
     )
     per_sequence = kept["is_ratio"] is not None and kept["is_ratio"].size == batch and seq_len != 1
     addresses = {k: (0 if v is None else (v.ctypes.data if v.size else _EMPTY)) for k, v in kept.items()}
@@ -102,12 +103,13 @@ def _shape(name, shape, last):
 
 
 def loss(op, logits, targets=None, advantages=None, mask=None, *, old_logp=None, ref_logp=None, is_ratio=None,
-         sampling_logp=None, grad=False, out=None, in_place=False, **options):
-    """``op`` (grpo, cross_entropy, entropy, logprob) over logits ``[B, T, V]`` or ``[N, V]``."""
+         sampling_logp=None, class_weights=None, grad=False, out=None, in_place=False, **options):
+    """``op`` (grpo, cross_entropy, entropy, logprob) over logits ``[B, T, V]`` or ``[N, V]``;
+    ``class_weights [V]``: cross-entropy's per-class weights (LOSSES.md, "Class weights")."""
     x = _Float("logits", logits, writable=in_place)
     batch, seq_len = _shape("logits", x.shape, "V")
     kept, native_rows = _rows(batch, seq_len, x.shape[-1], targets, mask, advantages, old_logp, ref_logp, is_ratio,
-                              sampling_logp)
+                              sampling_logp, class_weights)
     if out is not None and in_place:
         raise ValueError("`out` and `in_place=True` both name where the gradient goes; pass one")
     if out is not None:
@@ -131,7 +133,8 @@ def loss(op, logits, targets=None, advantages=None, mask=None, *, old_logp=None,
 
 
 def linear_loss(op, hidden, weight, targets=None, advantages=None, mask=None, *, bias=None, old_logp=None,
-                ref_logp=None, is_ratio=None, sampling_logp=None, grad=False, chunk_memory_mb=None, **options):
+                ref_logp=None, is_ratio=None, sampling_logp=None, class_weights=None, grad=False, chunk_memory_mb=None,
+                **options):
     """``op`` over ``hidden [B, T, H] (or [N, H]) @ weight[V, H]^T (+ bias [V])``, streamed over the
     vocabulary; with ``grad=True`` the float32 gradients of hidden, weight and bias."""
     h, w = _Float("hidden", hidden), _Float("weight", weight)
@@ -142,7 +145,7 @@ def linear_loss(op, hidden, weight, targets=None, advantages=None, mask=None, *,
     batch, seq_len = _shape("hidden", h.shape, "H")
     vocab = w.shape[0]
     kept, native_rows = _rows(batch, seq_len, vocab, targets, mask, advantages, old_logp, ref_logp, is_ratio,
-                              sampling_logp)
+                              sampling_logp, class_weights)
     grads = {}
     if grad:
         grads = dict(grad_hidden=np.empty(h.shape, np.float32), grad_weight=np.empty(w.shape, np.float32))

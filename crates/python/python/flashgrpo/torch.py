@@ -146,7 +146,7 @@ class _Rows:
     """The row inputs of one call, converted and kept alive for its length."""
 
     def __init__(self, batch, seq_len, vocab, targets=None, mask=None, advantages=None, old_logp=None,
-                 ref_logp=None, is_ratio=None, sampling_logp=None):
+                 ref_logp=None, is_ratio=None, sampling_logp=None, class_weights=None):
         if vocab == 0:
             raise ValueError("the vocabulary (the logits' last axis, or the weight's rows) is empty")
         bt = [(batch, seq_len)]
@@ -161,6 +161,7 @@ class _Rows:
             ref_logp=_small_input("ref_logp", ref_logp, f32, bt),
             is_ratio=_small_input("is_ratio", is_ratio, f32, bt + [(batch,), (batch, 1)]),
             sampling_logp=_small_input("sampling_logp", sampling_logp, f32, bt),
+            class_weights=_small_input("class_weights", class_weights, f32, [(vocab,)]),
         )
         per_sequence = is_ratio is not None and self.tensors["is_ratio"].numel() == batch and seq_len != 1
         self.native = rows(batch, seq_len, vocab, is_ratio_per_sequence=per_sequence,
@@ -418,14 +419,17 @@ def grpo_loss(logits, targets, advantages, mask=None, *, old_logp=None, ref_logp
 
 
 def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                  mask=None, in_place=False, **options):
+                  mask=None, in_place=False, class_weights=None, **options):
     """Cross-entropy of logits ``[N, V]`` or ``[B, T, V]`` (the class dimension last, as Liger's)
     against ``targets``: ``reduction`` ``mean`` (over rows not ignored), ``sum`` or ``none``
-    (per token, differentiable per token). Unlike ``F.cross_entropy``, ``mean`` over no rows is 0."""
+    (per token, differentiable per token). ``class_weights [V]``: ``F.cross_entropy``'s ``weight``
+    (``mean`` then divides by the rows' summed target weights). Unlike ``F.cross_entropy``,
+    ``mean`` over no rows (or rows whose targets weigh 0 in all) is 0."""
     per_row = "per_token_loss" if reduction == "none" else None
     value, _ = _logits_call("cross_entropy", logits, dict(options, reduction=reduction, ignore_index=ignore_index,
                                                           label_smoothing=label_smoothing, z_loss=z_loss),
-                            in_place, per_row=per_row, out_shape=targets.shape, targets=targets, mask=mask)
+                            in_place, per_row=per_row, out_shape=targets.shape, targets=targets, mask=mask,
+                            class_weights=_class_weights("class_weights", class_weights))
     return value
 
 
@@ -466,15 +470,16 @@ def fused_linear_grpo_loss(hidden, weight, targets, advantages, mask=None, *, bi
 
 def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, reduction="mean", ignore_index=-100,
                                label_smoothing=0.0, z_loss=0.0, mask=None, chunk_memory_mb=None,
-                               bf16_products=None, **options):
+                               bf16_products=None, class_weights=None, **options):
     """``cross_entropy`` of ``hidden @ weight^T (+ bias)``, streamed over the vocabulary
-    (``bf16_products`` as in ``fused_linear_grpo_loss``)."""
+    (``bf16_products`` as in ``fused_linear_grpo_loss``, ``class_weights`` as in ``cross_entropy``)."""
     per_row = "per_token_loss" if reduction == "none" else None
     value, _ = _linear_call("cross_entropy", hidden, weight, bias,
                             dict(options, reduction=reduction, ignore_index=ignore_index,
                                  label_smoothing=label_smoothing, z_loss=z_loss),
                             per_row=per_row, out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb,
-                            bf16_products=bf16_products, targets=targets, mask=mask)
+                            bf16_products=bf16_products, targets=targets, mask=mask,
+                            class_weights=_class_weights("class_weights", class_weights))
     return value
 
 
@@ -801,10 +806,21 @@ def _cross_entropy_result(module, loss, per_token, target, options, dtype):
         predicted_tokens=per_token["predicted_tokens"] if predicted else None)
 
 
+def _class_weights(name, weight):
+    """Per-class weights as the kernels read them (a float tensor, as Liger and PyTorch require;
+    ``_Rows`` checks its shape ``[V]`` and makes it float32). No gradient flows to them (none does in
+    PyTorch's or Liger's cross-entropy either)."""
+    if weight is None:
+        return None
+    if not isinstance(weight, torch.Tensor) or not torch.is_floating_point(weight):
+        raise TypeError(f"`{name}` must be a floating-point torch.Tensor of one weight per class, got "
+                        f"{getattr(weight, 'dtype', type(weight).__name__)}")
+    return weight
+
+
 def _check_cross_entropy(*, weight_name, weight, label_smoothing, reduction, softcap):
-    """Liger's cross-entropy modules' checks (as errors, not asserts), and per-class weights refused."""
-    if weight is not None:
-        raise NotImplementedError(f"`{weight_name}` (per-class weights) is not supported by flashgrpo")
+    """Liger's cross-entropy modules' checks (as errors, not asserts)."""
+    _class_weights(weight_name, weight)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"`reduction` must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -840,6 +856,11 @@ class _LigerCrossEntropyModule(torch.nn.Module):
         self.return_z_loss = return_z_loss
         self.return_token_accuracy = return_token_accuracy
         self.return_predicted_tokens = return_predicted_tokens
+        self._weight_name = weight_name
+
+    def _class_weights(self):
+        """The per-class weights, read at each call (an attribute a caller may change)."""
+        return _class_weights(self._weight_name, getattr(self, self._weight_name))
 
 
 class CrossEntropyLoss(_LigerCrossEntropyModule):
@@ -851,7 +872,8 @@ class CrossEntropyLoss(_LigerCrossEntropyModule):
     ``token_accuracy`` (float32) 1 where the first argmax of the (soft-capped) logits is the target,
     over the rows not ignored, per token with ``reduction="none"``, else their mean;
     ``predicted_tokens`` (int64, the target's shape) that argmax, -1 on ignored rows. Per-class
-    ``weight`` is refused rather than ignored."""
+    ``weight`` ``[V]`` as Liger's and ``F.cross_entropy``'s (LOSSES.md, "Class weights"), except that
+    a ``mean`` over targets whose weights sum to 0 is 0 here, NaN there."""
 
     def __init__(self, weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
                  softcap=None, return_z_loss=False, return_token_accuracy=False, return_predicted_tokens=False):
@@ -864,7 +886,7 @@ class CrossEntropyLoss(_LigerCrossEntropyModule):
         o = _cross_entropy_options(self)
         per_row = "per_token_loss" if o["reduction"] == "none" else None
         loss, per_token = _logits_call("cross_entropy", _input, o, per_row=per_row, out_shape=target.shape,
-                                       tokens=True, targets=target)
+                                       tokens=True, targets=target, class_weights=self._class_weights())
         return _cross_entropy_result(self, loss.to(_input.dtype), per_token, target, o, _input.dtype)
 
 
@@ -880,8 +902,8 @@ class FusedLinearCrossEntropyLoss(_LigerCrossEntropyModule):
     times its detached ``p_y``). ``return_token_accuracy`` and ``return_predicted_tokens`` as in
     ``CrossEntropyLoss``, of the logits ``_input @ lin_weight^T (+ bias)`` computed in f32 (Liger
     computes them in the input's dtype: with bf16 inputs, two near-equal logits it rounds to one
-    value go to the lower column there, to the larger f32 one here). Per-class ``ce_weight`` is
-    refused rather than ignored."""
+    value go to the lower column there, to the larger f32 one here). Per-class ``ce_weight`` as
+    ``CrossEntropyLoss``'s ``weight``."""
 
     def __init__(self, ce_weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
                  reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None, use_token_scaling=False,
@@ -899,7 +921,7 @@ class FusedLinearCrossEntropyLoss(_LigerCrossEntropyModule):
         per_row = "per_token_loss" if o["reduction"] == "none" else None
         loss, per_token = _linear_call("cross_entropy", _input, lin_weight, bias, o, per_row=per_row,
                                        out_shape=target.shape, chunk_memory_mb=self.chunk_memory_mb, tokens=True,
-                                       targets=target)
+                                       targets=target, class_weights=self._class_weights())
         return _cross_entropy_result(self, loss, per_token, target, o, _input.dtype)
 
 

@@ -304,7 +304,7 @@ impl<'a> UpdateInputs<'a> {
                 is_ratio: None,
                 sampling_logp: sampling_logp.as_ref().map(|s| s[k].clone()),
             },
-            Objective::CrossEntropy => LossKind::CrossEntropy,
+            Objective::CrossEntropy => LossKind::CrossEntropy { class_weights: None },
         }
     }
 }

@@ -1,0 +1,86 @@
+//! Cross-entropy's class weights `c` in the row passes (LOSSES.md, "Class weights"): with label
+//! smoothing, each row's `sum_j c_j u_j` and the gradient's last term `d c_j`, column by column.
+//!
+//! Passes of their own over a row, as the argmax's (`argmax.rs`): the statistics and gradient
+//! loops, bound by their FP operations, stay as they are, and a loss without class weights (or
+//! without label smoothing, where the weights are each row's `c_y`, a scalar) pays nothing.
+//! Asked for, the sum reads the row once more and the gradient term rereads and rewrites the
+//! row's gradient, both while the row is in cache (the sweep then writes the gradient with plain
+//! stores, not streaming ones). A 16-bit gradient is rounded twice (the row kernel's, then with
+//! the term added): within one more half ulp of the dtype.
+
+use super::Kernels;
+use crate::element::Element;
+
+/// Products summed at once: one AVX-512 vector of f32.
+const LANES: usize = 16;
+/// Columns summed in f32 lanes before their sum joins the row's in f64.
+const BLOCK: usize = 1024;
+
+/// `sum_j c_j x_j` over a row part, the products in f32, summed in 16 f32 lanes per block of
+/// 1024 columns and the blocks' sums in f64 (two loops LLVM vectorises).
+#[inline(always)]
+pub(super) fn weighted_sum<T: Element>(row: &[T], weights: &[f32]) -> f32 {
+    debug_assert_eq!(row.len(), weights.len());
+    let mut total = 0.0f64;
+    for (x, c) in row.chunks(BLOCK).zip(weights.chunks(BLOCK)) {
+        let mut lanes = [0.0f32; LANES];
+        let (mut xs, mut cs) = (x.chunks_exact(LANES), c.chunks_exact(LANES));
+        for (x, c) in (&mut xs).zip(&mut cs) {
+            for ((l, x), c) in lanes.iter_mut().zip(x).zip(c) {
+                *l += x.to_f32() * c;
+            }
+        }
+        let rest = xs.remainder().iter().zip(cs.remainder()).map(|(x, &c)| x.to_f32() * c);
+        total += lanes.into_iter().chain(rest).fold(0.0f64, |acc, v| acc + v as f64);
+    }
+    total as f32
+}
+
+/// `out_j += d c_j`, in f32, rounded to the gradient's dtype.
+#[inline(always)]
+pub(super) fn add_weighted<T: Element>(out: &mut [T], d: f32, weights: &[f32]) {
+    debug_assert_eq!(out.len(), weights.len());
+    for (o, &c) in out.iter_mut().zip(weights) {
+        *o = T::from_f32(o.to_f32() + d * c);
+    }
+}
+
+impl<T: Element> Kernels<T> {
+    /// `sum_j c_j x_j` of a row part, `weights` its columns' class weights.
+    pub(super) fn weighted_sum(&self, row: &[T], weights: &[f32]) -> f32 {
+        // SAFETY: `select` only picks kernels whose features `Isa::detected` found on this CPU.
+        unsafe { (self.weighted_sum)(row, weights) }
+    }
+
+    /// Adds `d c_j` to a row part's gradient, `weights` its columns' class weights.
+    pub(super) fn add_weighted(&self, out: &mut [T], d: f32, weights: &[f32]) {
+        // SAFETY: as for `weighted_sum`.
+        unsafe { (self.add_weighted)(out, d, weights) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+
+    use super::*;
+
+    #[test]
+    fn weighted_sum_matches_f64_on_ragged_rows() {
+        for len in [0, 1, 15, 16, 17, 1023, 1024, 1025, 5000] {
+            let x: Vec<bf16> = (0..len).map(|j| bf16::from_f32(((j * 7919) % 97) as f32 * 0.25 - 12.0)).collect();
+            let c: Vec<f32> = (0..len).map(|j| ((j * 31) % 11) as f32 * 0.5 - 1.0).collect();
+            let want: f64 = x.iter().zip(&c).map(|(x, &c)| x.to_f64() * c as f64).sum();
+            let got = weighted_sum(&x, &c) as f64;
+            assert!((got - want).abs() <= 1e-6 * want.abs().max(1.0), "len {len}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn add_weighted_adds_each_columns_term() {
+        let mut out = vec![1.0f32, -2.0, 0.5];
+        add_weighted(&mut out, 0.25, &[4.0, 0.0, -2.0]);
+        assert_eq!(out, vec![2.0, -2.0, 0.0]);
+    }
+}
