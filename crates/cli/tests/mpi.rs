@@ -409,8 +409,9 @@ fn outputs(path: &Path) -> Vec<(String, Vec<f32>)> {
 }
 
 /// Inputs of every op: logits (or hidden, weight, bias), targets, a mask with holes, advantages,
-/// old and reference log-probabilities.
-fn loss_inputs(path: &Path, linear: bool, bf16: bool) {
+/// old and reference log-probabilities; or, with `class_weights`, cross-entropy's inputs with
+/// per-class weights.
+fn loss_inputs(path: &Path, linear: bool, bf16: bool, class_weights: bool) {
     use flashgrpo_kernels::synthetic::{normal_matrix, SyntheticSpec};
     let data = SyntheticSpec {
         batch: VB,
@@ -430,10 +431,17 @@ fn loss_inputs(path: &Path, linear: bool, bf16: bool) {
             bytes: data.targets.iter().flat_map(|&x| x.to_le_bytes()).collect(),
         },
         floats("mask", vec![VB, VT], &data.mask, false),
-        floats("advantages", vec![VB], &data.advantages, false),
-        floats("old_logp", vec![VB, VT], &data.old_logp, false),
-        floats("ref_logp", vec![VB, VT], &data.ref_logp, false),
     ];
+    if class_weights {
+        let c: Vec<f32> = (0..VV).map(|j| 0.25 + (j * 7919 % 13) as f32 * 0.1).collect();
+        tensors.push(floats("class_weights", vec![VV], &c, false));
+    } else {
+        tensors.extend([
+            floats("advantages", vec![VB], &data.advantages, false),
+            floats("old_logp", vec![VB, VT], &data.old_logp, false),
+            floats("ref_logp", vec![VB, VT], &data.ref_logp, false),
+        ]);
+    }
     if linear {
         tensors.push(floats("hidden", vec![VB, VT, VH], &normal_matrix(VB * VT, VH, 1.0, 5), bf16));
         tensors.push(floats("weight", vec![VV, VH], &normal_matrix(VV, VH, 0.5, 6), bf16));
@@ -448,7 +456,7 @@ fn loss_inputs(path: &Path, linear: bool, bf16: bool) {
 fn vocabulary_parallel_losses_over_2_3_and_4_ranks_equal_one_process() {
     let dir = scratch("vocab");
     std::fs::create_dir_all(&dir).unwrap();
-    let cases: [(&str, &[&str]); 7] = [
+    let cases: [(&str, &[&str]); 9] = [
         ("grpo", &["beta=0.04", "epsilon_high=0.28"]),
         ("grpo", &["importance_sampling_level=sequence", "loss_type=grpo", "beta=0.04"]),
         ("grpo", &["loss_type=dr_grpo", "temperature=0.7", "entropy_coef=0.01", "delta=2.0"]),
@@ -456,13 +464,20 @@ fn vocabulary_parallel_losses_over_2_3_and_4_ranks_equal_one_process() {
         ("cross_entropy", &["reduction=sum"]),
         ("entropy", &[]),
         ("logprob", &[]),
+        // With class weights (the input file's `class_weights`): each shard sums its columns'
+        // weighted `u` and weights its columns' gradient term.
+        ("cross_entropy", &["label_smoothing=0.1", "z_loss=0.001"]),
+        ("cross_entropy", &["reduction=sum"]),
     ];
     let mut checked = 0;
     for linear in [false, true] {
         for bf16 in [false, true] {
-            let input = dir.join(format!("in-{linear}-{bf16}.safetensors"));
-            loss_inputs(&input, linear, bf16);
+            let (input, weighted) =
+                (dir.join(format!("in-{linear}-{bf16}.safetensors")), dir.join("weighted.safetensors"));
+            loss_inputs(&input, linear, bf16, false);
+            loss_inputs(&weighted, linear, bf16, true);
             for (case, (op, sets)) in cases.iter().enumerate() {
+                let input = if case >= 7 { &weighted } else { &input };
                 let mut args = vec!["loss".to_string(), "--op".into(), op.to_string(), "--inputs".into()];
                 args.push(input.display().to_string());
                 for s in sets.iter() {
