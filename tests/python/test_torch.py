@@ -743,6 +743,10 @@ def check_class_weights():
     close("CrossEntropyLoss.weight set after construction", "loss", module(x, y),
           F.cross_entropy(x.double(), y, weight=module.weight.double()), 1e-5)
     close("CrossEntropyLoss without weight", "loss", plain, F.cross_entropy(x.double(), y), 1e-5)
+    close("cross_entropy(weight=), F.cross_entropy's name", "loss", ft.cross_entropy(x, y, weight=module.weight),
+          F.cross_entropy(x.double(), y, weight=module.weight.double()), 1e-5)
+    expect_error("weight and class_weights both", ValueError, ["weight", "class_weights"],
+                 lambda: ft.cross_entropy(x, y, weight=module.weight, class_weights=module.weight))
     expect_error("class weights of the wrong length", ValueError, ["class_weights", "[20]"],
                  lambda: ft.CrossEntropyLoss(weight=torch.ones(19))(x, y))
     expect_error("integer class weights", TypeError, ["weight", "floating"],

@@ -419,12 +419,17 @@ def grpo_loss(logits, targets, advantages, mask=None, *, old_logp=None, ref_logp
 
 
 def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                  mask=None, in_place=False, class_weights=None, **options):
+                  mask=None, in_place=False, class_weights=None, weight=None, **options):
     """Cross-entropy of logits ``[N, V]`` or ``[B, T, V]`` (the class dimension last, as Liger's)
     against ``targets``: ``reduction`` ``mean`` (over rows not ignored), ``sum`` or ``none``
-    (per token, differentiable per token). ``class_weights [V]``: ``F.cross_entropy``'s ``weight``
-    (``mean`` then divides by the rows' summed target weights). Unlike ``F.cross_entropy``,
-    ``mean`` over no rows (or rows whose targets weigh 0 in all) is 0."""
+    (per token, differentiable per token). ``class_weights [V]`` (or ``weight``, its name in
+    ``F.cross_entropy``): per-class weights (``mean`` then divides by the rows' summed target
+    weights). Unlike ``F.cross_entropy``, ``mean`` over no rows (or rows whose targets weigh 0 in
+    all) is 0."""
+    if weight is not None:
+        if class_weights is not None:
+            raise ValueError("`weight` and `class_weights` both give the class weights; pass one")
+        class_weights = weight
     per_row = "per_token_loss" if reduction == "none" else None
     value, _ = _logits_call("cross_entropy", logits, dict(options, reduction=reduction, ignore_index=ignore_index,
                                                           label_smoothing=label_smoothing, z_loss=z_loss),
