@@ -348,10 +348,55 @@ def gradcheck_original():
           f"dlogits_max_abs {diff.max():.2e} dlogits_rel_norm {rel_norm:.2e}")
 
 
+def check_class_weights():
+    """``class_weights`` (PyTorch's ``weight``) against plain JAX: each row's target weighs
+    ``c[y]``, label smoothing's uniform target ``c_j / V``, ``mean`` over the rows' summed target
+    weights; logits-level (``jit``, ``grad``, a per-token cotangent with ``reduction="none"``) and
+    fused-linear; weights of the wrong length named."""
+    key = jax.random.PRNGKey(11)
+    k = jax.random.split(key, 5)
+    N, V, H, s = 13, 301, 16, 0.1
+    logits = jax.random.normal(k[0], (N, V)) * 2
+    targets = jax.random.randint(k[1], (N,), 0, V).at[4].set(-100)
+    c = jax.random.uniform(k[2], (V,)) * 1.5 + 0.25
+    valid = (targets != -100).astype(jnp.float32)
+    safe = jnp.maximum(targets, 0)
+
+    def per_row(x):
+        lp = jax.nn.log_softmax(x, -1)
+        nll = -jnp.take_along_axis(lp, safe[:, None], -1)[:, 0]
+        return ((1 - s) * c[safe] * nll + s / V * -(lp * c).sum(-1)) * valid
+
+    def ref_mean(x):
+        return per_row(x).sum() / (c[safe] * valid).sum()
+
+    loss, grad = jax.jit(jax.value_and_grad(
+        lambda x: fj.cross_entropy(x, targets, label_smoothing=s, class_weights=c)))(logits)
+    want, want_grad = jax.value_and_grad(ref_mean)(logits)
+    close("jax cross_entropy class_weights", "loss", loss, want, 1e-5)
+    close_norm("jax cross_entropy class_weights", "grad", grad, want_grad, 1e-5)
+    cot = jax.random.normal(k[3], (N,))
+    got, vjp = jax.vjp(lambda x: fj.cross_entropy(x, targets, label_smoothing=s, class_weights=c, reduction="none"),
+                       logits)
+    want, want_vjp = jax.vjp(per_row, logits)
+    close("jax cross_entropy class_weights none", "per_token_loss", got, want, 1e-5)
+    close_norm("jax cross_entropy class_weights none", "vjp", vjp(cot)[0], want_vjp(cot)[0], 1e-5)
+    hidden = jax.random.normal(k[4], (N, H))
+    weight = jax.random.normal(k[0], (V, H)) * 0.4
+    got = jax.grad(lambda h, w: fj.fused_linear_cross_entropy(h, w, targets, label_smoothing=s, class_weights=c),
+                   argnums=(0, 1))(hidden, weight)
+    want = jax.grad(lambda h, w: ref_mean(h @ w.T), argnums=(0, 1))(hidden, weight)
+    for name, g, w in zip(("hidden", "weight"), got, want):
+        close_norm("jax fused_linear_cross_entropy class_weights", f"grad_{name}", g, w, 1e-4)
+    expect_error("jax class_weights of the wrong length", ValueError, ["class_weights", f"[{V}]"],
+                 lambda: fj.cross_entropy(logits, targets, class_weights=c[:-1]))
+
+
 def main():
     check_grpo()
     check_in_place()
     check_cross_entropy_logprob_entropy()
+    check_class_weights()
     check_edges()
     check_vmap()
     check_fused_linear()

@@ -747,8 +747,12 @@ def check_class_weights():
           F.cross_entropy(x.double(), y, weight=module.weight.double()), 1e-5)
     expect_error("weight and class_weights both", ValueError, ["weight", "class_weights"],
                  lambda: ft.cross_entropy(x, y, weight=module.weight, class_weights=module.weight))
-    expect_error("class weights of the wrong length", ValueError, ["class_weights", "[20]"],
+    expect_error("class weights of the wrong length", ValueError, ["`weight`", "[20]"],
                  lambda: ft.CrossEntropyLoss(weight=torch.ones(19))(x, y))
+    expect_error("ce_weight of the wrong length", ValueError, ["`ce_weight`", "[20]"],
+                 lambda: ft.FusedLinearCrossEntropyLoss(ce_weight=torch.ones(19))(torch.randn(20, 4), torch.randn(6, 4), y))
+    expect_error("function class weights of the wrong length", ValueError, ["class_weights", "[20]"],
+                 lambda: ft.cross_entropy(x, y, class_weights=torch.ones(19)))
     expect_error("integer class weights", TypeError, ["weight", "floating"],
                  lambda: ft.CrossEntropyLoss(weight=torch.ones(20, dtype=torch.int64)))
     expect_error("class weights with a NaN", ValueError, ["class_weights", "class 4"],

@@ -109,6 +109,9 @@ impl InputSpec {
     /// The batch: generated (logits, or hidden states and an lm_head when `hidden_size` is set),
     /// or logits (and whatever else is there) from a file.
     pub fn build(&self, options: &LossOptions) -> Result<Batch> {
+        if self.with_class_weights && self.op != Op::CrossEntropy {
+            bail!("`with_class_weights` weighs cross-entropy's classes; the `{}` op takes none", self.op.name());
+        }
         let mut spec = self.synthetic();
         let mut rng = Rng::new(self.seed ^ 0x5EED);
         let (scores, rows, old_ref, file) = match (&self.logits_file, self.hidden_size) {
@@ -159,7 +162,8 @@ impl InputSpec {
             ref_logp: (grpo && self.with_ref_logp).then_some(old_ref.1),
             is_ratio: None,
             sampling_logp,
-            class_weights: (self.op == Op::CrossEntropy && self.with_class_weights)
+            class_weights: self
+                .with_class_weights
                 .then(|| (0..spec.vocab).map(|_| 0.5 + rng.uniform() as f32).collect()),
         };
         if let Some(file) = file {

@@ -39,6 +39,7 @@ impl<'a> PreparedLoss<'a> {
     /// Validates options, shapes, mask, targets and GRPO inputs (everything but the logits).
     pub fn new(spec: LossSpec<'a>) -> Result<Self, LossError> {
         let active = validate(&spec.loss, &spec.rows, spec.options)?;
+        check_shard_normalisers(&spec)?;
         Ok(Self { spec, active })
     }
 
@@ -222,6 +223,21 @@ impl<'a> PreparedLoss<'a> {
             self.sum_u().weights(),
         );
         Ok(())
+    }
+}
+
+/// A batch shard of a class-weighted `mean` cross-entropy must carry the whole batch's summed target
+/// weight: each shard's own sum would make the shard losses not sum to the batch's.
+fn check_shard_normalisers(spec: &LossSpec<'_>) -> Result<(), LossError> {
+    let weighted_mean = spec.loss.class_weights().is_some() && spec.options.reduction == crate::Reduction::Mean;
+    match spec.batch_shard {
+        Some(shard) if weighted_mean && shard.global_target_weight.is_none() => Err(LossError::MissingInput {
+            tensor: "global_target_weight",
+            why: "a batch shard of a class-weighted `mean` cross-entropy divides by the whole batch's summed \
+                  target weights: set BatchShard::global_target_weight"
+                .into(),
+        }),
+        _ => Ok(()),
     }
 }
 

@@ -189,7 +189,8 @@ pub struct BatchShard {
     /// empty.
     pub global_sequences_with_tokens: Option<f64>,
     /// Cross-entropy with class weights `c`: the summed `c[y]` of the whole batch's counted rows,
-    /// which `mean` divides by; `None` sums this shard's.
+    /// which `mean` divides by (required there: [`crate::PreparedLoss::new`] refuses a shard
+    /// without it); ignored without class weights.
     pub global_target_weight: Option<f64>,
 }
 
@@ -242,7 +243,7 @@ impl Normalisers {
             ),
         };
         let target_weight = match (shard.and_then(|s| s.global_target_weight), loss.class_weights(), rows.targets) {
-            (Some(global), _, _) => global,
+            (Some(global), Some(_), _) => global,
             (None, Some(c), Some(y)) => {
                 let weights = y.iter().zip(active).filter(|(_, &a)| a).map(|(&y, _)| c[y as usize] as f64);
                 weights.fold(0.0, |acc, w| acc + w)

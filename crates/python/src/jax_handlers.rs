@@ -3,9 +3,9 @@
 //! allocated), under `jit`, `grad` and `vmap`. Each handler decodes the call frame into the same
 //! [`LogitsCall`] / [`LinearCall`] that the Python functions run.
 //!
-//! Arguments, in order: the scores (`logits`; or `hidden`, `weight`, `bias`), then the seven
-//! per-row inputs `targets` (int32 or int64), `mask`, `advantages`, `old_logp`, `ref_logp`,
-//! `is_ratio`, `sampling_logp` (float32), an empty array for each one not given. Attributes:
+//! Arguments, in order: the scores (`logits`; or `hidden`, `weight`, `bias`), then the eight
+//! other inputs `targets` (int32 or int64), `mask`, `advantages`, `old_logp`, `ref_logp`,
+//! `is_ratio`, `sampling_logp`, `class_weights` (float32), an empty array for each one not given. Attributes:
 //! `op` and `options` (LOSSES.md's options as JSON), and for the fused-linear call
 //! `chunk_memory_mb` and `bf16_products`, all strings. Results:
 //! the loss (float32 scalar), the five per-token outputs (float32 `[B*T]`, zeros where the op
@@ -79,11 +79,19 @@ fn per_row_inputs(
         }
         other => return Err(format!("`targets` has XLA dtype {other}; expected int32 or int64")),
     };
-    for (i, name) in ["mask", "advantages", "old_logp", "ref_logp", "is_ratio", "sampling_logp"].iter().enumerate() {
+    let names = ["mask", "advantages", "old_logp", "ref_logp", "is_ratio", "sampling_logp", "class_weights"];
+    for (i, name) in names.iter().enumerate() {
         let b = arg(i + 1)?;
         if b.len() != 0 && b.dtype != xla_ffi::DTYPE_F32 {
             return Err(format!("`{name}` must be float32 (XLA dtype {})", b.dtype));
         }
+    }
+    let class_weights = arg(7)?;
+    if class_weights.len() != 0 && class_weights.len() != vocab {
+        return Err(format!(
+            "`class_weights` has {} elements, expected one per class, [V] = [{vocab}]",
+            class_weights.len()
+        ));
     }
     let is_ratio = arg(5)?;
     Ok(RowAddresses {
@@ -98,8 +106,7 @@ fn per_row_inputs(
         is_ratio: address(is_ratio),
         is_ratio_per_sequence: is_ratio.len() == batch && seq_len != 1,
         sampling_logp: address(arg(6)?),
-        // Class weights are not an operand of the JAX calls (docs/PYTHON.md).
-        class_weights: 0,
+        class_weights: address(class_weights),
     })
 }
 
@@ -160,7 +167,7 @@ fn logits_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
 }
 
 /// The fused-linear call of a frame whose first arguments are `hidden`, `weight`, `bias` and the
-/// seven per-row inputs, with the f32 gradients written into results `first_grad..+3` (none:
+/// eight other inputs, with the f32 gradients written into results `first_grad..+3` (none:
 /// no gradient). `widened` holds int32 targets widened for the call.
 fn linear_call<'c>(call: &'c Call<'_>, first_grad: Option<usize>, widened: &mut Vec<i64>) -> Result<LinearCall<'c>> {
     let (hidden, weight, bias) = (call.arg(0)?, call.arg(1)?, call.arg(2)?);
@@ -229,14 +236,14 @@ fn linear_rows(call: &Call<'_>) -> Result<()> {
 }
 
 /// The gradients of `sum_i g_i * out_i` for a per-token output `out` of a fused-linear loss, into
-/// results 0..3: argument 10 holds the forward's row gradients ([`linear_rows`]), argument 11 the
+/// results 0..3: argument 11 holds the forward's row gradients ([`linear_rows`]), argument 12 the
 /// float32 cotangent `g [B*T]`; each row's scalars are scaled by its `g_i` before the products
 /// (`d hidden` and `d weight` mix the rows), one more stream over the vocabulary.
 fn linear_rows_gradient(call: &Call<'_>) -> Result<()> {
     let mut widened = Vec::new();
     let run = linear_call(call, Some(0), &mut widened)?;
     let rows = run.rows.batch * run.rows.seq_len;
-    let (kept, cotangent) = (call.arg(10)?, call.arg(11)?);
+    let (kept, cotangent) = (call.arg(11)?, call.arg(12)?);
     for (buffer, what, len) in [(kept, "the row gradients", 5 * rows), (cotangent, "the cotangent", rows)] {
         if buffer.dtype != xla_ffi::DTYPE_F32 || buffer.len() != len {
             return Err(format!(

@@ -6,11 +6,15 @@
 //! without label smoothing, where the weights are each row's `c_y`, a scalar) pays nothing.
 //! Asked for, the sum reads the row once more and the gradient term rereads and rewrites the
 //! row's gradient, both while the row is in cache (the sweep then writes the gradient with plain
-//! stores, not streaming ones). A 16-bit gradient is rounded twice (the row kernel's, then with
-//! the term added): within one more half ulp of the dtype.
+//! stores, not streaming ones). A 16-bit row goes through f32 scratch rows (widened, the f32
+//! kernels, the term added, rounded once), as a soft-capped row does: the term nearly cancels the
+//! rest on near-uniform rows (`p_j b` against `d c_j`, both ~`s c_j / V`), where a gradient rounded to
+//! bf16 before the term was added lost most of its digits.
 
-use super::Kernels;
+use super::softcap::with_rows;
+use super::{Finish, GradientTarget, Kernels, RowMax, Wanted};
 use crate::element::Element;
+use crate::objective::RowGradient;
 
 /// Products summed at once: one AVX-512 vector of f32.
 const LANES: usize = 16;
@@ -46,7 +50,89 @@ pub(super) fn add_weighted<T: Element>(out: &mut [T], d: f32, weights: &[f32]) {
     }
 }
 
+/// A row widened to f32.
+#[inline(always)]
+pub(super) fn widen<T: Element>(row: &[T], out: &mut [f32]) {
+    for (o, x) in out.iter_mut().zip(row) {
+        *o = x.to_f32();
+    }
+}
+
+/// f32 values rounded to the row's dtype.
+#[inline(always)]
+pub(super) fn narrow<T: Element>(values: &[f32], out: &mut [T]) {
+    for (o, &v) in out.iter_mut().zip(values) {
+        *o = T::from_f32(v);
+    }
+}
+
 impl<T: Element> Kernels<T> {
+    /// Step 3 on a row part whose `d` term is `d c_j` (`weights`: its columns' class weights):
+    /// the row kernel's gradient without it, then the term added, in place for f32; through f32
+    /// scratch rows for 16-bit dtypes, rounded once (`k32`: the f32 kernels of the same
+    /// instruction set).
+    #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and the weights
+    pub(super) fn weighted_gradient(
+        &self,
+        k32: &Kernels<f32>,
+        dst: GradientTarget<'_, T>,
+        g: &RowGradient,
+        inv_t: f32,
+        target: Option<usize>,
+        weights: &[f32],
+        large: bool,
+    ) {
+        let (src, out) = dst.into_parts();
+        if std::mem::size_of::<T>() == 4 || g.is_zero() {
+            self.gradient(GradientTarget::of_parts(src, &mut *out), &g.without_d(), inv_t, target, large);
+            self.add_weighted(out, g.d, weights);
+            return;
+        }
+        with_rows(out.len(), |u, grad| {
+            self.widen(src.unwrap_or(out), u);
+            k32.gradient(GradientTarget::Into { logits: u, out: grad }, &g.without_d(), inv_t, target, false);
+            k32.add_weighted(grad, g.d, weights);
+            self.narrow(grad, out);
+        })
+    }
+
+    /// [`Kernels::sweep_wanted`] of a whole row with class weights (in `wanted`). For 16-bit
+    /// dtypes in two steps: the row kernel's statistics (as the forward-only pass takes them, so
+    /// the loss is the same bits with or without a gradient), then [`Self::weighted_gradient`].
+    #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and the weights
+    pub(super) fn weighted_sweep(
+        &self,
+        k32: &Kernels<f32>,
+        dst: GradientTarget<'_, T>,
+        inv_t: f32,
+        target: Option<usize>,
+        wanted: Wanted<'_>,
+        weights: &[f32],
+        finish: Finish<'_>,
+    ) -> bool {
+        if std::mem::size_of::<T>() == 4 {
+            return self.sweep_wanted(dst, inv_t, target, wanted, false, finish);
+        }
+        let (src, out) = dst.into_parts();
+        let row = src.unwrap_or(out);
+        let stats = self.statistics(row, inv_t, target, wanted.kernel_sum_u(), RowMax::Unneeded);
+        let Some(g) = finish(self.extras(row, 0, wanted, inv_t).apply(stats)) else { return false };
+        self.weighted_gradient(k32, GradientTarget::of_parts(src, out), &g, inv_t, target, weights, false);
+        true
+    }
+
+    /// A row widened to f32, into `out`.
+    fn widen(&self, row: &[T], out: &mut [f32]) {
+        // SAFETY: `select` only picks kernels whose features `Isa::detected` found on this CPU.
+        unsafe { (self.widen)(row, out) }
+    }
+
+    /// f32 values rounded into `out`.
+    fn narrow(&self, values: &[f32], out: &mut [T]) {
+        // SAFETY: as for `widen`.
+        unsafe { (self.narrow)(values, out) }
+    }
+
     /// `sum_j c_j x_j` of a row part, `weights` its columns' class weights.
     pub(super) fn weighted_sum(&self, row: &[T], weights: &[f32]) -> f32 {
         // SAFETY: `select` only picks kernels whose features `Isa::detected` found on this CPU.

@@ -82,6 +82,8 @@ type ChainFn<T> = unsafe fn(&[f32], Option<&[T]>, &mut [T], f32);
 type FirstMaxFn<T> = unsafe fn(&[T]) -> Option<(f32, usize)>;
 type WeightedSumFn<T> = unsafe fn(&[T], &[f32]) -> f32;
 type AddWeightedFn<T> = unsafe fn(&mut [T], f32, &[f32]);
+type WidenFn<T> = unsafe fn(&[T], &mut [f32]);
+type NarrowFn<T> = unsafe fn(&[f32], &mut [T]);
 
 /// The row kernels compiled for one instruction set.
 #[derive(Clone, Copy)]
@@ -95,6 +97,8 @@ struct Kernels<T> {
     first_max: FirstMaxFn<T>,
     weighted_sum: WeightedSumFn<T>,
     add_weighted: AddWeightedFn<T>,
+    widen: WidenFn<T>,
+    narrow: NarrowFn<T>,
 }
 
 /// Compiles the row kernels for one instruction set: `$simd` is the [`simd::Simd`] token.
@@ -166,6 +170,20 @@ macro_rules! isa_kernels {
                 class_weights::add_weighted(out, d, weights)
             }
 
+            /// # Safety
+            /// As for `statistics`.
+            $(#[$attr])*
+            pub unsafe fn widen<T: Element>(row: &[T], out: &mut [f32]) {
+                class_weights::widen(row, out)
+            }
+
+            /// # Safety
+            /// As for `statistics`.
+            $(#[$attr])*
+            pub unsafe fn narrow<T: Element>(values: &[f32], out: &mut [T]) {
+                class_weights::narrow(values, out)
+            }
+
             pub fn kernels<T: Element>() -> Kernels<T> {
                 Kernels {
                     statistics: statistics::<T>,
@@ -177,6 +195,8 @@ macro_rules! isa_kernels {
                     first_max: first_max::<T>,
                     weighted_sum: weighted_sum::<T>,
                     add_weighted: add_weighted::<T>,
+                    widen: widen::<T>,
+                    narrow: narrow::<T>,
                 }
             }
         }
@@ -510,11 +530,7 @@ pub(crate) fn gradient<T: Element>(
         match (map.softcap, weights) {
             // A zero gradient is written without reading the logits.
             (Some(cap), _) if !g.is_zero() => k.capped_gradient(&k32, write, g, inv_t, block.target(i), cap, weights),
-            (_, Some(c)) => {
-                let (src, out) = write.into_parts();
-                k.gradient(GradientTarget::of_parts(src, &mut *out), &g.without_d(), inv_t, block.target(i), large);
-                k.add_weighted(out, g.d, c);
-            }
+            (_, Some(c)) if !g.is_zero() => k.weighted_gradient(&k32, write, g, inv_t, block.target(i), c, large),
             _ => k.gradient(write, g, inv_t, block.target(i), large),
         }
     };
@@ -577,7 +593,10 @@ pub(crate) fn sweep<T: Element>(
             None if !wanted.argmax && weights.is_none() => {
                 k.sweep(write, inv_t, y, wanted.kernel_sum_u(), large, &mut finish)
             }
-            None => k.sweep_wanted(write, inv_t, y, wanted, large, &mut finish),
+            None => match weights {
+                Some(c) => k.weighted_sweep(&k32, write, inv_t, y, wanted, c, &mut finish),
+                None => k.sweep_wanted(write, inv_t, y, wanted, large, &mut finish),
+            },
         };
         result
     };

@@ -41,9 +41,9 @@ __all__ = [
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
-# The per-row inputs after the scores (targets, mask, advantages, old_logp, ref_logp, is_ratio,
-# sampling_logp): they get no cotangent.
-_NO_COTANGENTS = (None,) * 7
+# The inputs after the scores (targets, mask, advantages, old_logp, ref_logp, is_ratio,
+# sampling_logp, class_weights): they get no cotangent.
+_NO_COTANGENTS = (None,) * 8
 
 
 def _options_json(options):
@@ -85,9 +85,10 @@ def _empty_batch(value, shape, rows):
     return (zero if value == "loss" else empty + zero), {k: empty for k in PER_TOKEN}
 
 
-def _per_row(batch, seq_len, targets=None, mask=None, advantages=None, old_logp=None, ref_logp=None, is_ratio=None,
-             sampling_logp=None):
-    """The seven per-row inputs in the custom call's order; an empty array for each one absent."""
+def _per_row(batch, seq_len, vocab, targets=None, mask=None, advantages=None, old_logp=None, ref_logp=None,
+             is_ratio=None, sampling_logp=None, class_weights=None):
+    """The eight inputs after the scores in the custom call's order (the seven per-row ones, then
+    cross-entropy's class weights ``[V]``); an empty array for each one absent."""
     bt = [(batch, seq_len)] + ([(seq_len,)] if batch == 1 else [])
 
     def take(name, x, shapes, dtype):
@@ -112,6 +113,7 @@ def _per_row(batch, seq_len, targets=None, mask=None, advantages=None, old_logp=
         take("ref_logp", ref_logp, bt, f32),
         take("is_ratio", is_ratio, bt + [(batch,), (batch, 1)], f32),
         take("sampling_logp", sampling_logp, bt, f32),
+        take("class_weights", class_weights, [(vocab,)], f32),
     )
 
 
@@ -165,7 +167,7 @@ _logits_loss.defvjp(_logits_loss_fwd, _logits_loss_bwd)
 def _run_logits(op, value, logits, options, in_place=False, **row_inputs):
     logits = _float_input("logits", logits)
     batch, seq_len = _rows("logits", logits, "V")
-    side = _per_row(batch, seq_len, **row_inputs)
+    side = _per_row(batch, seq_len, logits.shape[-1], **row_inputs)
     if batch * seq_len == 0:
         _options_json(options)  # an unknown option is an error whatever the batch
         return _empty_batch(value, logits.shape[:-1], logits)
@@ -197,12 +199,15 @@ def grpo_loss(logits, targets, advantages, mask=None, *, old_logp=None, ref_logp
 
 
 def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0, mask=None,
-                  in_place=False, **options):
-    """Cross-entropy of logits ``[N, V]`` or ``[B, T, V]``; ``reduction`` mean (default), sum or none."""
+                  in_place=False, class_weights=None, **options):
+    """Cross-entropy of logits ``[N, V]`` or ``[B, T, V]``; ``reduction`` mean (default), sum or none;
+    ``class_weights [V]``: per-class weights (LOSSES.md, "Class weights"; optax has none), no
+    cotangent."""
     value = "per_token_loss" if reduction == "none" else "loss"
     options = dict(options, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                    z_loss=z_loss)
-    out, _ = _run_logits("cross_entropy", value, logits, options, in_place, targets=targets, mask=mask)
+    out, _ = _run_logits("cross_entropy", value, logits, options, in_place, targets=targets, mask=mask,
+                         class_weights=class_weights)
     return out.reshape(jnp.shape(targets)) if reduction == "none" else out
 
 
@@ -312,7 +317,7 @@ _linear_rows.defvjp(_linear_rows_fwd, _linear_rows_bwd)
 
 def _linear_inputs(hidden, weight, bias, row_inputs):
     """The fused-linear call's arguments, checked: hidden, weight, bias (empty when absent) and the
-    seven per-row inputs. A weight or bias of another dtype than ``hidden`` is cast to it inside the
+    eight other inputs. A weight or bias of another dtype than ``hidden`` is cast to it inside the
     custom calls' VJPs (``_as_hidden_dtype``)."""
     hidden, weight = _float_input("hidden", hidden), _float_input("weight", weight)
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -320,7 +325,7 @@ def _linear_inputs(hidden, weight, bias, row_inputs):
                          f"[V, H]")
     bias = jnp.zeros((0,), hidden.dtype) if bias is None else _float_input("bias", bias)
     batch, seq_len = _rows("hidden", hidden, "H")
-    return hidden, weight, bias, _per_row(batch, seq_len, **row_inputs)
+    return hidden, weight, bias, _per_row(batch, seq_len, weight.shape[0], **row_inputs)
 
 
 def _run_linear_rows(op, value, hidden, weight, bias, options, chunk_memory_mb, bf16_products=None, **row_inputs):
@@ -359,19 +364,20 @@ def fused_linear_grpo_loss(hidden, weight, targets, advantages, mask=None, *, bi
 
 def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, reduction="mean", ignore_index=-100,
                                label_smoothing=0.0, z_loss=0.0, mask=None, chunk_memory_mb=None, bf16_products=None,
-                               **options):
+                               class_weights=None, **options):
     """``cross_entropy`` of ``hidden @ weight^T (+ bias)``; ``reduction`` mean (default), sum or none
-    (per token, differentiable per token). Gradients to ``hidden``, ``weight`` and ``bias``."""
+    (per token, differentiable per token); ``class_weights`` as in ``cross_entropy``. Gradients to
+    ``hidden``, ``weight`` and ``bias``."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"`reduction` must be 'mean', 'sum' or 'none', got {reduction!r}")
     options = dict(options, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                    z_loss=z_loss)
     if reduction == "none":
         out = _run_linear_rows("cross_entropy", "per_token_loss", hidden, weight, bias, options, chunk_memory_mb,
-                               bf16_products, targets=targets, mask=mask)
+                               bf16_products, targets=targets, mask=mask, class_weights=class_weights)
         return out.reshape(jnp.shape(targets))
     loss, _ = _run_linear("cross_entropy", hidden, weight, bias, options, chunk_memory_mb, bf16_products,
-                          targets=targets, mask=mask)
+                          targets=targets, mask=mask, class_weights=class_weights)
     return loss
 
 

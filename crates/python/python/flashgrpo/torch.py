@@ -863,9 +863,14 @@ class _LigerCrossEntropyModule(torch.nn.Module):
         self.return_predicted_tokens = return_predicted_tokens
         self._weight_name = weight_name
 
-    def _class_weights(self):
-        """The per-class weights, read at each call (an attribute a caller may change)."""
-        return _class_weights(self._weight_name, getattr(self, self._weight_name))
+    def _class_weights(self, vocab):
+        """The per-class weights, read at each call (an attribute a caller may change), one per
+        class of the ``vocab`` classes."""
+        weight = _class_weights(self._weight_name, getattr(self, self._weight_name))
+        if weight is not None and tuple(weight.shape) != (vocab,):
+            raise ValueError(f"`{self._weight_name}` has shape {list(weight.shape)}, expected one weight per class, "
+                             f"[{vocab}]")
+        return weight
 
 
 class CrossEntropyLoss(_LigerCrossEntropyModule):
@@ -891,7 +896,7 @@ class CrossEntropyLoss(_LigerCrossEntropyModule):
         o = _cross_entropy_options(self)
         per_row = "per_token_loss" if o["reduction"] == "none" else None
         loss, per_token = _logits_call("cross_entropy", _input, o, per_row=per_row, out_shape=target.shape,
-                                       tokens=True, targets=target, class_weights=self._class_weights())
+                                       tokens=True, targets=target, class_weights=self._class_weights(_input.shape[-1]))
         return _cross_entropy_result(self, loss.to(_input.dtype), per_token, target, o, _input.dtype)
 
 
@@ -926,7 +931,7 @@ class FusedLinearCrossEntropyLoss(_LigerCrossEntropyModule):
         per_row = "per_token_loss" if o["reduction"] == "none" else None
         loss, per_token = _linear_call("cross_entropy", _input, lin_weight, bias, o, per_row=per_row,
                                        out_shape=target.shape, chunk_memory_mb=self.chunk_memory_mb, tokens=True,
-                                       targets=target, class_weights=self._class_weights())
+                                       targets=target, class_weights=self._class_weights(lin_weight.shape[0]))
         return _cross_entropy_result(self, loss, per_token, target, o, _input.dtype)
 
 
@@ -943,9 +948,11 @@ def liger_cross_entropy(input, target, weight=None, size_average=None, ignore_in
 def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight=None, ignore_index=-100,
                                      lse_square_scale=0.0, label_smoothing=0.0, reduction="mean", softcap=None,
                                      return_z_loss=False, accum_dtype=None, use_token_scaling=False,
-                                     return_token_accuracy=False, return_predicted_tokens=False):
+                                     return_token_accuracy=False, return_predicted_tokens=False, chunk_mem_const=1):
     """Drop-in for ``liger_kernel.transformers.functional.liger_fused_linear_cross_entropy``:
-    ``FusedLinearCrossEntropyLoss`` called once."""
+    ``FusedLinearCrossEntropyLoss`` called once. ``chunk_mem_const`` (Liger's chunk sizing) is
+    accepted and ignored: the chunks here are sized by ``chunk_memory_mb``."""
+    del chunk_mem_const
     module = FusedLinearCrossEntropyLoss(ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
                                          return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
                                          return_predicted_tokens)
