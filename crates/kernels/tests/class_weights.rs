@@ -165,8 +165,11 @@ fn near_uniform_rows_round_once() {
         case.logit_std = 0.01;
         let mut data = case.data();
         data.class_weights = Some(weights);
-        assert_data_matches_reference::<f32>(&data, 1e-5);
-        // bf16 only: these gradients (~4e-7) are f16 subnormals, whose spacing (6e-8) alone misses 1e-2.
+        // The terms cancel to ~1% of their size (logits of spread 0.01), so f32's own rounding of
+        // them (~1e-7 relative) reaches ~3e-5 of the result: ill-conditioned in f32 itself, as
+        // PyTorch's `softmax - target` is. f16: these gradients (~4e-7) are f16 subnormals, whose
+        // spacing (6e-8) alone misses 1e-2.
+        assert_data_matches_reference::<f32>(&data, 1e-4);
         assert_data_matches_reference::<bf16>(&data, 1e-2);
         in_place_is_into::<bf16>(&data);
     }

@@ -1,17 +1,17 @@
 //! Cross-entropy's class weights `c` in the row passes (LOSSES.md, "Class weights"): with label
 //! smoothing, each row's `sum_j c_j u_j` and the gradient's last term `d c_j`, column by column.
 //!
-//! Passes of their own over a row, as the argmax's (`argmax.rs`): the statistics and gradient
-//! loops, bound by their FP operations, stay as they are, and a loss without class weights (or
-//! without label smoothing, where the weights are each row's `c_y`, a scalar) pays nothing.
-//! Asked for, the sum reads the row once more and the gradient term rereads and rewrites the
-//! row's gradient, both while the row is in cache (the sweep then writes the gradient with plain
-//! stores, not streaming ones). A 16-bit row goes through f32 scratch rows (widened, the f32
-//! kernels, the term added, rounded once), as a soft-capped row does: the term nearly cancels the
-//! rest on near-uniform rows (`p_j b` against `d c_j`, both ~`s c_j / V`), where a gradient rounded to
-//! bf16 before the term was added lost most of its digits.
+//! A loss without class weights, or without label smoothing (where the weights are each row's
+//! `c_y`, a scalar of the objective), pays nothing. With both: the weighted sum is a pass of its
+//! own over the row, as the argmax's (`argmax.rs`), whose statistics loop is bound by its FP
+//! operations; then, instead of the one-pass sweep, the row kernel's statistics and its
+//! gradient pass with `d c_j` added to each value (one load and one FMA more per 16 logits)
+//! before the value's one rounding (`row::gradient_weighted`), the row reread from cache and
+//! written with plain stores. One rounding matters: on near-uniform rows the term nearly cancels
+//! the rest (`p_j b` against `d c_j`, both ~`s c_j / V`), and a bf16 gradient rounded before the
+//! term was added was off by 0.16 in relative norm (`near_uniform_rows_round_once`). A soft-capped
+//! row adds the term to its f32 scratch gradient (`add_weighted`) before the cap's chain rule.
 
-use super::softcap::with_rows;
 use super::{Finish, GradientTarget, Kernels, RowMax, Wanted};
 use crate::element::Element;
 use crate::objective::RowGradient;
@@ -50,59 +50,27 @@ pub(super) fn add_weighted<T: Element>(out: &mut [T], d: f32, weights: &[f32]) {
     }
 }
 
-/// A row widened to f32.
-#[inline(always)]
-pub(super) fn widen<T: Element>(row: &[T], out: &mut [f32]) {
-    for (o, x) in out.iter_mut().zip(row) {
-        *o = x.to_f32();
-    }
-}
-
-/// f32 values rounded to the row's dtype.
-#[inline(always)]
-pub(super) fn narrow<T: Element>(values: &[f32], out: &mut [T]) {
-    for (o, &v) in out.iter_mut().zip(values) {
-        *o = T::from_f32(v);
-    }
-}
-
 impl<T: Element> Kernels<T> {
-    /// Step 3 on a row part whose `d` term is `d c_j` (`weights`: its columns' class weights):
-    /// the row kernel's gradient without it, then the term added, in place for f32; through f32
-    /// scratch rows for 16-bit dtypes, rounded once (`k32`: the f32 kernels of the same
-    /// instruction set).
-    #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and the weights
+    /// Step 3 on a row part whose `d` term is `d c_j` (`weights`: its columns' class weights),
+    /// each value rounded once ([`super::row::gradient_weighted`]).
     pub(super) fn weighted_gradient(
         &self,
-        k32: &Kernels<f32>,
         dst: GradientTarget<'_, T>,
         g: &RowGradient,
         inv_t: f32,
         target: Option<usize>,
         weights: &[f32],
-        large: bool,
     ) {
-        let (src, out) = dst.into_parts();
-        if std::mem::size_of::<T>() == 4 || g.is_zero() {
-            self.gradient(GradientTarget::of_parts(src, &mut *out), &g.without_d(), inv_t, target, large);
-            self.add_weighted(out, g.d, weights);
-            return;
-        }
-        with_rows(out.len(), |u, grad| {
-            self.widen(src.unwrap_or(out), u);
-            k32.gradient(GradientTarget::Into { logits: u, out: grad }, &g.without_d(), inv_t, target, false);
-            k32.add_weighted(grad, g.d, weights);
-            self.narrow(grad, out);
-        })
+        // SAFETY: `select` only picks kernels whose features `Isa::detected` found on this CPU.
+        unsafe { (self.gradient_weighted)(dst, g, inv_t, target, weights) }
     }
 
-    /// [`Kernels::sweep_wanted`] of a whole row with class weights (in `wanted`). For 16-bit
-    /// dtypes in two steps: the row kernel's statistics (as the forward-only pass takes them, so
-    /// the loss is the same bits with or without a gradient), then [`Self::weighted_gradient`].
-    #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and the weights
+    /// Steps 1 to 3 on a whole row with class weights (in `wanted`): the row kernel's statistics,
+    /// as the forward-only pass takes them (so the loss is the same bits with or without a
+    /// gradient), with what `wanted` adds, then [`Self::weighted_gradient`] rereading the row from
+    /// cache; false, writing nothing, when `finish` refuses the statistics.
     pub(super) fn weighted_sweep(
         &self,
-        k32: &Kernels<f32>,
         dst: GradientTarget<'_, T>,
         inv_t: f32,
         target: Option<usize>,
@@ -110,27 +78,12 @@ impl<T: Element> Kernels<T> {
         weights: &[f32],
         finish: Finish<'_>,
     ) -> bool {
-        if std::mem::size_of::<T>() == 4 {
-            return self.sweep_wanted(dst, inv_t, target, wanted, false, finish);
-        }
         let (src, out) = dst.into_parts();
         let row = src.unwrap_or(out);
         let stats = self.statistics(row, inv_t, target, wanted.kernel_sum_u(), RowMax::Unneeded);
         let Some(g) = finish(self.extras(row, 0, wanted, inv_t).apply(stats)) else { return false };
-        self.weighted_gradient(k32, GradientTarget::of_parts(src, out), &g, inv_t, target, weights, false);
+        self.weighted_gradient(GradientTarget::of_parts(src, out), &g, inv_t, target, weights);
         true
-    }
-
-    /// A row widened to f32, into `out`.
-    fn widen(&self, row: &[T], out: &mut [f32]) {
-        // SAFETY: `select` only picks kernels whose features `Isa::detected` found on this CPU.
-        unsafe { (self.widen)(row, out) }
-    }
-
-    /// f32 values rounded into `out`.
-    fn narrow(&self, values: &[f32], out: &mut [T]) {
-        // SAFETY: as for `widen`.
-        unsafe { (self.narrow)(values, out) }
     }
 
     /// `sum_j c_j x_j` of a row part, `weights` its columns' class weights.

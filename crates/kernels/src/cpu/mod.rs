@@ -82,8 +82,7 @@ type ChainFn<T> = unsafe fn(&[f32], Option<&[T]>, &mut [T], f32);
 type FirstMaxFn<T> = unsafe fn(&[T]) -> Option<(f32, usize)>;
 type WeightedSumFn<T> = unsafe fn(&[T], &[f32]) -> f32;
 type AddWeightedFn<T> = unsafe fn(&mut [T], f32, &[f32]);
-type WidenFn<T> = unsafe fn(&[T], &mut [f32]);
-type NarrowFn<T> = unsafe fn(&[f32], &mut [T]);
+type GradWeightedFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>, &[f32]);
 
 /// The row kernels compiled for one instruction set.
 #[derive(Clone, Copy)]
@@ -97,8 +96,7 @@ struct Kernels<T> {
     first_max: FirstMaxFn<T>,
     weighted_sum: WeightedSumFn<T>,
     add_weighted: AddWeightedFn<T>,
-    widen: WidenFn<T>,
-    narrow: NarrowFn<T>,
+    gradient_weighted: GradWeightedFn<T>,
 }
 
 /// Compiles the row kernels for one instruction set: `$simd` is the [`simd::Simd`] token.
@@ -173,15 +171,8 @@ macro_rules! isa_kernels {
             /// # Safety
             /// As for `statistics`.
             $(#[$attr])*
-            pub unsafe fn widen<T: Element>(row: &[T], out: &mut [f32]) {
-                class_weights::widen(row, out)
-            }
-
-            /// # Safety
-            /// As for `statistics`.
-            $(#[$attr])*
-            pub unsafe fn narrow<T: Element>(values: &[f32], out: &mut [T]) {
-                class_weights::narrow(values, out)
+            pub unsafe fn gradient_weighted<T: Element>(dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>, weights: &[f32]) {
+                row::gradient_weighted($simd, dst, g, inv_t, target, weights)
             }
 
             pub fn kernels<T: Element>() -> Kernels<T> {
@@ -195,8 +186,7 @@ macro_rules! isa_kernels {
                     first_max: first_max::<T>,
                     weighted_sum: weighted_sum::<T>,
                     add_weighted: add_weighted::<T>,
-                    widen: widen::<T>,
-                    narrow: narrow::<T>,
+                    gradient_weighted: gradient_weighted::<T>,
                 }
             }
         }
@@ -530,7 +520,7 @@ pub(crate) fn gradient<T: Element>(
         match (map.softcap, weights) {
             // A zero gradient is written without reading the logits.
             (Some(cap), _) if !g.is_zero() => k.capped_gradient(&k32, write, g, inv_t, block.target(i), cap, weights),
-            (_, Some(c)) if !g.is_zero() => k.weighted_gradient(&k32, write, g, inv_t, block.target(i), c, large),
+            (_, Some(c)) => k.weighted_gradient(write, g, inv_t, block.target(i), c),
             _ => k.gradient(write, g, inv_t, block.target(i), large),
         }
     };
@@ -594,7 +584,7 @@ pub(crate) fn sweep<T: Element>(
                 k.sweep(write, inv_t, y, wanted.kernel_sum_u(), large, &mut finish)
             }
             None => match weights {
-                Some(c) => k.weighted_sweep(&k32, write, inv_t, y, wanted, c, &mut finish),
+                Some(c) => k.weighted_sweep(write, inv_t, y, wanted, c, &mut finish),
                 None => k.sweep_wanted(write, inv_t, y, wanted, large, &mut finish),
             },
         };

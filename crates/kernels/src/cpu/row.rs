@@ -877,8 +877,50 @@ pub(crate) fn gradient<S: Simd, T: Element>(
     let stream = large && matches!(dst, GradientTarget::Into { .. }) && s.streams::<T>();
     // The units, `inv_t == 1` and `c == 0` decided once per row part, not per vector (base 2
     // takes the temperature in its one FMA either way).
+    gradient_dispatch(
+        s,
+        dst,
+        g,
+        inv_t,
+        RowPass { g, r: Recompute::new::<S, T>(inv_t, g.lse), target, stream, weights: None },
+    )
+}
+
+/// [`gradient`] of a row part whose last term is `d c_j`, with `weights` its columns' class
+/// weights `c` (cross-entropy with class weights and label smoothing): each value takes
+/// `d c_j` (one load and one FMA more per 16 logits) before its one rounding. Plain stores: the
+/// caller keeps such rows in cache.
+#[inline(always)]
+pub(crate) fn gradient_weighted<S: Simd, T: Element>(
+    s: S,
+    dst: GradientTarget<'_, T>,
+    g: &RowGradient,
+    inv_t: f32,
+    target: Option<usize>,
+    weights: &[f32],
+) {
+    debug_assert_eq!(weights.len(), dst.logits().len());
+    let without_d = g.without_d();
+    if g.is_zero() {
+        let (_, out) = dst.into_parts();
+        zero_row(s, out, false);
+        return;
+    }
     let r = Recompute::new::<S, T>(inv_t, g.lse);
-    let row = RowPass { g, r, target, stream };
+    let row = RowPass { g: &without_d, r, target, stream: false, weights: Some((weights, g.d)) };
+    gradient_dispatch(s, dst, &without_d, inv_t, row)
+}
+
+/// [`gradient_pass`] with the units, `inv_t == 1` and `c == 0` decided once per row part.
+#[inline(always)]
+fn gradient_dispatch<S: Simd, T: Element>(
+    s: S,
+    dst: GradientTarget<'_, T>,
+    g: &RowGradient,
+    inv_t: f32,
+    row: RowPass<'_>,
+) {
+    let r = row.r;
     match (r.base2, inv_t != 1.0, g.c != 0.0) {
         (true, _, true) => gradient_pass::<S, T, false, true, true>(s, dst, row),
         (true, _, false) => gradient_pass::<S, T, false, false, true>(s, dst, row),
@@ -897,6 +939,18 @@ struct RowPass<'g> {
     target: Option<usize>,
     /// Whether the gradient goes out by streaming stores.
     stream: bool,
+    /// The columns' class weights and the `d` they multiply ([`gradient_weighted`]; never
+    /// streamed).
+    weights: Option<(&'g [f32], f32)>,
+}
+
+/// `v + d c_j..j+16` with class weights, else `v`.
+#[inline(always)]
+fn with_weights<S: Simd>(s: S, v: S::V, weights: Option<(&[f32], f32)>, j: usize) -> S::V {
+    match weights {
+        Some((c, d)) => s.mul_add(s.load(&c[j..]), s.splat(d), v),
+        None => v,
+    }
 }
 
 /// How [`recomputed`] takes a logit to `p`: in natural units, `u = x inv_t` and `p = exp(u - lse)`;
@@ -1014,7 +1068,8 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
     dst: GradientTarget<'_, T>,
     row: RowPass<'_>,
 ) {
-    let RowPass { g, r, target, stream } = row;
+    let RowPass { g, r, target, stream, weights } = row;
+    debug_assert!(!(stream && weights.is_some()), "class-weighted rows are not streamed");
     let (src, out) = dst.into_parts();
     let len = out.len();
     let full = len / LANES * LANES;
@@ -1036,7 +1091,7 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
                 s.prefetch(ahead(&logits[j..]));
                 s.prefetch(ahead(&out[j..]));
                 let v = recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&logits[j..]), r, g);
-                s.store_t(v, &mut out[j..]);
+                s.store_t(with_weights(s, v, weights, j), &mut out[j..]);
             }
             false
         }
@@ -1044,13 +1099,14 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
             for j in (0..full).step_by(LANES) {
                 s.prefetch(ahead(&out[j..]));
                 let v = recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&out[j..]), r, g);
-                s.store_t(v, &mut out[j..]);
+                s.store_t(with_weights(s, v, weights, j), &mut out[j..]);
             }
             false
         }
     };
     if let Some((y, start, kept)) = target_vector {
-        let mut lanes = s.to_array(recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&kept), r, g));
+        let v = recomputed::<S, SCALED, LOG_P, BASE2>(s, s.load_t(&kept), r, g);
+        let mut lanes = s.to_array(with_weights(s, v, weights, start));
         lanes[y - start] += g.a;
         s.store_t(s.load(&lanes), &mut out[start..]);
     }
@@ -1061,6 +1117,9 @@ fn gradient_pass<S: Simd, T: Element, const SCALED: bool, const LOG_P: bool, con
             continue;
         }
         let mut value = tail_value(s, src.map_or(out[j], |l| l[j]), r, g);
+        if let Some((c, d)) = weights {
+            value = s.scalar_mul_add(d, c[j], value);
+        }
         if target == Some(j) {
             value += g.a;
         }

@@ -176,7 +176,7 @@ impl<T: Element> Kernels<T> {
 
 /// Runs `f` on this thread's two scratch rows of `len` (the capped values, a gradient with
 /// respect to them).
-pub(super) fn with_rows<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+fn with_rows<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
     // Taken out of the thread-local and put back after: `f` runs the row kernels, which use
     // thread-locals of their own.
     let (mut u, mut g) = ROWS.with_borrow_mut(std::mem::take);
