@@ -89,13 +89,7 @@ fn every_op_matches_the_reference() {
 
 #[test]
 fn every_instruction_set_matches_the_reference() {
-    for isa in flashgrpo_kernels::Isa::available() {
-        flashgrpo_kernels::with_isa(isa, || {
-            for case in cases().into_iter().filter(|c| c.vocab < 100_000).step_by(5) {
-                check_all_dtypes(&case);
-            }
-        });
-    }
+    common::on_every_instruction_set(&cases(), 5, check_all_dtypes);
 }
 
 #[test]

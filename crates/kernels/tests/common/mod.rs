@@ -183,6 +183,18 @@ impl Data {
     }
 }
 
+/// `check` on every `step`-th case whose vocabulary is below 100,000, under each instruction set
+/// this CPU has (each test file runs all its cases under the detected one).
+pub fn on_every_instruction_set(cases: &[Case], step: usize, check: impl Fn(&Case)) {
+    for isa in flashgrpo_kernels::Isa::available() {
+        flashgrpo_kernels::with_isa(isa, || {
+            for case in cases.iter().filter(|c| c.vocab < 100_000).step_by(step) {
+                check(case);
+            }
+        });
+    }
+}
+
 /// Runs the fused kernel (with a gradient when the op has one).
 pub fn fused<T: Element>(data: &Data, logits: &[T]) -> (LossOutput, Option<Vec<T>>) {
     let spec = data.spec();
