@@ -423,7 +423,9 @@ impl<T: Element> Kernels<T> {
 
     /// [`Kernels::sweep`] over a whole row with what `wanted` adds to its statistics, taken before
     /// the gradient overwrites the row; with class weights, the gradient's `d c_j` added after
-    /// the row kernel wrote the rest (plain stores then: the term rereads the row).
+    /// the row kernel wrote the rest (plain stores then: the term rereads the row). Class weights
+    /// come here only from the soft cap's f32 scratch rows (`capped_sweep`, rounded once after);
+    /// other rows with them take [`Kernels::weighted_sweep`].
     #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and what is wanted
     fn sweep_wanted(
         &self,
@@ -512,7 +514,7 @@ pub(crate) fn gradient<T: Element>(
     let k = Kernels::<T>::select();
     let k32 = Kernels::<f32>::select();
     let weights = class_weights.map(|c| &c[block.columns.clone()]);
-    // The class weights' term rereads the row's gradient: it stays in cache.
+    // Class-weighted rows go out by plain stores (`row::gradient_weighted`).
     let large = target.written_bytes() >= STREAM_MIN_BYTES && weights.is_none();
     let one_row = |l: usize, write: GradientTarget<'_, T>| {
         let i = block.row(l);
@@ -560,7 +562,7 @@ pub(crate) fn sweep<T: Element>(
     let weights = wanted.sum_u.weights();
     // Masked rows' zeros stream in place too (their logits are not read); the sweep streams
     // computed rows only into a new buffer (in place, it has just read the row's lines), and not
-    // when the class weights' term rereads the gradient (`sweep_wanted`).
+    // class-weighted ones (`weighted_sweep`, `sweep_wanted`).
     let large = target.written_bytes() >= STREAM_MIN_BYTES;
     let one_row = |i: usize, write: GradientTarget<'_, T>| -> Option<(RowStats, RowOutcome)> {
         let y = block.target(i);
