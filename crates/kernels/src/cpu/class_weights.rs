@@ -10,7 +10,7 @@
 //! written with plain stores. One rounding matters: on near-uniform rows the term nearly cancels
 //! the rest (`p_j b` against `d c_j`, both ~`s c_j / V`), and a bf16 gradient rounded before the
 //! term was added was off by 0.16 in relative norm (`near_uniform_rows_round_once`). A soft-capped
-//! row adds the term to its f32 scratch gradient (`add_weighted`) before the cap's chain rule.
+//! row takes the same passes on its f32 scratch row, before the cap's chain rule.
 
 use super::{Finish, GradientTarget, Kernels, RowMax, Wanted};
 use crate::element::Element;
@@ -39,15 +39,6 @@ pub(super) fn weighted_sum<T: Element>(row: &[T], weights: &[f32]) -> f32 {
         total += lanes.into_iter().chain(rest).fold(0.0f64, |acc, v| acc + v as f64);
     }
     total as f32
-}
-
-/// `out_j += d c_j`, in f32, rounded to the gradient's dtype.
-#[inline(always)]
-pub(super) fn add_weighted<T: Element>(out: &mut [T], d: f32, weights: &[f32]) {
-    debug_assert_eq!(out.len(), weights.len());
-    for (o, &c) in out.iter_mut().zip(weights) {
-        *o = T::from_f32(o.to_f32() + d * c);
-    }
 }
 
 impl<T: Element> Kernels<T> {
@@ -91,12 +82,6 @@ impl<T: Element> Kernels<T> {
         // SAFETY: `select` only picks kernels whose features `Isa::detected` found on this CPU.
         unsafe { (self.weighted_sum)(row, weights) }
     }
-
-    /// Adds `d c_j` to a row part's gradient, `weights` its columns' class weights.
-    pub(super) fn add_weighted(&self, out: &mut [T], d: f32, weights: &[f32]) {
-        // SAFETY: as for `weighted_sum`.
-        unsafe { (self.add_weighted)(out, d, weights) }
-    }
 }
 
 #[cfg(test)]
@@ -114,12 +99,5 @@ mod tests {
             let got = weighted_sum(&x, &c) as f64;
             assert!((got - want).abs() <= 1e-6 * want.abs().max(1.0), "len {len}: {got} vs {want}");
         }
-    }
-
-    #[test]
-    fn add_weighted_adds_each_columns_term() {
-        let mut out = vec![1.0f32, -2.0, 0.5];
-        add_weighted(&mut out, 0.25, &[4.0, 0.0, -2.0]);
-        assert_eq!(out, vec![2.0, -2.0, 0.0]);
     }
 }

@@ -81,7 +81,6 @@ type CapFn<T> = unsafe fn(&[T], f32, &mut [f32]);
 type ChainFn<T> = unsafe fn(&[f32], Option<&[T]>, &mut [T], f32);
 type FirstMaxFn<T> = unsafe fn(&[T]) -> Option<(f32, usize)>;
 type WeightedSumFn<T> = unsafe fn(&[T], &[f32]) -> f32;
-type AddWeightedFn<T> = unsafe fn(&mut [T], f32, &[f32]);
 type GradWeightedFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>, &[f32]);
 
 /// The row kernels compiled for one instruction set.
@@ -95,7 +94,6 @@ struct Kernels<T> {
     chain: ChainFn<T>,
     first_max: FirstMaxFn<T>,
     weighted_sum: WeightedSumFn<T>,
-    add_weighted: AddWeightedFn<T>,
     gradient_weighted: GradWeightedFn<T>,
 }
 
@@ -164,13 +162,6 @@ macro_rules! isa_kernels {
             /// # Safety
             /// As for `statistics`.
             $(#[$attr])*
-            pub unsafe fn add_weighted<T: Element>(out: &mut [T], d: f32, weights: &[f32]) {
-                class_weights::add_weighted(out, d, weights)
-            }
-
-            /// # Safety
-            /// As for `statistics`.
-            $(#[$attr])*
             pub unsafe fn gradient_weighted<T: Element>(dst: GradientTarget<'_, T>, g: &RowGradient, inv_t: f32, target: Option<usize>, weights: &[f32]) {
                 row::gradient_weighted($simd, dst, g, inv_t, target, weights)
             }
@@ -185,7 +176,6 @@ macro_rules! isa_kernels {
                     chain: chain::<T>,
                     first_max: first_max::<T>,
                     weighted_sum: weighted_sum::<T>,
-                    add_weighted: add_weighted::<T>,
                     gradient_weighted: gradient_weighted::<T>,
                 }
             }
@@ -421,12 +411,9 @@ impl<T: Element> Kernels<T> {
         }
     }
 
-    /// [`Kernels::sweep`] over a whole row with what `wanted` adds to its statistics, taken before
-    /// the gradient overwrites the row; with class weights, the gradient's `d c_j` added after
-    /// the row kernel wrote the rest (plain stores then: the term rereads the row). Class weights
-    /// come here only from the soft cap's f32 scratch rows (`capped_sweep`, rounded once after);
-    /// other rows with them take [`Kernels::weighted_sweep`].
-    #[allow(clippy::too_many_arguments)] // the row kernel's own arguments, and what is wanted
+    /// [`Kernels::sweep`] over a whole row with the argmax `wanted` adds to its statistics,
+    /// taken before the gradient overwrites the row (class weights take
+    /// [`Kernels::weighted_sweep`]).
     fn sweep_wanted(
         &self,
         dst: GradientTarget<'_, T>,
@@ -436,21 +423,11 @@ impl<T: Element> Kernels<T> {
         large: bool,
         finish: Finish<'_>,
     ) -> bool {
+        debug_assert!(wanted.sum_u.weights().is_none(), "class weights take weighted_sweep");
         let (src, out) = dst.into_parts();
         let extras = self.extras(src.unwrap_or(out), 0, wanted, inv_t);
-        let weights = wanted.sum_u.weights();
-        let mut d = 0.0;
-        let mut finish = |p: PartialRowStats| {
-            let g = finish(extras.apply(p))?;
-            d = g.d;
-            Some(if weights.is_some() { g.without_d() } else { g })
-        };
-        let dst = GradientTarget::of_parts(src, &mut *out);
-        let done = self.sweep(dst, inv_t, target, wanted.kernel_sum_u(), large && weights.is_none(), &mut finish);
-        if let (true, Some(c)) = (done, weights) {
-            self.add_weighted(out, d, c);
-        }
-        done
+        let dst = GradientTarget::of_parts(src, out);
+        self.sweep(dst, inv_t, target, wanted.kernel_sum_u(), large, &mut |p| finish(extras.apply(p)))
     }
 }
 
@@ -562,7 +539,7 @@ pub(crate) fn sweep<T: Element>(
     let weights = wanted.sum_u.weights();
     // Masked rows' zeros stream in place too (their logits are not read); the sweep streams
     // computed rows only into a new buffer (in place, it has just read the row's lines), and not
-    // class-weighted ones (`weighted_sweep`, `sweep_wanted`).
+    // class-weighted ones (`weighted_sweep`).
     let large = target.written_bytes() >= STREAM_MIN_BYTES;
     let one_row = |i: usize, write: GradientTarget<'_, T>| -> Option<(RowStats, RowOutcome)> {
         let y = block.target(i);

@@ -138,10 +138,7 @@ impl<T: Element> Kernels<T> {
             self.cap(src.unwrap_or(out), cap, u);
             let into = GradientTarget::Into { logits: u, out: grad };
             match class_weights {
-                Some(c) => {
-                    k32.gradient(into, &g.without_d(), inv_t, target, false);
-                    k32.add_weighted(grad, g.d, c);
-                }
+                Some(c) => k32.weighted_gradient(into, g, inv_t, target, c),
                 None => k32.gradient(into, g, inv_t, target, false),
             }
             self.chain(grad, src, out, cap);
@@ -165,7 +162,10 @@ impl<T: Element> Kernels<T> {
         with_rows(out.len(), |u, grad| {
             self.cap(src.unwrap_or(out), cap, u);
             let into = GradientTarget::Into { logits: u, out: grad };
-            let done = k32.sweep_wanted(into, inv_t, target, wanted, false, finish);
+            let done = match wanted.sum_u.weights() {
+                Some(c) => k32.weighted_sweep(into, inv_t, target, wanted, c, finish),
+                None => k32.sweep_wanted(into, inv_t, target, wanted, false, finish),
+            };
             if done {
                 self.chain(grad, src, out, cap);
             }
