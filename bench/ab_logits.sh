@@ -3,7 +3,8 @@
 # binary in turn, round after round, so that this VM's drift hits both alike.
 #   bench/ab_logits.sh ROUNDS BIN_A BIN_B [BIN ...]
 # Prints `round|arm|binary|step p50 (s) x-the-floor copy-GB/s` per run (`flashgrpo bench`).
-# ARMS=REGEX runs only the arms whose name matches (e.g. ARMS=bf16).
+# ARMS=REGEX runs only the arms whose name matches (e.g. ARMS=bf16; ARMS=extras: what
+# `predicted_tokens` and class weights with label smoothing add to the step).
 # Build the binaries first (e.g. `cargo build --release && cp target/release/flashgrpo /tmp/new`).
 # Every other round runs the binaries in reverse (A B, B A): the first of two back-to-back runs was
 # ~10% slower on the AMX host of 2026-11-29, so a fixed order favours the later binaries.
@@ -20,6 +21,13 @@ arms=(
   "n1024-bf16 gspo fused|--config configs/bench-grpo-n1024-bf16.yaml --set importance_sampling_level=sequence --set loss_type=grpo --set impl=fused"
   "original-bf16 fused-inplace|--config configs/bench-grpo-original.yaml"
   "original-bf16 fused|--config configs/bench-grpo-original.yaml --set impl=fused"
+  "extras n1024-bf16 predicted fused-inplace|--config configs/bench-grpo-n1024-bf16.yaml --set predicted_tokens=true"
+  "extras n1024-bf16 predicted fused|--config configs/bench-grpo-n1024-bf16.yaml --set predicted_tokens=true --set impl=fused"
+  "extras n1024-f32 predicted fused-inplace|--config configs/bench-grpo-n1024-f32.yaml --set predicted_tokens=true"
+  "extras original-bf16 predicted fused-inplace|--config configs/bench-grpo-original.yaml --set predicted_tokens=true"
+  "extras n1024-bf16 ce-weighted-smoothed fused-inplace|--config configs/bench-grpo-n1024-bf16.yaml --set op=cross_entropy --set label_smoothing=0.1 --set with_class_weights=true"
+  "extras n1024-bf16 ce-weighted-smoothed fused|--config configs/bench-grpo-n1024-bf16.yaml --set op=cross_entropy --set label_smoothing=0.1 --set with_class_weights=true --set impl=fused"
+  "extras n1024-f32 ce-weighted-smoothed fused-inplace|--config configs/bench-grpo-n1024-f32.yaml --set op=cross_entropy --set label_smoothing=0.1 --set with_class_weights=true"
 )
 reversed=()
 for ((i = $#; i >= 1; i--)); do reversed+=("${!i}"); done

@@ -2,37 +2,57 @@
 //! logit, as `torch.argmax` and Liger's `predicted_tokens` give it.
 //!
 //! A pass of its own over the row rather than a term in the statistics loop, which is bound by its
-//! FP operations (docs/BENCHMARKS.md, "Where the in-place sweep's time goes"): asked for, it costs
-//! a read of the row (from memory before the sweep, which then finds the row in cache); not asked
-//! for, nothing. Two loops LLVM vectorises: the maximum over 16 lanes, then the first block of
-//! 16 values holding it, compared 16 at a time, and the column within it. With a soft cap it runs on the capped values the losses see
-//! (`softcap.rs`), where two logits may cap to the same f32.
+//! FP operations (docs/BENCHMARKS.md, "Where the in-place sweep's time goes"): asked for, it reads
+//! the row from cache after the statistics pass has brought it there (`Kernels::sweep_wanted`,
+//! between the sweep's two passes; step 1's `statistics`, after each row part's); not asked for,
+//! it costs nothing. The maximum of each block of 256 values (32 at a time, in the row kernels'
+//! widening of [`Simd::load_pair_t`], whose even / odd layout a maximum does not mind), then the
+//! first block holding the row's maximum searched for its first column: one vector `max` per 16
+//! values (the first form, a maximum over the whole row and then a search from its start, took
+//! ~1.5 passes of LLVM-vectorised loops). With a soft cap it runs on the capped values the losses
+//! see (`softcap.rs`), where two logits may cap to the same f32.
 
+use super::simd::{Simd, LANES};
 use super::Kernels;
 use crate::element::Element;
 use crate::stats::Argmax;
 
-/// Values compared at once: one AVX-512 vector of f32.
-const LANES: usize = 16;
+/// Values per block: whole pairs of 32, few enough that searching one is cheap.
+const BLOCK: usize = 256;
 
 /// The largest value of `row` (as f32) and the first column holding it; `None` for an empty row,
 /// or one with no value above -inf and none equal to it (NaNs only: refused as non-finite anyway).
 #[inline(always)]
-pub(super) fn first_max<T: Element>(row: &[T]) -> Option<(f32, usize)> {
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let mut chunks = row.chunks_exact(LANES);
-    for chunk in &mut chunks {
-        for (m, x) in lanes.iter_mut().zip(chunk) {
-            let v = x.to_f32();
-            *m = if v > *m { v } else { *m };
+pub(super) fn first_max<S: Simd, T: Element>(s: S, row: &[T]) -> Option<(f32, usize)> {
+    let mut best = f32::NEG_INFINITY;
+    let mut first_block = None;
+    for (b, block) in row.chunks(BLOCK).enumerate() {
+        let m = block_max(s, block);
+        if m > best || (first_block.is_none() && m == best) {
+            (best, first_block) = (m, Some(b));
         }
     }
-    let rest = chunks.remainder().iter().map(|x| x.to_f32());
-    let best = lanes.into_iter().chain(rest).fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m });
-    let holds = |chunk: &[T]| chunk.iter().fold(false, |found, x| found | (x.to_f32() == best));
-    let start = row.chunks(LANES).position(holds)? * LANES;
-    let column = start + row[start..].iter().position(|x| x.to_f32() == best)?;
+    let start = first_block? * BLOCK;
+    let block = &row[start..(start + BLOCK).min(row.len())];
+    let column = start + block.iter().position(|x| x.to_f32() == best)?;
     Some((best, column))
+}
+
+/// The largest value of a block (NaNs aside), -inf for an empty one.
+#[inline(always)]
+fn block_max<S: Simd, T: Element>(s: S, block: &[T]) -> f32 {
+    let (pairs, full) = (block.len() / (2 * LANES) * (2 * LANES), block.len() / LANES * LANES);
+    let (mut m0, mut m1) = (s.splat(f32::NEG_INFINITY), s.splat(f32::NEG_INFINITY));
+    for pair in block[..pairs].chunks_exact(2 * LANES) {
+        let (a, b) = s.load_pair_t(pair);
+        (m0, m1) = (s.max(m0, a), s.max(m1, b));
+    }
+    if full > pairs {
+        m0 = s.max(m0, s.load_t(&block[pairs..full]));
+    }
+    let lanes = s.to_array(s.max(m0, m1));
+    let rest = block[full..].iter().map(|x| x.to_f32());
+    lanes.into_iter().chain(rest).fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
 }
 
 impl<T: Element> Kernels<T> {
@@ -71,13 +91,14 @@ mod tests {
         }
     }
 
-    /// Every length around the lanes, the largest value anywhere, ties (the first wins), values
-    /// all equal, masking values, on every instruction set this CPU has.
+    /// Every length around the lanes and the 256-value blocks, the largest value anywhere, ties
+    /// within a block and across blocks (the first wins), values all equal, masking values, -inf
+    /// rows, on every instruction set this CPU has.
     #[test]
     fn first_largest_column_on_every_instruction_set() {
         for isa in crate::cpu::isa::Isa::available() {
             crate::with_isa(isa, || {
-                for len in [1, 2, 15, 16, 17, 31, 33, 100, 257] {
+                for len in [1, 2, 15, 16, 17, 31, 33, 100, 255, 256, 257, 300, 1000, 1057] {
                     for at in [0, len / 3, len - 1] {
                         let mut v: Vec<f32> = (0..len).map(|j| ((j * 7919) % 97) as f32 * 0.01 - 0.5).collect();
                         v[at] = 3.0;
@@ -90,6 +111,13 @@ mod tests {
                     }
                     check::<f32>(&vec![-1.25; len]);
                     check::<f32>(&vec![f32::MIN; len]);
+                    // -inf (a masked vocabulary entry) everywhere, or everywhere but one column.
+                    let mut v = vec![f32::NEG_INFINITY; len];
+                    check::<f32>(&v);
+                    check::<bf16>(&v);
+                    v[len * 2 / 3] = -7.0;
+                    check::<f32>(&v);
+                    check::<bf16>(&v);
                     check::<bf16>(&vec![0.0; len]);
                 }
             });

@@ -75,7 +75,11 @@ type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Opt
 /// row's maximum (the base-2 pass does not track it, `row::statistics_base2`): use them through
 /// [`PartialRowStats::finish`] and [`PartialRowStats::is_finite`], not their `max`.
 type Finish<'f> = &'f mut dyn FnMut(PartialRowStats) -> Option<RowGradient>;
-type SweepFn<T> = for<'a, 'f> unsafe fn(GradientTarget<'a, T>, f32, Option<usize>, bool, bool, Finish<'f>) -> bool;
+/// [`Finish`] as the row kernel's sweep calls it: with the row's logits (or capped values), still
+/// in cache after the statistics pass and not yet overwritten, for what [`Wanted`] adds to them.
+type RowFinish<'f, T> = &'f mut dyn FnMut(PartialRowStats, &[T]) -> Option<RowGradient>;
+type SweepFn<T> =
+    for<'a, 'f> unsafe fn(GradientTarget<'a, T>, f32, Option<usize>, bool, bool, RowFinish<'f, T>) -> bool;
 type ZeroFn<T> = unsafe fn(&mut [T], bool);
 type CapFn<T> = unsafe fn(&[T], f32, &mut [f32]);
 type ChainFn<T> = unsafe fn(&[f32], Option<&[T]>, &mut [T], f32);
@@ -120,7 +124,7 @@ macro_rules! isa_kernels {
             /// # Safety
             /// As for `statistics`.
             $(#[$attr])*
-            pub unsafe fn sweep<T: Element>(dst: GradientTarget<'_, T>, inv_t: f32, target: Option<usize>, sum_u: bool, large: bool, finish: Finish<'_>) -> bool {
+            pub unsafe fn sweep<T: Element>(dst: GradientTarget<'_, T>, inv_t: f32, target: Option<usize>, sum_u: bool, large: bool, finish: RowFinish<'_, T>) -> bool {
                 row::sweep($simd, dst, inv_t, target, sum_u, large, finish)
             }
 
@@ -149,7 +153,7 @@ macro_rules! isa_kernels {
             /// As for `statistics`.
             $(#[$attr])*
             pub unsafe fn first_max<T: Element>(row: &[T]) -> Option<(f32, usize)> {
-                argmax::first_max(row)
+                argmax::first_max($simd, row)
             }
 
             /// # Safety
@@ -239,7 +243,7 @@ impl<T: Element> Kernels<T> {
         target: Option<usize>,
         sum_u: bool,
         large: bool,
-        finish: Finish<'_>,
+        finish: RowFinish<'_, T>,
     ) -> bool {
         // SAFETY: as in `statistics`.
         unsafe { (self.sweep)(dst, inv_t, target, sum_u, large, finish) }
@@ -411,9 +415,11 @@ impl<T: Element> Kernels<T> {
         }
     }
 
-    /// [`Kernels::sweep`] over a whole row with the argmax `wanted` adds to its statistics,
-    /// taken before the gradient overwrites the row (class weights take
-    /// [`Kernels::weighted_sweep`]).
+    /// [`Kernels::sweep`] over a whole row with the argmax `wanted` adds to its statistics, read
+    /// from the row between the statistics pass and the gradient's, while the row is in cache and
+    /// before the gradient overwrites it (read first, as a pass of its own, it took the row from
+    /// memory with no arithmetic to hide behind: docs/BENCHMARKS.md). Class weights take
+    /// [`Kernels::weighted_sweep`].
     fn sweep_wanted(
         &self,
         dst: GradientTarget<'_, T>,
@@ -424,10 +430,8 @@ impl<T: Element> Kernels<T> {
         finish: Finish<'_>,
     ) -> bool {
         debug_assert!(wanted.sum_u.weights().is_none(), "class weights take weighted_sweep");
-        let (src, out) = dst.into_parts();
-        let extras = self.extras(src.unwrap_or(out), 0, wanted, inv_t);
-        let dst = GradientTarget::of_parts(src, out);
-        self.sweep(dst, inv_t, target, wanted.kernel_sum_u(), large, &mut |p| finish(extras.apply(p)))
+        let with_extras: RowFinish<'_, T> = &mut |p, row| finish(self.extras(row, 0, wanted, inv_t).apply(p));
+        self.sweep(dst, inv_t, target, wanted.kernel_sum_u(), large, with_extras)
     }
 }
 
@@ -559,9 +563,6 @@ pub(crate) fn sweep<T: Element>(
         };
         match map.softcap {
             Some(cap) => k.capped_sweep(&k32, write, inv_t, y, wanted, cap, &mut finish),
-            None if !wanted.argmax && weights.is_none() => {
-                k.sweep(write, inv_t, y, wanted.kernel_sum_u(), large, &mut finish)
-            }
             None => match weights {
                 Some(c) => k.weighted_sweep(write, inv_t, y, wanted, c, &mut finish),
                 None => k.sweep_wanted(write, inv_t, y, wanted, large, &mut finish),

@@ -1137,6 +1137,7 @@ thread_local! {
 /// Steps 1 to 3 on one whole row: the statistics (keeping `exp(u - m_tile)` or `2^t`), then `finish`
 /// (the objective) turns them into the row's gradient scalars, then the gradient from the kept
 /// values. Returns false, writing nothing, when `finish` refuses the statistics (NaN or Inf).
+/// `finish` also gets the row, still in cache, for what the caller adds to its statistics.
 /// With `large` (a buffer larger than the caches), a gradient written into another buffer goes
 /// there by non-temporal stores where the instruction set has them for `T` ([`write_tile`]).
 #[inline(always)]
@@ -1147,7 +1148,7 @@ pub(crate) fn sweep<S: Simd, T: Element>(
     target: Option<usize>,
     sum_u: bool,
     large: bool,
-    finish: &mut dyn FnMut(PartialRowStats) -> Option<RowGradient>,
+    finish: &mut dyn FnMut(PartialRowStats, &[T]) -> Option<RowGradient>,
 ) -> bool {
     let (src, out) = dst.into_parts();
     let stream = large && src.is_some() && s.streams::<T>();
@@ -1160,7 +1161,7 @@ pub(crate) fn sweep<S: Simd, T: Element>(
     let done = 'row: {
         let row = src.unwrap_or(out);
         let stats = statistics_for::<S, T, true, false>(s, row, inv_t, target, sum_u, &mut scratch, &mut tile_ref);
-        let Some(g) = finish(stats) else { break 'row false };
+        let Some(g) = finish(stats, row) else { break 'row false };
         if g.is_zero() {
             zero_row(s, out, stream);
             break 'row true;
@@ -1316,7 +1317,7 @@ mod tests {
                 assert!((got.entropy - want_whole.entropy).abs() <= 1e-5, "{what} (no max): entropy");
                 let mut swept = None;
                 let mut out = row.clone();
-                k.sweep(GradientTarget::InPlace(&mut out), inv_t, Some(target), true, false, &mut |s| {
+                k.sweep(GradientTarget::InPlace(&mut out), inv_t, Some(target), true, false, &mut |s, _| {
                     swept = Some(s);
                     Some(RowGradient::ZERO)
                 });
@@ -1461,7 +1462,7 @@ mod tests {
                     let swept = |stream: bool, offset: usize| {
                         let mut buffer = vec![T::from_f32(f32::NAN); len + 64];
                         let out = &mut buffer[offset..offset + len];
-                        let mut finish = |stats: PartialRowStats| {
+                        let mut finish = |stats: PartialRowStats, _: &[_]| {
                             let lse = stats.finish(len, 1.0).lse as f32;
                             lse_used.set(lse);
                             Some(if g.is_zero() { g } else { RowGradient { lse, ..g } })
