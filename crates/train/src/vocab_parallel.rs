@@ -2,7 +2,9 @@
 //! vocabulary (its logits columns, or its rows of the lm_head), streams its slice for the rows'
 //! partial statistics, and the ranks exchange them: **one all-gather of 7 f32 per row per rank**
 //! (max, `sum exp`, `sum exp * shifted`, `sum u`, the target's f64 `u` as two f32 and whether
-//! this slice holds it: 28 bytes per row from each rank). Every rank then combines the same statistics in the
+//! this slice holds it: 28 bytes per row from each rank; with predicted tokens, 4 f32 more: the
+//! slice's argmax value, its column as two exact 16-bit halves, and whether the slice has one).
+//! Every rank then combines the same statistics in the
 //! same order ([`combine_shards`]), so every rank computes the same objective (sequence-level
 //! GRPO included: it needs only the rows' statistics) and writes the gradient of its own slice.
 //! The fused-linear form streams its rows of the lm_head with the kernels' sharded fused-linear
@@ -17,74 +19,77 @@ use std::ops::Range;
 
 use flashgrpo_collective::{share, Collective, ReduceOp};
 use flashgrpo_kernels::{
-    combine_shards, ChunkBudget, Element, GradientTarget, LinearGradients, LinearInputs, LossError, LossOutput,
-    LossSpec, PartialRowStats, PreparedLinearLoss, PreparedLoss,
+    combine_shards, Argmax, ChunkBudget, Element, GradientTarget, LinearGradients, LinearInputs, LossOutput, LossSpec,
+    PartialRowStats, PreparedLinearLoss, PreparedLoss,
 };
 
 use crate::error::Result;
 
 /// Floats per row in the exchange.
 const STAT_FLOATS: usize = 7;
+/// Floats per row the argmax adds (predicted tokens).
+const ARGMAX_FLOATS: usize = 4;
+/// A column travels as two 16-bit halves, each exact in an f32.
+const HALF: usize = 1 << 16;
 
 /// This rank's columns of a `vocab`-column vocabulary.
 pub fn columns(comm: &dyn Collective, vocab: usize) -> Range<usize> {
     share(vocab, comm.size(), comm.rank())
 }
 
-fn encode(stats: &[PartialRowStats]) -> Vec<f32> {
-    stats
-        .iter()
-        .flat_map(|s| {
-            // The f64 target `u` (an exact product of two f32) as a sum of two f32, exactly.
-            let (high, low, has) = s.target_u.map_or((0.0, 0.0, 0.0), |t| {
-                let high = t as f32;
-                (high, (t - high as f64) as f32, 1.0)
-            });
-            [s.max, s.sum_exp, s.sum_exp_shifted, s.sum_u, high, low, has]
-        })
-        .collect()
+/// Each row's statistics as the exchange's floats; with `argmax`, the row part's argmax too.
+fn encode(stats: &[PartialRowStats], argmax: bool) -> Vec<f32> {
+    let mut values = Vec::with_capacity(stats.len() * (STAT_FLOATS + if argmax { ARGMAX_FLOATS } else { 0 }));
+    for s in stats {
+        // The f64 target `u` (an exact product of two f32) as a sum of two f32, exactly.
+        let (high, low, has) = s.target_u.map_or((0.0, 0.0, 0.0), |t| {
+            let high = t as f32;
+            (high, (t - high as f64) as f32, 1.0)
+        });
+        values.extend([s.max, s.sum_exp, s.sum_exp_shifted, s.sum_u, high, low, has]);
+        if argmax {
+            values.extend(
+                s.argmax.map_or([0.0; ARGMAX_FLOATS], |a| {
+                    [a.value, (a.column / HALF) as f32, (a.column % HALF) as f32, 1.0]
+                }),
+            );
+        }
+    }
+    values
 }
 
-fn decode(values: &[f32]) -> Vec<PartialRowStats> {
+/// [`encode`]'s inverse.
+fn decode(values: &[f32], argmax: bool) -> Vec<PartialRowStats> {
+    let width = STAT_FLOATS + if argmax { ARGMAX_FLOATS } else { 0 };
     values
-        .chunks(STAT_FLOATS)
+        .chunks(width)
         .map(|v| PartialRowStats {
             max: v[0],
             sum_exp: v[1],
             sum_exp_shifted: v[2],
             sum_u: v[3],
             target_u: (v[6] != 0.0).then_some(v[4] as f64 + v[5] as f64),
-            argmax: None, // the trainer asks for no predicted tokens
+            argmax: (argmax && v[10] != 0.0)
+                .then(|| Argmax { value: v[7], column: v[8] as usize * HALF + v[9] as usize }),
         })
         .collect()
 }
 
-/// The whole vocabulary's row statistics from each rank's partial ones (one all-gather).
+/// The whole vocabulary's row statistics from each rank's partial ones (one all-gather), with
+/// each row's argmax where `argmax` (every rank must pass the same: it sets the exchange's width).
 pub fn combined_statistics(
     comm: &dyn Collective,
     local: &[PartialRowStats],
     vocab: usize,
+    argmax: bool,
 ) -> Result<Vec<PartialRowStats>> {
-    let mine = encode(local);
+    let mine = encode(local, argmax);
     let mut all = vec![0.0f32; mine.len() * comm.size()];
     comm.all_gather_f32(&mine, &mut all)?;
     let n = mine.len();
     let shards: Vec<(Range<usize>, Vec<PartialRowStats>)> =
-        (0..comm.size()).map(|r| (share(vocab, comm.size(), r), decode(&all[r * n..(r + 1) * n]))).collect();
+        (0..comm.size()).map(|r| (share(vocab, comm.size(), r), decode(&all[r * n..(r + 1) * n], argmax))).collect();
     Ok(combine_shards(vocab, &shards)?)
-}
-
-/// The exchange carries no argmax: predicted tokens are refused rather than left out.
-fn refuse_predicted_tokens(spec: &LossSpec<'_>) -> Result<()> {
-    if spec.options.predicted_tokens {
-        return Err(LossError::InvalidOption {
-            name: "predicted_tokens",
-            message: "vocabulary-parallel losses do not report predicted tokens yet; run without --vocab-parallel"
-                .into(),
-        }
-        .into());
-    }
-    Ok(())
 }
 
 /// The loss over logits split by columns: `logits` is this rank's `[N, columns.len()]` slice;
@@ -95,11 +100,11 @@ pub fn logits_loss<T: Element>(
     logits: &[T],
     grad: Option<&mut [T]>,
 ) -> Result<LossOutput> {
-    refuse_predicted_tokens(&spec)?;
     let vocab = spec.rows.vocab;
     let cols = columns(comm, vocab);
     let prepared = PreparedLoss::new(spec)?;
-    let stats = combined_statistics(comm, &prepared.statistics(logits, cols.clone())?, vocab)?;
+    let local = prepared.statistics(logits, cols.clone())?;
+    let stats = combined_statistics(comm, &local, vocab, spec.options.predicted_tokens)?;
     let (output, row_grads) = prepared.objective(&stats)?;
     if let Some(out) = grad {
         prepared.gradient(GradientTarget::Into { logits, out }, cols, &row_grads)?;
@@ -144,7 +149,6 @@ pub fn linear_loss<T: Element>(
     grads: Option<LinearShardGrads<'_>>,
     budget: ChunkBudget,
 ) -> Result<LossOutput> {
-    refuse_predicted_tokens(&spec)?;
     let vocab = spec.rows.vocab;
     let cols = columns(comm, vocab);
     let prepared = PreparedLinearLoss::new(spec, budget)?;
@@ -153,7 +157,7 @@ pub fn linear_loss<T: Element>(
     } else {
         prepared.statistics(shard.inputs(), cols.clone())?
     };
-    let stats = combined_statistics(comm, &local, vocab)?;
+    let stats = combined_statistics(comm, &local, vocab, spec.options.predicted_tokens)?;
     let (output, row_grads) = prepared.objective(&stats)?;
     let Some(mut g) = grads else { return Ok(output) };
     if cols.is_empty() {
@@ -169,4 +173,39 @@ pub fn linear_loss<T: Element>(
     }
     comm.all_reduce_f32(g.hidden, ReduceOp::Sum)?;
     Ok(output)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The exchange's floats give back every statistic, the target's f64 `u` and the argmax's
+    /// column exactly (columns past 2^16 and past f32's 2^24 integers included).
+    #[test]
+    fn the_exchange_round_trips_exactly() {
+        let columns = [0usize, 1, 65_535, 65_536, 151_935, (1 << 24) + 5, (1 << 31) + 3];
+        let stats: Vec<PartialRowStats> = columns
+            .iter()
+            .enumerate()
+            .map(|(i, &column)| PartialRowStats {
+                max: 1.5 + i as f32,
+                sum_exp: 0.25 * i as f32,
+                sum_exp_shifted: -3.0,
+                sum_u: 7.0,
+                target_u: (i % 2 == 0).then_some(1.0 / 3.0 * i as f64),
+                argmax: (i != 3).then_some(Argmax { value: -0.5 * i as f32, column }),
+            })
+            .collect();
+        for argmax in [false, true] {
+            let back = decode(&encode(&stats, argmax), argmax);
+            for (s, b) in stats.iter().zip(&back) {
+                let want = PartialRowStats {
+                    target_u: s.target_u.map(|t| t as f32 as f64 + (t - t as f32 as f64) as f32 as f64),
+                    argmax: if argmax { s.argmax } else { None },
+                    ..*s
+                };
+                assert_eq!(*b, want);
+            }
+        }
+    }
 }
