@@ -276,7 +276,9 @@ impl<'a> Objective<'a> {
 ///
 /// # Panics
 /// With `options.predicted_tokens`, if an active row's statistics carry no argmax
-/// (`PreparedLoss::objective` checks it and returns an error instead).
+/// (`PreparedLoss::objective` checks it and returns an error instead); with cross-entropy's class
+/// weights, if an active row's target lies outside `0..V` (`validate`, which `PreparedLoss::new`
+/// calls, refuses such targets; `active` is trusted here).
 pub fn evaluate(
     loss: &Loss,
     rows: &Rows,
