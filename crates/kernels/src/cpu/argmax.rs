@@ -20,8 +20,9 @@ use crate::stats::Argmax;
 /// Values per block: whole pairs of 32, few enough that searching one is cheap.
 const BLOCK: usize = 256;
 
-/// The largest value of `row` (as f32) and the first column holding it; `None` for an empty row,
-/// or one with no value above -inf and none equal to it (NaNs only: refused as non-finite anyway).
+/// The largest value of `row` (as f32) and the first column holding it; `None` for an empty row.
+/// A row holding a NaN (refused as non-finite by the statistics anyway) gives `None` or any
+/// column, never a panic: a NaN makes a vector lane forget its earlier maximum.
 #[inline(always)]
 pub(super) fn first_max<S: Simd, T: Element>(s: S, row: &[T]) -> Option<(f32, usize)> {
     let mut best = f32::NEG_INFINITY;
@@ -38,7 +39,7 @@ pub(super) fn first_max<S: Simd, T: Element>(s: S, row: &[T]) -> Option<(f32, us
     Some((best, column))
 }
 
-/// The largest value of a block (NaNs aside), -inf for an empty one.
+/// The largest value of a block without NaNs, -inf for an empty one.
 #[inline(always)]
 fn block_max<S: Simd, T: Element>(s: S, block: &[T]) -> f32 {
     let (pairs, full) = (block.len() / (2 * LANES) * (2 * LANES), block.len() / LANES * LANES);
@@ -98,16 +99,18 @@ mod tests {
     fn first_largest_column_on_every_instruction_set() {
         for isa in crate::cpu::isa::Isa::available() {
             crate::with_isa(isa, || {
-                for len in [1, 2, 15, 16, 17, 31, 33, 100, 255, 256, 257, 300, 1000, 1057] {
-                    for at in [0, len / 3, len - 1] {
+                // 276 and 543: a later block ending in a 16-value vector and a scalar tail.
+                for len in [1, 2, 15, 16, 17, 31, 33, 100, 255, 256, 257, 276, 300, 543, 1000, 1057] {
+                    for at in [0, len / 3, len - 1, (len - len % 32 + 3).min(len - 1)] {
                         let mut v: Vec<f32> = (0..len).map(|j| ((j * 7919) % 97) as f32 * 0.01 - 0.5).collect();
                         v[at] = 3.0;
                         check::<f32>(&v);
                         check::<bf16>(&v);
                         check::<f16>(&v);
-                        v[len - 1 - at / 2] = 3.0; // a tie, after or at `at`
+                        v[len - 1 - at / 2] = 3.0; // a tie: after `at`, at it, or (`at` last) before it
                         check::<f32>(&v);
                         check::<bf16>(&v);
+                        check::<f16>(&v);
                     }
                     check::<f32>(&vec![-1.25; len]);
                     check::<f32>(&vec![f32::MIN; len]);
@@ -119,6 +122,12 @@ mod tests {
                     check::<f32>(&v);
                     check::<bf16>(&v);
                     check::<bf16>(&vec![0.0; len]);
+                    // NaNs: refused by the statistics; here only no panic.
+                    let k = Kernels::<f32>::select();
+                    assert_eq!(k.argmax(&vec![f32::NAN; len], 0), None);
+                    let mut v = vec![1.0f32; len];
+                    v[len / 2] = f32::NAN;
+                    let _ = k.argmax(&v, 0);
                 }
             });
         }

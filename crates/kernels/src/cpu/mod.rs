@@ -71,9 +71,10 @@ impl<'a, T> GradientTarget<'a, T> {
 
 type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>, bool, RowMax) -> PartialRowStats;
 type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>, bool);
-/// What [`sweep`] does with a row's statistics. They may be relative to a reference below the
-/// row's maximum (the base-2 pass does not track it, `row::statistics_base2`): use them through
-/// [`PartialRowStats::finish`] and [`PartialRowStats::is_finite`], not their `max`.
+/// What [`sweep`] does with a row's statistics (the row kernel's own sweep takes it as
+/// [`RowFinish`]). They may be relative to a reference below the row's maximum (the base-2 pass
+/// does not track it, `row::statistics_base2`): use them through [`PartialRowStats::finish`] and
+/// [`PartialRowStats::is_finite`], not their `max`.
 type Finish<'f> = &'f mut dyn FnMut(PartialRowStats) -> Option<RowGradient>;
 /// [`Finish`] as the row kernel's sweep calls it: with the row's logits (or capped values), still
 /// in cache after the statistics pass and not yet overwritten, for what [`Wanted`] adds to them.
