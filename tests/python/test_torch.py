@@ -168,6 +168,52 @@ def check_logprob_entropy():
               want_entropy.detach().reshape(-1), 1e-5)
 
 
+def check_entropy_gradient():
+    """``entropy`` and ``fused_linear_entropy`` differentiable per token (the kernels'
+    ``entropy_gradient``) against float64 autograd of ``-sum p log p``, with a mask, a per-token
+    upstream, a temperature and a soft cap; without a gradient wanted, the values alone."""
+    for (B, T, V), temp, cap, dtype in [((2, 5, 40), 1.0, None, "f32"), ((1, 3, 3001), 0.7, None, "bf16"),
+                                        ((2, 4, 97), 0.9, 3.0, "f32"), ((3, 2, 2049), 1.0, None, "f16")]:
+        logits = as_dtype(torch.randn(B, T, V) * 2.5, dtype)
+        mask = (torch.rand(B, T) > 0.3).float()
+        upstream = torch.randn(B, T)
+        r = logits.double().requires_grad_(True)
+        u = r if cap is None else cap * torch.tanh(r / cap)
+        logsm = torch.log_softmax(u / temp, -1)
+        want = -(logsm.exp() * logsm).sum(-1) * mask.double()
+        (want * upstream.double()).sum().backward()
+        x = logits.clone().requires_grad_(True)
+        got = ft.entropy(x, mask, temperature=temp, softcap=cap)
+        (got * upstream).sum().backward()
+        case = f"torch entropy gradient B={B} T={T} V={V} temperature={temp} softcap={cap} {dtype}"
+        close(case, "entropy", got.detach(), want.detach(), 1e-5)
+        close_norm(case, "grad (per-token upstream)", x.grad, r.grad, grad_tol(dtype))
+        if x.grad.dtype != logits.dtype:
+            fail(case, f"gradient dtype {x.grad.dtype}, expected {logits.dtype}")
+        close(case, "entropy [N, V]", ft.entropy(logits.reshape(-1, V), mask.reshape(-1), temperature=temp,
+                                                 softcap=cap), want.detach().reshape(-1), 1e-5)
+    B, T, H, V = 3, 5, 24, 70
+    for with_bias, temp in [(True, 1.0), (False, 0.8)]:
+        hidden, weight, bias = linear_inputs(B, T, H, V, with_bias)
+        mask = (torch.rand(B, T) > 0.3).float()
+        upstream = torch.randn(B, T)
+        h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+        b64 = None if bias is None else bias.double().requires_grad_(True)
+        logsm = torch.log_softmax((h64 @ w64.T + (0 if b64 is None else b64)) / temp, -1)
+        want = -(logsm.exp() * logsm).sum(-1) * mask.double()
+        (want * upstream.double()).sum().backward()
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        b = None if bias is None else bias.clone().requires_grad_(True)
+        got = ft.fused_linear_entropy(h, w, bias=b, mask=mask, temperature=temp)
+        (got * upstream).sum().backward()
+        case = f"fused_linear_entropy gradient, per-token upstream, bias={with_bias}, temperature={temp}"
+        close(case, "entropy", got.detach(), want.detach(), 1e-5)
+        close_norm(case, "grad_hidden", h.grad, h64.grad, 1e-4)
+        close_norm(case, "grad_weight", w.grad, w64.grad, 1e-4)
+        if with_bias:
+            close_norm(case, "grad_bias", b.grad, b64.grad, 1e-4)
+
+
 def check_fused_linear():
     for lt, level, with_bias, dtype in [("dapo", "token", False, "f32"), ("grpo", "sequence", True, "f32"),
                                         ("bnpo", "token", True, "bf16"), ("cispo", "token", True, "f32"),
@@ -1053,6 +1099,7 @@ def main():
     check_reused_gradient_buffers()
     check_cross_entropy()
     check_logprob_entropy()
+    check_entropy_gradient()
     check_fused_linear()
     check_liger_drop_in()
     check_liger_drop_in_distributed()

@@ -284,7 +284,7 @@ impl<R: Runner> FloatVisitorOwned for LogitsSteps<'_, R> {
             return timer.time((), |_| Ok(()), |_| Ok(inputs.value_and_grad()?.0), 0);
         }
         let (len, bytes) = (host.len(), std::mem::size_of_val(host.as_slice()));
-        if !spec.loss.has_gradient() {
+        if !spec.has_gradient() {
             let logits = runner.upload(host)?;
             return timer.time(logits, |_| Ok(()), |l| Ok(runner.forward(spec, l)?.loss), 0);
         }
@@ -359,7 +359,7 @@ impl<R: Runner> FloatVisitor for LinearSteps<'_, R> {
         }
         let buffers = LinearOnBackend::upload(runner, lin, hidden)?;
         let inputs = buffers.inputs();
-        if !spec.loss.has_gradient() {
+        if !spec.has_gradient() {
             return timer.time((), |_| Ok(()), |_| Ok(runner.linear_forward(spec, inputs, budget)?.loss), 0);
         }
         // Allocated (and touched) once: the gradients are outputs a training loop keeps.

@@ -84,7 +84,7 @@ impl<B: Backend> FloatVisitor for OnLogits<'_, B> {
     fn visit<T: FloatElement>(self, host: &[T]) -> Result<Results> {
         let (backend, spec) = (self.backend, self.spec);
         let mut logits = backend.upload(host.to_vec())?;
-        if !spec.loss.has_gradient() {
+        if !spec.has_gradient() {
             return Ok(Results { output: backend.forward(spec, &logits)?, grads: Vec::new() });
         }
         let (output, grad) = if self.in_place {
@@ -114,7 +114,7 @@ impl<B: Backend> FloatVisitor for OnLinear<'_, B> {
         let (backend, spec, lin) = (self.backend, self.spec, self.linear);
         let buffers = LinearOnBackend::upload(backend, lin, hidden)?;
         let inputs = buffers.inputs();
-        if !spec.loss.has_gradient() {
+        if !spec.has_gradient() {
             return Ok(Results { output: backend.linear_forward(spec, inputs, self.budget)?, grads: Vec::new() });
         }
         let [b, t, v] = self.shape;

@@ -78,7 +78,7 @@ impl FloatVisitor for LogitsSlice<'_> {
         let (b, t, v) = (self.batch.batch, self.batch.seq_len, self.batch.vocab);
         let spec = self.batch.spec(self.options);
         let local = column_slice(logits, v, &columns(self.comm, v));
-        if !spec.loss.has_gradient() {
+        if !spec.has_gradient() {
             return Ok(Results { output: logits_loss(self.comm, spec, &local, None)?, grads: Vec::new() });
         }
         let mut grad = flashgrpo_kernels::huge_pages::zeroed::<T>(local.len());
@@ -109,7 +109,7 @@ impl FloatVisitor for LinearSlice<'_> {
         let weight = &typed::<T>(&self.lin.weight)[cols.start * h..cols.end * h];
         let bias = self.lin.bias.as_ref().map(|b| &typed::<T>(b)[cols.clone()]);
         let shard = LinearShard { hidden, weight, bias, hidden_size: h };
-        if !spec.loss.has_gradient() {
+        if !spec.has_gradient() {
             return Ok(Results { output: linear_loss(self.comm, spec, shard, None, self.budget)?, grads: Vec::new() });
         }
         let mut gh = vec![0.0f32; hidden.len()];

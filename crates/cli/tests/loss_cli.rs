@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use flashgrpo_kernels::synthetic::SyntheticSpec;
-use flashgrpo_kernels::{reference, Loss, LossOptions, LossSpec, PolicyInputs, Rows};
+use flashgrpo_kernels::{reference, Loss, LossOptions, LossSpec, PolicyInputs, Reduction, Rows};
 use half::bf16;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
@@ -237,6 +237,42 @@ fn predicted_tokens_are_written_as_i64() {
 
 /// `class_weights [V]` (cross-entropy): the reference's loss and gradient with the weights, in
 /// every impl, with label smoothing; on another op, or of the wrong length, a named error.
+/// `--set entropy_gradient=true`: the entropy op writes its gradient (of the mean entropy, or
+/// with `reduction=sum` of the sum), as the f64 reference's; without it, none.
+#[test]
+fn the_entropy_gradient_is_written_when_asked_for() {
+    let dir = Dir::new("entropy-gradient");
+    let (input, data) = grpo_inputs(&dir, Dtype::F32);
+    for reduction in [Reduction::Mean, Reduction::Sum] {
+        let options = LossOptions { entropy_gradient: true, temperature: 0.8, reduction, ..Default::default() };
+        let rows = Rows { batch: B, seq_len: L, vocab: V, targets: Some(&data.targets), mask: Some(&data.mask) };
+        let spec = LossSpec { loss: Loss::Entropy, rows, options: &options, batch_shard: None };
+        let logits64: Vec<f64> = data.logits.iter().map(|&x| x as f64).collect();
+        let want = reference::evaluate(spec, &logits64).unwrap();
+        let reduction = if reduction == Reduction::Sum { "reduction=sum" } else { "reduction=mean" };
+        for imp in ["reference", "fused", "fused-inplace"] {
+            let out = dir.path("out.safetensors");
+            let o = bin()
+                .args(["loss", "--op", "entropy", "--impl", imp, "--set", "entropy_gradient=true"])
+                .args(["--set", "temperature=0.8", "--set", reduction, "--inputs"])
+                .arg(&input)
+                .arg("--out")
+                .arg(&out)
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{imp}: {}", String::from_utf8_lossy(&o.stderr));
+            let bytes = std::fs::read(&out).unwrap();
+            let (loss, _) = read_f32(&bytes, "loss");
+            assert!((loss[0] as f64 - want.loss).abs() < 1e-6 * want.loss.abs().max(1.0), "{imp} {reduction}");
+            let (g, _) = read_f32(&bytes, "grad_logits");
+            let g_ref = want.grad.as_ref().unwrap();
+            let err: f64 = g.iter().zip(g_ref).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt()
+                / g_ref.iter().map(|b| b * b).sum::<f64>().sqrt();
+            assert!(err < 1e-5, "{imp} {reduction}: gradient error {err}");
+        }
+    }
+}
+
 #[test]
 fn class_weights_are_read_for_cross_entropy() {
     let dir = Dir::new("class-weights");

@@ -28,6 +28,13 @@ pub struct LossSpec<'a> {
     pub batch_shard: Option<BatchShard>,
 }
 
+impl LossSpec<'_> {
+    /// Whether the op has a gradient output ([`Loss::has_gradient`]).
+    pub fn has_gradient(&self) -> bool {
+        self.loss.has_gradient(self.options)
+    }
+}
+
 /// A loss whose inputs have been checked, ready to stream logits through.
 #[derive(Debug, Clone)]
 pub struct PreparedLoss<'a> {
@@ -44,7 +51,7 @@ impl<'a> PreparedLoss<'a> {
     }
 
     pub(crate) fn expecting_gradient(self) -> Result<Self, LossError> {
-        if self.spec.loss.has_gradient() {
+        if self.spec.has_gradient() {
             Ok(self)
         } else {
             Err(LossError::NoGradient { op: self.spec.loss.name() })
@@ -199,7 +206,7 @@ impl<'a> PreparedLoss<'a> {
         columns: Range<usize>,
         grads: &[RowGradient],
     ) -> Result<(), LossError> {
-        if !self.spec.loss.has_gradient() {
+        if !self.spec.has_gradient() {
             return Err(LossError::NoGradient { op: self.spec.loss.name() });
         }
         let len = match &target {

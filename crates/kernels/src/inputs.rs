@@ -154,9 +154,10 @@ impl Loss<'_> {
         }
     }
 
-    /// Entropy alone has no gradient output.
-    pub fn has_gradient(&self) -> bool {
-        !matches!(self, Loss::Entropy)
+    /// Whether the op has a gradient output: every op but entropy, and entropy with
+    /// `options.entropy_gradient`.
+    pub fn has_gradient(&self, options: &LossOptions) -> bool {
+        !matches!(self, Loss::Entropy) || options.entropy_gradient
     }
 
     /// Cross-entropy's class weights, when given.
@@ -288,6 +289,12 @@ pub fn validate(loss: &Loss, rows: &Rows, options: &LossOptions) -> Result<Vec<b
             let (b, t) = rows.position(row);
             return Err(LossError::MaskValue { row, b, t, value: m[row] });
         }
+    }
+    if options.entropy_gradient && !matches!(loss, Loss::Entropy) {
+        return Err(LossError::InvalidOption {
+            name: "entropy_gradient",
+            message: format!("applies to the entropy op only; the `{}` op has its own gradient", loss.name()),
+        });
     }
     let needs_targets = !matches!(loss, Loss::Entropy);
     match rows.targets {

@@ -203,6 +203,11 @@ pub struct LossOptions {
     /// soft cap), in [`LossOutput::predicted`](crate::LossOutput::predicted): Liger's
     /// `return_predicted_tokens`, and with the targets its `return_token_accuracy`. Any op.
     pub predicted_tokens: bool,
+    /// The entropy op only: also its gradient, of `loss` (the mean entropy over the rows that take
+    /// part, or with `reduction` `sum` / `none` their sum): verl's `FusedLinearForPPO` and Liger's
+    /// fused-linear scaled cross-entropy hand back a differentiable entropy. Default false (the
+    /// entropy op is a no-grad diagnostic).
+    pub entropy_gradient: bool,
     /// Lower clip: `r_c = clip(r, 1 - epsilon_low, 1 + epsilon_high)`.
     pub epsilon_low: f64,
     /// Upper clip; `None` means equal to `epsilon_low`. For `cispo` it is the raw upper bound on `r`.
@@ -271,6 +276,7 @@ impl Default for LossOptions {
             temperature: 1.0,
             softcap: None,
             predicted_tokens: false,
+            entropy_gradient: false,
             epsilon_low: 0.2,
             epsilon_high: None,
             delta: None,
@@ -318,6 +324,7 @@ impl LossOptions {
         "temperature",
         "softcap",
         "predicted_tokens",
+        "entropy_gradient",
         "epsilon_low",
         "epsilon_high",
         "delta",

@@ -116,8 +116,8 @@ impl LossInputs {
         }
     }
 
-    /// Entropy alone has no gradient.
+    /// Whether the op has a gradient output ([`Loss::has_gradient`]).
     pub fn has_gradient(&self) -> bool {
-        !matches!(self.kind, LossKind::Entropy)
+        !matches!(self.kind, LossKind::Entropy) || self.options.entropy_gradient
     }
 }

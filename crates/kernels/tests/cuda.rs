@@ -64,7 +64,7 @@ fn check_logits<T: CudaElement>(gpu: &CudaDevice, data: &Data, grad_tol: f64) {
     let want = reference::evaluate(data.spec(), &exact).unwrap();
     let name = format!("{:?} {:?}", data.case, T::DTYPE);
     let mut device_logits = gpu.upload(&logits).unwrap();
-    if !data.spec().loss.has_gradient() {
+    if !data.spec().has_gradient() {
         let got = gpu.forward(data.spec(), &device_logits).unwrap();
         assert_outputs(&got, &want, 2e-5, &name);
         return;
@@ -150,7 +150,7 @@ fn check_linear<T: CudaElement>(gpu: &CudaDevice, data: &Data, lin: &Linear, bud
     let weight_d = gpu.upload(&weight).unwrap();
     let bias_d = bias.as_ref().map(|b| gpu.upload(b).unwrap());
     let inputs = CudaLinearInputs { hidden: &hidden_d, weight: &weight_d, bias: bias_d.as_ref(), hidden_size: lin.h };
-    if !data.spec().loss.has_gradient() {
+    if !data.spec().has_gradient() {
         let got = gpu.linear_forward(data.spec(), inputs, budget).unwrap();
         assert_outputs(&got, &want.output, 1e-4, &name);
         return;

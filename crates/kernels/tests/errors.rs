@@ -123,6 +123,12 @@ fn missing_targets_mask_values_and_options() {
     let spec = LossSpec { loss: Loss::Entropy, options: &options, ..spec };
     let mut grad = [0.0f32; 8];
     assert!(forward_backward(spec, &logits, &mut grad).unwrap_err().to_string().contains("no gradient"));
+    // The entropy's gradient is the entropy op's option only.
+    let with = LossOptions { entropy_gradient: true, ..Default::default() };
+    forward_backward(LossSpec { options: &with, ..spec }, &logits, &mut grad).unwrap();
+    let spec = LossSpec { loss: Loss::Logprob, options: &with, ..spec };
+    let e = err_of(spec, &logits);
+    assert!(e.contains("`entropy_gradient`") && e.contains("entropy op only"), "{e}");
 }
 
 #[test]

@@ -80,6 +80,14 @@ fn cross_entropy_logprob_gradient_matches_finite_differences() {
         check(&case);
     }
     check(&Case::new(Op::Logprob, 2, 3, 6).with(|o| o.temperature = 0.8));
+    // The entropy's gradient (`entropy_gradient`), of its mean and of its sum.
+    for reduction in [Reduction::Mean, Reduction::Sum] {
+        check(&Case::new(Op::Entropy, 2, 3, 6).with(|o| {
+            o.entropy_gradient = true;
+            o.temperature = 0.8;
+            o.reduction = reduction;
+        }));
+    }
 }
 
 #[test]
@@ -101,5 +109,10 @@ fn soft_capped_logits_gradient_matches_finite_differences() {
         check(&capped(Op::Grpo, cap).with(|o| o.importance_sampling_level = ImportanceSamplingLevel::Sequence));
         check(&capped(Op::CrossEntropy, cap));
         check(&capped(Op::Logprob, cap));
+        check(&capped(Op::Entropy, cap).with(|o| {
+            o.entropy_gradient = true;
+            o.label_smoothing = 0.0;
+            o.z_loss = 0.0;
+        }));
     }
 }

@@ -31,7 +31,7 @@ fn run<T: Element>(data: &Data, lin: &Linear, budget: ChunkBudget) -> Got {
     let mut gh = vec![f32::NAN; hidden.len()];
     let mut gw = vec![f32::NAN; weight.len()];
     let mut gb = vec![f32::NAN; bias.as_ref().map_or(0, Vec::len)];
-    let out = if spec.loss.has_gradient() {
+    let out = if spec.has_gradient() {
         let grads = LinearGradients {
             hidden: &mut gh,
             weight: Some(&mut gw),
@@ -139,6 +139,15 @@ fn every_op_and_option_matches_the_reference() {
         Case::new(Op::CrossEntropy, 2, 6, 67).with(|o| o.reduction = Reduction::Sum),
         Case::new(Op::Logprob, 2, 4, 40),
         Case::new(Op::Entropy, 2, 4, 40),
+        // The entropy with its gradient (`entropy_gradient`), of its mean and of its sum.
+        Case::new(Op::Entropy, 2, 4, 40).with(|o| {
+            o.entropy_gradient = true;
+            o.temperature = 0.8;
+        }),
+        Case::new(Op::Entropy, 3, 5, 67).with(|o| {
+            o.entropy_gradient = true;
+            o.reduction = Reduction::None;
+        }),
     ];
     cases[5].ignored = 0.2;
     // LOSSES.md's additions: one row-local (luspo with a token-level correction) and the

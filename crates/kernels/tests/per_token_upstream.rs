@@ -11,7 +11,7 @@ use common::{relative_norm_error, Case, Data, IsRatioKind, Op};
 use flashgrpo_kernels::synthetic::Rng;
 use flashgrpo_kernels::{
     reference, Aggregation, Element, EntropyBonus, GradientTarget, ImportanceSamplingLevel, LossError, LossType,
-    PreparedLoss, RolloutCorrection,
+    PreparedLoss, Reduction, RolloutCorrection,
 };
 use half::bf16;
 
@@ -123,6 +123,14 @@ fn cases() -> Vec<Case> {
         o.z_loss = 1e-3;
     }));
     cases.push(Case::new(Op::Logprob, 2, 4, 33).with(|o| o.temperature = 0.8));
+    // The entropy's gradient, per token (`reduction` none: each row's weight 1) and of the mean.
+    for reduction in [Reduction::None, Reduction::Mean] {
+        cases.push(Case::new(Op::Entropy, 2, 4, 33).with(|o| {
+            o.entropy_gradient = true;
+            o.reduction = reduction;
+            o.temperature = 0.8;
+        }));
+    }
     cases
 }
 

@@ -63,7 +63,7 @@ fn same_every_way<T: Element>(data: &Data) {
     let logits: Vec<T> = data.logits_as();
     let forward_only = forward(data.spec(), &logits).unwrap().predicted;
     assert!(forward_only.is_some(), "{:?}", data.case);
-    if data.spec().loss.has_gradient() {
+    if data.spec().has_gradient() {
         let mut grad = vec![T::default(); logits.len()];
         let into = forward_backward(data.spec(), &logits, &mut grad).unwrap().predicted;
         let mut in_place = logits.clone();
@@ -141,7 +141,7 @@ fn ties_go_to_the_first_column() {
                 assert_eq!(forward(data.spec(), &data.logits).unwrap().predicted.unwrap(), want, "{isa:?} {op:?}");
                 let half: Vec<bf16> = data.logits_as();
                 assert_eq!(forward(data.spec(), &half).unwrap().predicted.unwrap(), want, "{isa:?} {op:?} bf16");
-                if data.spec().loss.has_gradient() {
+                if data.spec().has_gradient() {
                     let mut logits: Vec<f16> = data.logits_as();
                     let got = forward_backward_in_place(data.spec(), &mut logits).unwrap().predicted;
                     assert_eq!(got.unwrap(), want, "{isa:?} {op:?} f16 in place");
@@ -249,7 +249,7 @@ fn check_linear<T: Element>(data: &Data, lin: &Linear, budget: ChunkBudget) {
     let inputs = LinearInputs { hidden: &hidden, weight: &weight, bias: bias.as_deref(), hidden_size: lin.h };
     let spec = data.spec();
     let forward_only = linear_forward(spec, inputs, budget).unwrap().predicted;
-    let got = if spec.loss.has_gradient() {
+    let got = if spec.has_gradient() {
         let (mut gh, mut gw) = (vec![0.0; hidden.len()], vec![0.0; weight.len()]);
         let grads = LinearGradients { hidden: &mut gh, weight: Some(&mut gw), bias: None, accumulate: false };
         let out = linear_forward_backward(spec, inputs, grads, budget).unwrap();

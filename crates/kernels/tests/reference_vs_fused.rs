@@ -336,6 +336,35 @@ fn cross_entropy_token_scaling_matches_reference() {
     }
 }
 
+/// The entropy's gradient (`entropy_gradient`): every shape, reduction, temperature and soft
+/// cap, masked rows, every dtype, and on every instruction set.
+#[test]
+fn entropy_gradient_matches_reference() {
+    let case = |(b, t, v): (usize, usize, usize), reduction, temperature, softcap| {
+        let mut case = Case::new(Op::Entropy, b, t, v).with(|o| {
+            o.entropy_gradient = true;
+            o.reduction = reduction;
+            o.temperature = temperature;
+            o.softcap = softcap;
+        });
+        case.mask = MaskKind::Random(0.3);
+        case
+    };
+    for &shape in SHAPES {
+        for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+            check_all_dtypes(&case(shape, reduction, 1.0, None));
+        }
+        check_all_dtypes(&case(shape, Reduction::Mean, 0.7, Some(3.0)));
+    }
+    for isa in flashgrpo_kernels::Isa::available() {
+        flashgrpo_kernels::with_isa(isa, || {
+            for &shape in &SHAPES[..7] {
+                check_all_dtypes(&case(shape, Reduction::Sum, 0.9, None));
+            }
+        });
+    }
+}
+
 #[test]
 fn logprob_and_entropy_with_temperature() {
     for op in [Op::Logprob, Op::Entropy] {

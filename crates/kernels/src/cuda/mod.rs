@@ -51,6 +51,13 @@ pub(crate) fn prepare(spec: LossSpec<'_>) -> Result<PreparedLoss<'_>, LossError>
             message: "the CUDA backend does not apply a soft cap yet; run this loss on the CPU".to_string(),
         });
     }
+    if spec.options.entropy_gradient {
+        return Err(LossError::InvalidOption {
+            name: "entropy_gradient",
+            message: "the CUDA backend does not compute the entropy's gradient yet; run this loss on the CPU"
+                .to_string(),
+        });
+    }
     if spec.options.predicted_tokens {
         return Err(LossError::InvalidOption {
             name: "predicted_tokens",

@@ -588,7 +588,7 @@ pub fn linear_forward_backward<T: Element>(
     budget: ChunkBudget,
 ) -> Result<LossOutput, LossError> {
     let prepared = PreparedLoss::new(spec)?;
-    if !spec.loss.has_gradient() {
+    if !spec.has_gradient() {
         return Err(LossError::NoGradient { op: spec.loss.name() });
     }
     check_gradients(&spec, inputs.hidden_size, spec.rows.vocab, &grads)?;
@@ -647,7 +647,7 @@ impl<'a> PreparedLinearLoss<'a> {
         mut grads: LinearGradients<'_>,
     ) -> Result<(), LossError> {
         let spec = self.prepared.spec();
-        if !spec.loss.has_gradient() {
+        if !spec.has_gradient() {
             return Err(LossError::NoGradient { op: spec.loss.name() });
         }
         check_gradients(spec, shard.hidden_size, columns.len(), &grads)?;

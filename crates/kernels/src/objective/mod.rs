@@ -157,7 +157,7 @@ impl RowOutcome {
 pub(crate) enum Objective<'a> {
     Grpo(Box<grpo::Grpo<'a>>),
     CrossEntropy(cross_entropy::CrossEntropy<'a>),
-    Entropy(Normalisers),
+    Entropy(simple::Entropy),
     Logprob(f64),
 }
 
@@ -178,7 +178,7 @@ impl<'a> Objective<'a> {
                 let class_weights = inputs.class_weights.zip(rows.targets);
                 Objective::CrossEntropy(cross_entropy::CrossEntropy::new(options, rows.vocab, class_weights, &norm))
             }
-            Loss::Entropy => Objective::Entropy(norm),
+            Loss::Entropy => Objective::Entropy(simple::Entropy::new(options, &norm)),
             Loss::Logprob => Objective::Logprob(options.temperature),
         }
     }
@@ -197,7 +197,7 @@ impl<'a> Objective<'a> {
         match self {
             Objective::Grpo(g) => g.row(row, stats),
             Objective::CrossEntropy(c) => c.row(row, stats),
-            Objective::Entropy(norm) => simple::entropy(stats, norm),
+            Objective::Entropy(e) => e.row(stats),
             Objective::Logprob(temperature) => simple::logprob(stats, *temperature),
         }
     }

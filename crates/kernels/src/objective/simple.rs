@@ -1,13 +1,38 @@
-//! The two no-policy ops: entropy (a no-grad diagnostic; `loss` is its mean over unmasked
-//! rows) and per-token log-probabilities (used for old and reference log-probs; `loss` is
-//! `sum(mask * logp)`, whose gradient this op returns).
+//! The two no-policy ops: entropy (a no-grad diagnostic unless `entropy_gradient`; `loss` is its
+//! mean over unmasked rows, or their sum with `reduction` `sum` / `none`) and per-token
+//! log-probabilities (used for old and reference log-probs; `loss` is `sum(mask * logp)`, whose
+//! gradient this op returns).
 
 use super::{GradTerms, RowOutcome};
 use crate::inputs::Normalisers;
+use crate::options::{LossOptions, Reduction};
 use crate::stats::RowStats;
 
-pub(crate) fn entropy(st: &RowStats, norm: &Normalisers) -> RowOutcome {
-    RowOutcome { loss: st.entropy, weighted_loss: st.entropy / norm.valid_rows.max(1.0), ..RowOutcome::ZERO }
+/// The entropy op's objective.
+pub(crate) struct Entropy {
+    /// Each row's weight in `loss`.
+    weight: f64,
+    /// With `entropy_gradient`: the temperature the gradient's `du/dx` takes.
+    gradient: Option<f64>,
+}
+
+impl Entropy {
+    pub fn new(options: &LossOptions, norm: &Normalisers) -> Self {
+        let weight = match options.reduction {
+            Reduction::Mean => 1.0 / norm.valid_rows.max(1.0),
+            Reduction::Sum | Reduction::None => 1.0,
+        };
+        Self { weight, gradient: options.entropy_gradient.then_some(options.temperature) }
+    }
+
+    pub fn row(&self, st: &RowStats) -> RowOutcome {
+        let grad = self.gradient.map_or(super::RowGradient::ZERO, |temperature| {
+            let mut terms = GradTerms::default();
+            terms.entropy(self.weight, st.entropy);
+            terms.finish(st, temperature)
+        });
+        RowOutcome { loss: st.entropy, weighted_loss: st.entropy * self.weight, grad, ..RowOutcome::ZERO }
+    }
 }
 
 pub(crate) fn logprob(st: &RowStats, temperature: f64) -> RowOutcome {

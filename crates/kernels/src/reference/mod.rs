@@ -190,9 +190,16 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
             Some(masked_derivatives(&active, &q, |i, x| x[0].logp * Dual::constant(up(i))))
         }
         Loss::Entropy => {
+            // The mean over the rows that take part, or with `sum` / `none` their sum.
+            let weight = match options.reduction {
+                Reduction::Mean => 1.0 / norm.valid_rows.max(1.0),
+                Reduction::Sum | Reduction::None => 1.0,
+            };
             out.per_token_loss = out.entropy.clone();
-            out.loss = out.entropy.iter().sum::<f64>() / norm.valid_rows.max(1.0);
-            None
+            out.loss = out.entropy.iter().sum::<f64>() * weight;
+            options
+                .entropy_gradient
+                .then(|| masked_derivatives(&active, &q, |i, x| x[0].entropy * Dual::constant(weight * up(i))))
         }
     };
 

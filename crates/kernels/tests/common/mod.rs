@@ -198,7 +198,7 @@ pub fn on_every_instruction_set(cases: &[Case], step: usize, check: impl Fn(&Cas
 /// Runs the fused kernel (with a gradient when the op has one).
 pub fn fused<T: Element>(data: &Data, logits: &[T]) -> (LossOutput, Option<Vec<T>>) {
     let spec = data.spec();
-    if spec.loss.has_gradient() {
+    if spec.has_gradient() {
         let mut grad = vec![T::default(); logits.len()];
         let out = forward_backward(spec, logits, &mut grad).unwrap();
         (out, Some(grad))

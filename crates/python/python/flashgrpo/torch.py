@@ -14,7 +14,7 @@ Functions (logits ``[B, T, V]``; cross-entropy, entropy and log-probabilities al
 - ``grpo_loss(logits, targets, advantages, mask=None, *, old_logp=None, ref_logp=None,
   is_ratio=None, sampling_logp=None, in_place=False, **options) -> LossOutputs``
 - ``cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, ...) -> Tensor``
-- ``entropy(logits, mask=None, *, temperature=1.0) -> Tensor`` (per token, no gradient)
+- ``entropy(logits, mask=None, *, temperature=1.0) -> Tensor`` (per token, differentiable)
 - ``logprob(logits, targets, *, temperature=1.0) -> Tensor`` (per token, differentiable)
 - ``fused_linear_grpo_loss``, ``fused_linear_cross_entropy``, ``fused_linear_entropy``,
   ``fused_linear_logprob``: the same from ``hidden [.., H]``, ``weight [V, H]`` and ``bias [V]``.
@@ -285,6 +285,20 @@ def _wants_gradient(*inputs):
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
 
 
+def _has_gradient(op, options):
+    """Every op has a gradient but entropy, which has one with ``entropy_gradient``."""
+    return op != "entropy" or bool(options.get("entropy_gradient"))
+
+
+def _entropy_options(temperature, softcap, *inputs):
+    """The entropy's options: with its gradient, per token (each row's weight 1), where an input
+    requires one."""
+    options = dict(temperature=temperature, softcap=softcap)
+    if _wants_gradient(*inputs):
+        options.update(entropy_gradient=True, reduction="none")
+    return options
+
+
 # ---------------------------------------------------------------- the two calls
 
 
@@ -314,7 +328,7 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
         batch, seq_len, vocab = x.shape
     out_shape = out_shape or x.shape[:-1]
     request = _Rows(batch, seq_len, vocab, **row_inputs)
-    wants_grad = op != "entropy" and _wants_gradient(logits)
+    wants_grad = _has_gradient(op, options) and _wants_gradient(logits)
     if wants_grad and in_place and x.data_ptr() != logits.data_ptr():
         raise ValueError("`in_place=True` needs contiguous logits (the gradient is written over them)")
     native = (op, _DTYPES[x.dtype], _address(x), request.native, options_json(options))
@@ -363,7 +377,7 @@ def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None
     batch, seq_len = (1, h.shape[0]) if h.dim() == 2 else h.shape[:2]
     out_shape = out_shape or h.shape[:-1]
     request = _Rows(batch, seq_len, vocab, **row_inputs)
-    wants_grad = op != "entropy" and _wants_gradient(hidden, weight, bias)
+    wants_grad = _has_gradient(op, options) and _wants_gradient(hidden, weight, bias)
     chunk = chunk_memory_mb or _native.DEFAULT_CHUNK_MEMORY_MB
     products = bf16_products or _default_products(hidden, weight, bias)
     native = (op, _DTYPES[h.dtype], _address(h), _address(w), _address(b), hidden_size, request.native,
@@ -439,10 +453,14 @@ def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, label
 
 
 def entropy(logits, mask=None, *, temperature=1.0, softcap=None):
-    """Per-token entropy of ``softmax(logits / temperature)``, the shape of ``logits[..., 0]``; no
-    gradient (the kernels compute none for entropy). ``softcap=c``: of ``c tanh(logits / c)``."""
-    _, per_token = _logits_call("entropy", logits, dict(temperature=temperature, softcap=softcap), mask=mask)
-    return per_token["entropy"]
+    """Per-token entropy of ``softmax(logits / temperature)``, the shape of ``logits[..., 0]`` (0
+    where ``mask`` is 0), differentiable per token when ``logits`` requires a gradient (the kernels'
+    ``entropy_gradient``: ``dH/du_j = -p_j (log p_j + H)``, written in the forward and scaled by
+    each token's upstream in the backward). ``softcap=c``: of ``c tanh(logits / c)``."""
+    options = _entropy_options(temperature, softcap, logits)
+    per_row = "entropy" if options.get("entropy_gradient") else None
+    value, per_token = _logits_call("entropy", logits, options, per_row=per_row, mask=mask)
+    return value if per_row else per_token["entropy"]
 
 
 def logprob(logits, targets, *, temperature=1.0, softcap=None, in_place=False):
@@ -490,10 +508,14 @@ def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, reduction=
 
 def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, softcap=None,
                          chunk_memory_mb=None, bf16_products=None):
-    """Per-token entropy of ``softmax((hidden @ weight^T + bias) / temperature)``; no gradient."""
-    _, per_token = _linear_call("entropy", hidden, weight, bias, dict(temperature=temperature, softcap=softcap),
-                                chunk_memory_mb=chunk_memory_mb, bf16_products=bf16_products, mask=mask)
-    return per_token["entropy"]
+    """Per-token entropy of ``softmax((hidden @ weight^T + bias) / temperature)``, differentiable
+    per token when an input requires a gradient (as ``entropy``; the gradients are written in the
+    backward, where each token's upstream is known)."""
+    options = _entropy_options(temperature, softcap, hidden, weight, bias)
+    per_row = "entropy" if options.get("entropy_gradient") else None
+    value, per_token = _linear_call("entropy", hidden, weight, bias, options, per_row=per_row,
+                                    chunk_memory_mb=chunk_memory_mb, bf16_products=bf16_products, mask=mask)
+    return value if per_row else per_token["entropy"]
 
 
 def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0, softcap=None,
