@@ -48,6 +48,9 @@ impl ComposedLoss {
         if o.predicted_tokens {
             bail!("the composed baseline reports no predicted tokens (`predicted_tokens`)");
         }
+        if o.entropy_gradient {
+            bail!("`entropy_gradient` applies to the entropy op only, which the composed baseline lacks");
+        }
         let kind = match &inputs.kind {
             LossKind::Grpo { advantages, old_logp, ref_logp, is_ratio, sampling_logp } => {
                 let composed =
@@ -94,7 +97,7 @@ impl ComposedLoss {
                 Kind::CrossEntropy
             }
             LossKind::Logprob => Kind::Logprob,
-            LossKind::Entropy => bail!("the composed baseline has no entropy op (it has no gradient)"),
+            LossKind::Entropy => bail!("the composed baseline has no entropy op"),
         };
         let (norm_batch, valid_rows) = match inputs.batch_shard {
             Some(s) => (s.global_batch as f64, s.global_valid_rows),

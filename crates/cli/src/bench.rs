@@ -197,9 +197,9 @@ fn logits_rows(copy_bps: f64, input_bytes: usize, p50: f64) -> Rows {
     ]
 }
 
-/// A fused-linear loss against the device's product rate: the flops of its products (entropy:
-/// one, no gradient; sequence-level importance sampling recomputes the logits in a second pass:
-/// four; otherwise three) over the step time.
+/// A fused-linear loss against the device's product rate: the flops of its products (entropy
+/// without its gradient: one; sequence-level importance sampling recomputes the logits in a
+/// second pass: four; otherwise three) over the step time.
 fn linear_rows<R: Runner>(
     runner: &R,
     batch: &Batch,
@@ -210,7 +210,7 @@ fn linear_rows<R: Runner>(
 ) -> Result<Rows> {
     let (n, h, v) = (batch.batch * batch.seq_len, linear.hidden_size, batch.vocab);
     let grad_bytes = 4 * (n * h + v * h + if linear.bias.is_some() { v } else { 0 });
-    let products = if batch.op == Op::Entropy {
+    let products = if batch.op == Op::Entropy && !options.entropy_gradient {
         1.0
     } else if options.importance_sampling_level == ImportanceSamplingLevel::Sequence {
         4.0

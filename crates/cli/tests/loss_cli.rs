@@ -235,10 +235,8 @@ fn predicted_tokens_are_written_as_i64() {
     }
 }
 
-/// `class_weights [V]` (cross-entropy): the reference's loss and gradient with the weights, in
-/// every impl, with label smoothing; on another op, or of the wrong length, a named error.
 /// `--set entropy_gradient=true`: the entropy op writes its gradient (of the mean entropy, or
-/// with `reduction=sum` of the sum), as the f64 reference's; without it, none.
+/// with `reduction=sum` of the sum), as the f64 reference's; without it, no gradient.
 #[test]
 fn the_entropy_gradient_is_written_when_asked_for() {
     let dir = Dir::new("entropy-gradient");
@@ -271,8 +269,15 @@ fn the_entropy_gradient_is_written_when_asked_for() {
             assert!(err < 1e-5, "{imp} {reduction}: gradient error {err}");
         }
     }
+    let out = dir.path("none.safetensors");
+    let o = bin().args(["loss", "--op", "entropy", "--inputs"]).arg(&input).arg("--out").arg(&out).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let bytes = std::fs::read(&out).unwrap();
+    assert!(SafeTensors::deserialize(&bytes).unwrap().tensor("grad_logits").is_err(), "no gradient without it");
 }
 
+/// `class_weights [V]` (cross-entropy): the reference's loss and gradient with the weights, in
+/// every impl, with label smoothing; on another op, or of the wrong length, a named error.
 #[test]
 fn class_weights_are_read_for_cross_entropy() {
     let dir = Dir::new("class-weights");

@@ -460,7 +460,7 @@ fn loss_inputs(path: &Path, linear: bool, bf16: bool, class_weights: bool) {
 fn vocabulary_parallel_losses_over_2_3_and_4_ranks_equal_one_process() {
     let dir = scratch("vocab");
     std::fs::create_dir_all(&dir).unwrap();
-    let cases: [(&str, &[&str]); 11] = [
+    let cases: [(&str, &[&str]); 12] = [
         ("grpo", &["beta=0.04", "epsilon_high=0.28"]),
         ("grpo", &["importance_sampling_level=sequence", "loss_type=grpo", "beta=0.04"]),
         ("grpo", &["loss_type=dr_grpo", "temperature=0.7", "entropy_coef=0.01", "delta=2.0"]),
@@ -471,6 +471,8 @@ fn vocabulary_parallel_losses_over_2_3_and_4_ranks_equal_one_process() {
         // Predicted tokens: each shard's argmax travels in the exchange.
         ("grpo", &["predicted_tokens=true", "temperature=0.7"]),
         ("cross_entropy", &["predicted_tokens=true", "label_smoothing=0.1"]),
+        // The entropy's gradient, of the sum (the rows' statistics exchanged as for any op).
+        ("entropy", &["entropy_gradient=true", "reduction=sum", "temperature=0.8"]),
         // With class weights (the input file's `class_weights`): each shard sums its columns'
         // weighted `u` and weights its columns' gradient term.
         ("cross_entropy", &["label_smoothing=0.1", "z_loss=0.001"]),
@@ -484,7 +486,7 @@ fn vocabulary_parallel_losses_over_2_3_and_4_ranks_equal_one_process() {
             loss_inputs(&input, linear, bf16, false);
             loss_inputs(&weighted, linear, bf16, true);
             for (case, (op, sets)) in cases.iter().enumerate() {
-                let input = if case >= 9 { &weighted } else { &input };
+                let input = if case >= 10 { &weighted } else { &input };
                 let mut args = vec!["loss".to_string(), "--op".into(), op.to_string(), "--inputs".into()];
                 args.push(input.display().to_string());
                 for s in sets.iter() {

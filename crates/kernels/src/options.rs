@@ -204,7 +204,8 @@ pub struct LossOptions {
     /// `return_predicted_tokens`, and with the targets its `return_token_accuracy`. Any op.
     pub predicted_tokens: bool,
     /// The entropy op only: also its gradient, of `loss` (the mean entropy over the rows that take
-    /// part, or with `reduction` `sum` / `none` their sum): verl's `FusedLinearForPPO` and Liger's
+    /// part, or with `reduction` `sum` / `none` their sum; without this option `reduction` does not
+    /// apply to the entropy op): verl's `FusedLinearForPPO` and Liger's
     /// fused-linear scaled cross-entropy hand back a differentiable entropy. Default false (the
     /// entropy op is a no-grad diagnostic).
     pub entropy_gradient: bool,

@@ -40,8 +40,9 @@ use crate::engine::{LossSpec, PreparedLoss};
 use crate::error::LossError;
 
 /// [`PreparedLoss::new`] for the CUDA passes, which refuse what they do not apply rather than
-/// ignore it: a soft cap (`LossOptions::softcap`) and the predicted tokens
-/// (`LossOptions::predicted_tokens`), both computed by the CPU engine only for now, and label
+/// ignore it: a soft cap (`LossOptions::softcap`), the predicted tokens
+/// (`LossOptions::predicted_tokens`) and the entropy's gradient (`LossOptions::entropy_gradient`),
+/// computed by the CPU engine only for now, and label
 /// smoothing weighted by class weights (the passes sum `u` unweighted; class weights without label
 /// smoothing are each row's `c_y`, which the host's objective applies).
 pub(crate) fn prepare(spec: LossSpec<'_>) -> Result<PreparedLoss<'_>, LossError> {

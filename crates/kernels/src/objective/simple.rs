@@ -1,5 +1,6 @@
 //! The two no-policy ops: entropy (a no-grad diagnostic unless `entropy_gradient`; `loss` is its
-//! mean over unmasked rows, or their sum with `reduction` `sum` / `none`) and per-token
+//! mean over unmasked rows, or with `entropy_gradient` and `reduction` `sum` / `none` their sum)
+//! and per-token
 //! log-probabilities (used for old and reference log-probs; `loss` is `sum(mask * logp)`, whose
 //! gradient this op returns).
 
@@ -18,9 +19,10 @@ pub(crate) struct Entropy {
 
 impl Entropy {
     pub fn new(options: &LossOptions, norm: &Normalisers) -> Self {
-        let weight = match options.reduction {
-            Reduction::Mean => 1.0 / norm.valid_rows.max(1.0),
-            Reduction::Sum | Reduction::None => 1.0,
+        // Without its gradient the op is what it always was, whatever `reduction` says.
+        let weight = match (options.entropy_gradient, options.reduction) {
+            (true, Reduction::Sum | Reduction::None) => 1.0,
+            _ => 1.0 / norm.valid_rows.max(1.0),
         };
         Self { weight, gradient: options.entropy_gradient.then_some(options.temperature) }
     }

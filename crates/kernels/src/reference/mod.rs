@@ -39,7 +39,7 @@ pub struct ReferenceOutput {
     /// With `predicted_tokens`: the first column of each row's largest (capped) logit, -1 where
     /// the row takes no part.
     pub predicted: Option<Vec<i64>>,
-    /// `dL/dlogits`, `[N*V]`; `None` for `entropy`.
+    /// `dL/dlogits`, `[N*V]`; `None` for `entropy` without `entropy_gradient`.
     pub grad: Option<Vec<f64>>,
 }
 
@@ -190,10 +190,11 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
             Some(masked_derivatives(&active, &q, |i, x| x[0].logp * Dual::constant(up(i))))
         }
         Loss::Entropy => {
-            // The mean over the rows that take part, or with `sum` / `none` their sum.
-            let weight = match options.reduction {
-                Reduction::Mean => 1.0 / norm.valid_rows.max(1.0),
-                Reduction::Sum | Reduction::None => 1.0,
+            // The mean over the rows that take part, or with the gradient and `sum` / `none`
+            // their sum.
+            let weight = match (options.entropy_gradient, options.reduction) {
+                (true, Reduction::Sum | Reduction::None) => 1.0,
+                _ => 1.0 / norm.valid_rows.max(1.0),
             };
             out.per_token_loss = out.entropy.clone();
             out.loss = out.entropy.iter().sum::<f64>() * weight;

@@ -455,11 +455,13 @@ def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, label
 def entropy(logits, mask=None, *, temperature=1.0, softcap=None):
     """Per-token entropy of ``softmax(logits / temperature)``, the shape of ``logits[..., 0]`` (0
     where ``mask`` is 0), differentiable per token when ``logits`` requires a gradient (the kernels'
-    ``entropy_gradient``: ``dH/du_j = -p_j (log p_j + H)``, written in the forward and scaled by
-    each token's upstream in the backward). ``softcap=c``: of ``c tanh(logits / c)``."""
+    ``entropy_gradient``: ``dH/du_j = -p_j (log p_j + H)``, written in the backward with each
+    token's upstream folded in, over a copy of the logits). ``softcap=c``: of ``c tanh(logits / c)``."""
     options = _entropy_options(temperature, softcap, logits)
     per_row = "entropy" if options.get("entropy_gradient") else None
-    value, per_token = _logits_call("entropy", logits, options, per_row=per_row, mask=mask)
+    # Deferred: the forward costs what the no-grad entropy costs (a caller logging the entropy of
+    # logits that require a gradient pays nothing more), the gradient written only in a backward.
+    value, per_token = _logits_call("entropy", logits, options, per_row=per_row, mask=mask, defer=True)
     return value if per_row else per_token["entropy"]
 
 
