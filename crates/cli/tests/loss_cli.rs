@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use flashgrpo_kernels::reference::ReferenceOutput;
 use flashgrpo_kernels::synthetic::SyntheticSpec;
 use flashgrpo_kernels::{reference, Loss, LossOptions, LossSpec, PolicyInputs, Reduction, Rows};
 use half::bf16;
@@ -235,6 +236,33 @@ fn predicted_tokens_are_written_as_i64() {
     }
 }
 
+/// `flashgrpo loss --op OP --impl IMP --set SETS...` on `input`: its loss (to 1e-6) and
+/// `grad_logits` (to 1e-5 in relative norm) are the f64 reference's `want`.
+fn assert_cli_matches_reference(dir: &Dir, input: &Path, op: &str, imp: &str, sets: &[&str], want: &ReferenceOutput) {
+    let out = dir.path("out.safetensors");
+    let mut cmd = bin();
+    cmd.args(["loss", "--op", op, "--impl", imp]);
+    for set in sets {
+        cmd.args(["--set", set]);
+    }
+    let o = cmd.arg("--inputs").arg(input).arg("--out").arg(&out).output().unwrap();
+    let what = format!("{op} {imp} {sets:?}");
+    assert!(o.status.success(), "{what}: {}", String::from_utf8_lossy(&o.stderr));
+    let bytes = std::fs::read(&out).unwrap();
+    let (loss, _) = read_f32(&bytes, "loss");
+    assert!(
+        (loss[0] as f64 - want.loss).abs() < 1e-6 * want.loss.abs().max(1.0),
+        "{what}: {} vs {}",
+        loss[0],
+        want.loss
+    );
+    let (g, _) = read_f32(&bytes, "grad_logits");
+    let g_ref = want.grad.as_ref().unwrap();
+    let err: f64 = g.iter().zip(g_ref).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt()
+        / g_ref.iter().map(|b| b * b).sum::<f64>().sqrt();
+    assert!(err < 1e-5, "{what}: gradient error {err}");
+}
+
 /// `--set entropy_gradient=true`: the entropy op writes its gradient (of the mean entropy, or
 /// with `reduction=sum` of the sum), as the f64 reference's; without it, no gradient.
 #[test]
@@ -248,25 +276,9 @@ fn the_entropy_gradient_is_written_when_asked_for() {
         let logits64: Vec<f64> = data.logits.iter().map(|&x| x as f64).collect();
         let want = reference::evaluate(spec, &logits64).unwrap();
         let reduction = if reduction == Reduction::Sum { "reduction=sum" } else { "reduction=mean" };
+        let sets = ["entropy_gradient=true", "temperature=0.8", reduction];
         for imp in ["reference", "fused", "fused-inplace"] {
-            let out = dir.path("out.safetensors");
-            let o = bin()
-                .args(["loss", "--op", "entropy", "--impl", imp, "--set", "entropy_gradient=true"])
-                .args(["--set", "temperature=0.8", "--set", reduction, "--inputs"])
-                .arg(&input)
-                .arg("--out")
-                .arg(&out)
-                .output()
-                .unwrap();
-            assert!(o.status.success(), "{imp}: {}", String::from_utf8_lossy(&o.stderr));
-            let bytes = std::fs::read(&out).unwrap();
-            let (loss, _) = read_f32(&bytes, "loss");
-            assert!((loss[0] as f64 - want.loss).abs() < 1e-6 * want.loss.abs().max(1.0), "{imp} {reduction}");
-            let (g, _) = read_f32(&bytes, "grad_logits");
-            let g_ref = want.grad.as_ref().unwrap();
-            let err: f64 = g.iter().zip(g_ref).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt()
-                / g_ref.iter().map(|b| b * b).sum::<f64>().sqrt();
-            assert!(err < 1e-5, "{imp} {reduction}: gradient error {err}");
+            assert_cli_matches_reference(&dir, &input, "entropy", imp, &sets, &want);
         }
     }
     let out = dir.path("none.safetensors");
@@ -301,39 +313,14 @@ fn class_weights_are_read_for_cross_entropy() {
     let logits64: Vec<f64> = data.logits.iter().map(|&x| x as f64).collect();
     let want = reference::evaluate(spec, &logits64).unwrap();
     for imp in ["reference", "fused", "fused-inplace"] {
-        let out = dir.path("out.safetensors");
-        let o = bin()
-            .args([
-                "loss",
-                "--op",
-                "cross_entropy",
-                "--impl",
-                imp,
-                "--set",
-                "label_smoothing=0.1",
-                "--set",
-                "z_loss=1e-3",
-            ])
-            .arg("--inputs")
-            .arg(&input)
-            .arg("--out")
-            .arg(&out)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{imp}: {}", String::from_utf8_lossy(&o.stderr));
-        let bytes = std::fs::read(&out).unwrap();
-        let (loss, _) = read_f32(&bytes, "loss");
-        assert!(
-            (loss[0] as f64 - want.loss).abs() < 1e-6 * want.loss.abs().max(1.0),
-            "{imp}: {} vs {}",
-            loss[0],
-            want.loss
+        assert_cli_matches_reference(
+            &dir,
+            &input,
+            "cross_entropy",
+            imp,
+            &["label_smoothing=0.1", "z_loss=1e-3"],
+            &want,
         );
-        let (g, _) = read_f32(&bytes, "grad_logits");
-        let g_ref = want.grad.as_ref().unwrap();
-        let err: f64 = g.iter().zip(g_ref).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt()
-            / g_ref.iter().map(|b| b * b).sum::<f64>().sqrt();
-        assert!(err < 1e-5, "{imp}: gradient error {err}");
     }
     let e = fails(
         &dir,
