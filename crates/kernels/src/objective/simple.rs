@@ -1,8 +1,7 @@
 //! The two no-policy ops: entropy (a no-grad diagnostic unless `entropy_gradient`; `loss` is its
 //! mean over unmasked rows, or with `entropy_gradient` and `reduction` `sum` / `none` their sum)
-//! and per-token
-//! log-probabilities (used for old and reference log-probs; `loss` is `sum(mask * logp)`, whose
-//! gradient this op returns).
+//! and per-token log-probabilities (used for old and reference log-probs; `loss` is
+//! `sum(mask * logp)`, whose gradient this op returns).
 
 use super::{GradTerms, RowOutcome};
 use crate::inputs::Normalisers;
