@@ -14,7 +14,7 @@ use crate::cpu::{self, Block, GradientTarget, LogitMap, RowMax, SumU, Wanted};
 use crate::element::Element;
 use crate::error::LossError;
 use crate::inputs::{validate, BatchShard, Loss, Rows};
-use crate::objective::{self, LossOutput, Objective, RowGradient};
+use crate::objective::{self, LossOutput, Objective, OutputUpstreams, RowGradient};
 use crate::options::LossOptions;
 use crate::stats::{PartialRowStats, RowStats};
 
@@ -159,11 +159,30 @@ impl<'a> PreparedLoss<'a> {
         stats: &[PartialRowStats],
         upstream: &[f32],
     ) -> Result<Vec<RowGradient>, LossError> {
+        self.output_gradients(stats, &OutputUpstreams { loss: Some(upstream), ..OutputUpstreams::default() })
+    }
+
+    /// Step 2's row gradients of `sum_i (up.loss[i] * term_i + up.entropy[i] * H_i + up.lse[i] *
+    /// lse_i)`: the loss's as [`Self::upstream_gradients`] weighs it, plus those of the per-token
+    /// `entropy` and `lse` outputs (an absent upstream is zero), for a caller that differentiates
+    /// those outputs too. One gradient pass then writes all of it.
+    pub fn output_gradients(
+        &self,
+        stats: &[PartialRowStats],
+        upstreams: &OutputUpstreams,
+    ) -> Result<Vec<RowGradient>, LossError> {
         let spec = &self.spec;
-        objective::check_upstream(&spec.loss, &spec.rows, spec.options, upstream)?;
+        upstreams.check(&spec.loss, &spec.rows, spec.options)?;
         let finished = self.finished(stats)?;
-        let objective = Objective::new(&spec.loss, &spec.rows, spec.options, spec.batch_shard, &self.active);
-        Ok(objective.all(&self.active, &finished, Some(upstream)).into_iter().map(|o| o.grad).collect())
+        let mut grads: Vec<RowGradient> = match upstreams.loss {
+            Some(upstream) => {
+                let objective = Objective::new(&spec.loss, &spec.rows, spec.options, spec.batch_shard, &self.active);
+                objective.all(&self.active, &finished, Some(upstream)).into_iter().map(|o| o.grad).collect()
+            }
+            None => vec![RowGradient::ZERO; finished.len()],
+        };
+        objective::add_output_terms(&mut grads, &self.active, &finished, upstreams, spec.options.temperature);
+        Ok(grads)
     }
 
     /// The per-row quantities of the statistics of the whole vocabulary (active rows; the others

@@ -67,7 +67,7 @@ pub use linear::{
     linear_forward, linear_forward_backward, ChunkBudget, LinearGradients, LinearInputs, PreparedLinearLoss,
 };
 pub use matmul_bf16::{with_bf16_products, Bf16Choice, Bf16Products};
-pub use objective::{quantile, LossOutput, RowGradient};
+pub use objective::{quantile, LossOutput, OutputUpstreams, RowGradient};
 pub use options::{
     Aggregation, EntropyBonus, ImportanceSamplingLevel, KlEstimator, LossOptions, LossType, Reduction,
     RolloutCorrection,

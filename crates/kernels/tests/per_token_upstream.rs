@@ -11,7 +11,7 @@ use common::{relative_norm_error, Case, Data, IsRatioKind, Op};
 use flashgrpo_kernels::synthetic::Rng;
 use flashgrpo_kernels::{
     reference, Aggregation, Element, EntropyBonus, GradientTarget, ImportanceSamplingLevel, LossError, LossType,
-    PreparedLoss, Reduction, RolloutCorrection,
+    OutputUpstreams, PreparedLoss, Reduction, RolloutCorrection,
 };
 use half::bf16;
 
@@ -184,4 +184,81 @@ fn upstream_errors_name_the_problem() {
     let stats = prepared.statistics(&logits, 0..11).unwrap();
     let err = prepared.upstream_gradients(&stats, &[1.0; 5]).unwrap_err();
     assert!(matches!(err, LossError::Shape { tensor: "upstream", .. }), "{err}");
+}
+
+/// The gradient of the loss's terms and of the per-token `entropy` and `lse` outputs at once
+/// (`PreparedLoss::output_gradients`, what verl's `FusedLinearForPPO` and Liger's fused-linear
+/// scaled cross-entropy need), against the reference adding the upstreams to each row's
+/// derivatives, with each upstream present or absent.
+#[test]
+fn output_upstreams_match_the_reference() {
+    let cases = [
+        Case::new(Op::Logprob, 2, 5, 37).with(|o| o.temperature = 0.7),
+        Case::new(Op::Logprob, 2, 4, 2049).with(|o| o.softcap = Some(3.0)),
+        Case::new(Op::CrossEntropy, 3, 4, 97).with(|o| o.label_smoothing = 0.1),
+        Case::new(Op::Grpo, 3, 6, 37).with(|o| {
+            o.beta = 0.04;
+            o.loss_agg_mode = Some(Aggregation::TokenSum);
+            o.importance_sampling_level = ImportanceSamplingLevel::Sequence;
+        }),
+        Case::new(Op::Entropy, 2, 4, 33).with(|o| {
+            o.entropy_gradient = true;
+            o.reduction = Reduction::None;
+        }),
+    ];
+    for case in &cases {
+        let data = case.data();
+        let [loss, entropy, lse] = [1u64, 2, 3].map(|k| upstream(&data, case.seed ^ k));
+        let (loss, entropy, lse) = (Some(loss.as_slice()), Some(entropy.as_slice()), Some(lse.as_slice()));
+        let choices = [
+            OutputUpstreams { loss, entropy, lse },
+            OutputUpstreams { entropy, ..Default::default() },
+            OutputUpstreams { lse, ..Default::default() },
+            OutputUpstreams { loss, lse, ..Default::default() },
+        ];
+        for up in &choices {
+            check_outputs::<f32>(&data, up, 1e-5);
+            check_outputs::<bf16>(&data, up, 1e-2);
+        }
+    }
+}
+
+fn check_outputs<T: Element>(data: &Data, upstreams: &OutputUpstreams, grad_tol: f64) {
+    let logits: Vec<T> = data.logits_as();
+    let exact: Vec<f64> = logits.iter().map(|x| x.to_f32() as f64).collect();
+    let want = reference::evaluate_with_outputs(data.spec(), &exact, upstreams).unwrap().grad.unwrap();
+    let prepared = PreparedLoss::new(data.spec()).unwrap();
+    let vocab = data.case.vocab;
+    let stats = prepared.statistics(&logits, 0..vocab).unwrap();
+    let rows = prepared.output_gradients(&stats, upstreams).unwrap();
+    let mut got = vec![T::default(); logits.len()];
+    prepared.gradient(GradientTarget::Into { logits: &logits, out: &mut got }, 0..vocab, &rows).unwrap();
+    let case = &data.case;
+    assert!(got.iter().all(|x| x.to_f32().is_finite()), "non-finite gradient in {case:?} {:?}", T::DTYPE);
+    let err = relative_norm_error(got.iter().map(|x| x.to_f32() as f64), &want);
+    assert!(err <= grad_tol, "gradient relative error {err} > {grad_tol} in {case:?} {:?} {upstreams:?}", T::DTYPE);
+}
+
+#[test]
+fn output_upstream_errors_name_the_tensor() {
+    let data = Case::new(Op::Logprob, 2, 3, 11).data();
+    let prepared = PreparedLoss::new(data.spec()).unwrap();
+    let logits: Vec<f32> = data.logits_as();
+    let stats = prepared.statistics(&logits, 0..11).unwrap();
+    let short = [1.0; 5];
+    let up = OutputUpstreams { lse: Some(&short), ..Default::default() };
+    let err = prepared.output_gradients(&stats, &up).unwrap_err();
+    assert!(matches!(err, LossError::Shape { tensor: "upstream_lse", .. }), "{err}");
+    let up = OutputUpstreams { entropy: Some(&short), ..Default::default() };
+    let err = prepared.output_gradients(&stats, &up).unwrap_err();
+    assert!(matches!(err, LossError::Shape { tensor: "upstream_entropy", .. }), "{err}");
+
+    // The entropy op has a gradient only with `entropy_gradient`.
+    let data = Case::new(Op::Entropy, 2, 3, 11).data();
+    let prepared = PreparedLoss::new(data.spec()).unwrap();
+    let stats = prepared.statistics(&logits, 0..11).unwrap();
+    let ones = [1.0; 6];
+    let up = OutputUpstreams { entropy: Some(&ones), ..Default::default() };
+    let err = prepared.output_gradients(&stats, &up).unwrap_err();
+    assert!(matches!(err, LossError::NoGradient { op: "entropy" }), "{err}");
 }

@@ -7,8 +7,12 @@
 
 mod cross_entropy;
 mod grpo;
+mod output_upstreams;
 mod policy_terms;
 mod token_selection;
+
+pub(crate) use output_upstreams::add_output_terms;
+pub use output_upstreams::OutputUpstreams;
 
 pub(crate) use policy_terms::{bound_ratio, vespo_phi};
 pub use token_selection::quantile;
@@ -69,6 +73,19 @@ impl RowGradient {
     /// The gradient without its `d` term (which a pass of its own adds, times class weights).
     pub(crate) fn without_d(&self) -> Self {
         Self { d: 0.0, ..*self }
+    }
+
+    /// The sum of two gradients of one row (both finished with that row's `lse`; a zero one
+    /// carries none).
+    pub fn plus(&self, other: &Self) -> Self {
+        match (self.is_zero(), other.is_zero()) {
+            (true, _) => *other,
+            (_, true) => *self,
+            _ => {
+                debug_assert_eq!(self.lse.to_bits(), other.lse.to_bits(), "gradients of one row share its lse");
+                Self { a: self.a + other.a, b: self.b + other.b, c: self.c + other.c, d: self.d + other.d, ..*self }
+            }
+        }
     }
 
     /// The gradient times `k` (a row without a gradient stays without one, whatever `k`: an

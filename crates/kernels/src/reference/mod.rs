@@ -20,7 +20,7 @@ use dual::{clamp, torch_abs, torch_min, Dual, Real};
 use crate::engine::LossSpec;
 use crate::error::LossError;
 use crate::inputs::{validate, IsRatio, Loss, Normalisers, PolicyInputs};
-use crate::objective::trains;
+use crate::objective::{trains, OutputUpstreams};
 use crate::options::{
     Aggregation, EntropyBonus, ImportanceSamplingLevel, KlEstimator, LossOptions, LossType, Reduction,
 };
@@ -102,7 +102,43 @@ pub fn evaluate_with_upstream(
     evaluate_with(spec, logits, Some(upstream))
 }
 
+/// [`evaluate`], with the gradient of `sum_i (up.loss[i] * term_i + up.entropy[i] * H_i +
+/// up.lse[i] * lse_i)` (an absent upstream is zero; the loss's terms weighted as
+/// [`evaluate_with_upstream`] weighs them): what the engine's `output_gradients` computes, here
+/// by adding the upstreams to the derivatives of each row's `entropy` and `lse`.
+pub fn evaluate_with_outputs(
+    spec: LossSpec<'_>,
+    logits: &[f64],
+    upstreams: &OutputUpstreams,
+) -> Result<ReferenceOutput, LossError> {
+    upstreams.check(&spec.loss, &spec.rows, spec.options)?;
+    let (mut out, active, derivatives) = derive(spec, logits, upstreams.loss)?;
+    let mut d = match (upstreams.loss, derivatives) {
+        (Some(_), Some(d)) => d,
+        _ => vec![RowDerivatives::default(); active.len()],
+    };
+    let at = |u: Option<&[f32]>, i: usize| u.map_or(0.0, |u| u[i] as f64);
+    for i in (0..d.len()).filter(|&i| active[i]) {
+        d[i].entropy += at(upstreams.entropy, i);
+        d[i].lse += at(upstreams.lse, i);
+    }
+    out.grad = Some(gradient_of(spec, logits, &active, &d));
+    Ok(out)
+}
+
 fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -> Result<ReferenceOutput, LossError> {
+    let (mut out, active, derivatives) = derive(spec, logits, upstream)?;
+    out.grad = derivatives.map(|d| gradient_of(spec, logits, &active, &d));
+    Ok(out)
+}
+
+/// The outputs (no gradient), which rows take part, and the derivatives of the loss (each row's
+/// term times `upstream[i]`, 1 without) with respect to each row's quantities; `None` for an op
+/// without a gradient.
+type Derived = (ReferenceOutput, Vec<bool>, Option<Vec<RowDerivatives>>);
+
+/// [`Derived`] of `spec` on `logits`.
+fn derive(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -> Result<Derived, LossError> {
     let up = |i: usize| upstream.map_or(1.0, |u| u[i] as f64);
     let rows = &spec.rows;
     let options = spec.options;
@@ -204,26 +240,32 @@ fn evaluate_with(spec: LossSpec<'_>, logits: &[f64], upstream: Option<&[f32]>) -
         }
     };
 
-    out.grad = derivatives.map(|d| {
-        let mut grad = vec![0.0; n * v];
-        for i in (0..n).filter(|&i| active[i]) {
-            let sm = Softmax::of(row(i), options, spec.loss.class_weights());
-            let y = rows.targets.map(|y| y[i] as usize);
-            for (j, g) in grad[i * v..(i + 1) * v].iter_mut().enumerate() {
-                let (log_p, p) = (sm.log_p[j], sm.log_p[j].exp());
-                let indicator = if Some(j) == y { 1.0 } else { 0.0 };
-                let du = d[i].logp * (indicator - p)
-                    + d[i].entropy * (-p * (log_p + sm.entropy))
-                    + d[i].lse * p
-                    + d[i].mean_u * spec.loss.class_weights().map_or(1.0, |c| c[j] as f64) / v as f64;
-                // d u_j / d x_j: 1 / T, times 1 - tanh^2(x_j / c) under a soft cap.
-                let slope = options.softcap.map_or(1.0, |c| 1.0 - (row(i)[j] / c).tanh().powi(2));
-                *g = du * slope / options.temperature;
-            }
+    Ok((out, active, derivatives))
+}
+
+/// `dL/dlogits` from the derivatives of the loss with respect to each row's quantities, through
+/// the softmax's Jacobian (written by hand), the temperature and the soft cap.
+fn gradient_of(spec: LossSpec<'_>, logits: &[f64], active: &[bool], d: &[RowDerivatives]) -> Vec<f64> {
+    let (rows, options) = (&spec.rows, spec.options);
+    let (n, v) = (rows.len(), rows.vocab);
+    let row = |i: usize| &logits[i * v..(i + 1) * v];
+    let mut grad = vec![0.0; n * v];
+    for i in (0..n).filter(|&i| active[i]) {
+        let sm = Softmax::of(row(i), options, spec.loss.class_weights());
+        let y = rows.targets.map(|y| y[i] as usize);
+        for (j, g) in grad[i * v..(i + 1) * v].iter_mut().enumerate() {
+            let (log_p, p) = (sm.log_p[j], sm.log_p[j].exp());
+            let indicator = if Some(j) == y { 1.0 } else { 0.0 };
+            let du = d[i].logp * (indicator - p)
+                + d[i].entropy * (-p * (log_p + sm.entropy))
+                + d[i].lse * p
+                + d[i].mean_u * spec.loss.class_weights().map_or(1.0, |c| c[j] as f64) / v as f64;
+            // d u_j / d x_j: 1 / T, times 1 - tanh^2(x_j / c) under a soft cap.
+            let slope = options.softcap.map_or(1.0, |c| 1.0 - (row(i)[j] / c).tanh().powi(2));
+            *g = du * slope / options.temperature;
         }
-        grad
-    });
-    Ok(out)
+    }
+    grad
 }
 
 /// `d f / d x[t].{logp, entropy, lse, mean_u}` by forward mode, one tangent at a time.
