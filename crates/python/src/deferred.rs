@@ -18,7 +18,7 @@ use std::sync::Mutex;
 
 use flashgrpo_kernels::{
     with_element, ChunkBudget, DType, GradientTarget, LinearGradients, LossInputs, LossOutput, LossSpec,
-    PartialRowStats, PreparedLinearLoss, PreparedLoss, RowGradient,
+    OutputUpstreams, PartialRowStats, PreparedLinearLoss, PreparedLoss, RowGradient,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -148,14 +148,16 @@ impl DeferredGradient {
     /// The row gradients times the upstream gradient: `scale`, and with `row_scale` (an f32
     /// buffer of `N`, the upstream of each row's loss) those of the loss with each row's weight
     /// times `row_scale[i]`, from the kept statistics (without them, each row's gradient times
-    /// its upstream, which is the same for a row-local loss). Rows without a gradient (masked)
-    /// stay zero whatever their upstream (an infinite or NaN upstream on a masked row writes no
-    /// NaN). What was kept is forgotten by [`written`](Self::written) only once the gradient is
-    /// written, so a backward that fails on its inputs can be retried.
+    /// its upstream, which is the same for a row-local loss); plus, with `outputs` (f32 buffers of
+    /// `N`, the upstreams of each row's `entropy` and `lse` outputs), the gradients of those
+    /// ([`PreparedLoss::output_gradients`]). Rows without a gradient (masked) stay zero whatever
+    /// their upstream (an infinite or NaN upstream on a masked row writes no NaN). What was kept
+    /// is forgotten by [`written`](Self::written) only once the gradient is written, so a backward
+    /// that fails on its inputs can be retried.
     ///
     /// # Safety
-    /// The module's contract for `row_scale`.
-    unsafe fn scaled_rows(&self, scale: f32, row_scale: usize) -> Result<Vec<RowGradient>> {
+    /// The module's contract for `row_scale` and `outputs`.
+    unsafe fn scaled_rows(&self, scale: f32, row_scale: usize, outputs: OutputScales) -> Result<Vec<RowGradient>> {
         let kept = self.kept.lock().map_err(|_| message("a previous backward panicked"))?;
         let kept = kept.as_ref().ok_or_else(|| {
             message(
@@ -163,10 +165,12 @@ impl DeferredGradient {
                  supported",
             )
         })?;
-        let per_row = unsafe { Address::new("row_scale", row_scale, self.rows()).slice::<f32>()? };
-        let rows = match (per_row, &kept.stats) {
+        let n = self.rows();
+        let per_row = unsafe { Address::new("row_scale", row_scale, n).slice::<f32>()? };
+        let spec = self.inputs.spec(self.vocab);
+        let rows: Vec<RowGradient> = match (per_row, &kept.stats) {
             (Some(upstream), Some(stats)) => {
-                let prepared = PreparedLoss::new(self.inputs.spec(self.vocab)).map_err(message)?;
+                let prepared = PreparedLoss::new(spec).map_err(message)?;
                 prepared.upstream_gradients(stats, upstream).map_err(message)?
             }
             // From rows alone (JAX's residual): its per-token fused-linear outputs (cross-entropy,
@@ -174,7 +178,18 @@ impl DeferredGradient {
             (Some(upstream), None) => kept.rows.iter().zip(upstream).map(|(g, &k)| g.times(k)).collect(),
             (None, _) => kept.rows.clone(),
         };
-        Ok(rows.iter().map(|g| g.times(scale)).collect())
+        let rows = rows.iter().map(|g| g.times(scale));
+        let entropy = unsafe { Address::new("entropy_scale", outputs.entropy, n).slice::<f32>()? };
+        let lse = unsafe { Address::new("lse_scale", outputs.lse, n).slice::<f32>()? };
+        if entropy.is_none() && lse.is_none() {
+            return Ok(rows.collect());
+        }
+        let stats = kept.stats.as_ref().ok_or_else(|| {
+            message("the gradients of the entropy and lse outputs need the forward's statistics (not kept here)")
+        })?;
+        let prepared = PreparedLoss::new(spec).map_err(message)?;
+        let extra = prepared.output_gradients(stats, &OutputUpstreams { loss: None, entropy, lse }).map_err(message)?;
+        Ok(rows.zip(&extra).map(|(g, e)| g.plus(e)).collect())
     }
 
     /// Forgets what the forward kept: the gradient has been written.
@@ -189,11 +204,11 @@ impl DeferredGradient {
     ///
     /// # Safety
     /// The module's contract.
-    unsafe fn logits_gradient(&self, logits: usize, scale: f32, row_scale: usize) -> Result<()> {
+    unsafe fn logits_gradient(&self, logits: usize, scale: f32, row_scale: usize, outputs: OutputScales) -> Result<()> {
         if !matches!(self.scores, Scores::Logits) {
             return Err(message("a fused-linear loss's gradient is written with `write_linear`"));
         }
-        let rows = unsafe { self.scaled_rows(scale, row_scale)? };
+        let rows = unsafe { self.scaled_rows(scale, row_scale, outputs)? };
         let logits = Address::new("logits", logits, self.rows() * self.vocab);
         let prepared = PreparedLoss::new(self.inputs.spec(self.vocab)).map_err(message)?;
         with_element!(self.dtype, T => {
@@ -212,11 +227,12 @@ impl DeferredGradient {
         grads: GradientAddresses,
         scale: f32,
         row_scale: usize,
+        outputs: OutputScales,
     ) -> Result<()> {
         let Scores::Linear { hidden_size } = self.scores else {
             return Err(message("a logits-level loss's gradient is written with `write_logits`"));
         };
-        let rows = unsafe { self.scaled_rows(scale, row_scale)? };
+        let rows = unsafe { self.scaled_rows(scale, row_scale, outputs)? };
         let (n, v, h) = (self.rows(), self.vocab, hidden_size);
         let inputs = linear_addresses(LINEAR_INPUTS, inputs, n, v, h);
         let [gh, gw, gb] = linear_addresses(LINEAR_GRADIENTS, [grads.hidden, grads.weight, grads.bias], n, v, h);
@@ -236,19 +252,38 @@ impl DeferredGradient {
     }
 }
 
+/// The addresses (0: none) of the per-token upstreams of a loss's `entropy` and `lse` outputs.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct OutputScales {
+    entropy: usize,
+    lse: usize,
+}
+
 #[pymethods]
 impl DeferredGradient {
     /// Writes the gradient of the loss times the upstream gradient (`scale`, and `row_scale[i]`
-    /// for row `i` when that address is not 0) over the logits.
-    #[pyo3(signature = (logits, scale = 1.0, row_scale = 0))]
-    fn write_logits(&self, py: Python<'_>, logits: usize, scale: f32, row_scale: usize) -> PyResult<()> {
+    /// for row `i` when that address is not 0), plus those of the `entropy` and `lse` outputs
+    /// times `entropy_scale[i]` / `lse_scale[i]` (addresses of f32 `[N]`, when not 0), over the
+    /// logits.
+    #[pyo3(signature = (logits, scale = 1.0, row_scale = 0, entropy_scale = 0, lse_scale = 0))]
+    fn write_logits(
+        &self,
+        py: Python<'_>,
+        logits: usize,
+        scale: f32,
+        row_scale: usize,
+        entropy_scale: usize,
+        lse_scale: usize,
+    ) -> PyResult<()> {
+        let outputs = OutputScales { entropy: entropy_scale, lse: lse_scale };
         // SAFETY: the module's contract, for the length of this call.
-        py.detach(|| unsafe { self.logits_gradient(logits, scale, row_scale) }).map_err(error)
+        py.detach(|| unsafe { self.logits_gradient(logits, scale, row_scale, outputs) }).map_err(error)
     }
 
-    /// Writes the f32 gradients of a fused-linear loss times the upstream gradient into the
-    /// buffers of `grads` (those not 0), reading `hidden`, `weight` and `bias` again.
-    #[pyo3(signature = (hidden, weight, bias, grads, scale = 1.0, row_scale = 0))]
+    /// Writes the f32 gradients of a fused-linear loss times the upstream gradient (as
+    /// `write_logits`) into the buffers of `grads` (those not 0), reading `hidden`, `weight` and
+    /// `bias` again.
+    #[pyo3(signature = (hidden, weight, bias, grads, scale = 1.0, row_scale = 0, entropy_scale = 0, lse_scale = 0))]
     #[allow(clippy::too_many_arguments)]
     fn write_linear(
         &self,
@@ -259,9 +294,13 @@ impl DeferredGradient {
         grads: GradientAddresses,
         scale: f32,
         row_scale: usize,
+        entropy_scale: usize,
+        lse_scale: usize,
     ) -> PyResult<()> {
+        let outputs = OutputScales { entropy: entropy_scale, lse: lse_scale };
         // SAFETY: the module's contract, for the length of this call.
-        py.detach(|| unsafe { self.linear_gradients([hidden, weight, bias], grads, scale, row_scale) }).map_err(error)
+        py.detach(|| unsafe { self.linear_gradients([hidden, weight, bias], grads, scale, row_scale, outputs) })
+            .map_err(error)
     }
 }
 

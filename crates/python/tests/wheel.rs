@@ -3,6 +3,9 @@
 //! ending with "N checks, 0 failures":
 //! - `test_torch.py`: `flashgrpo.torch` against TRL-style float64 autograd, `F.cross_entropy`,
 //!   materialised fused-linear logits and Liger-Kernel's `LigerFusedLinearGRPOLoss`;
+//! - `test_token_stats.py`: per-token log-probabilities, entropies and `lse`, all differentiable,
+//!   and the drop-ins built on them against Liger-Kernel's fused-linear scaled cross-entropy (its
+//!   PyTorch fallback, verl's formulas) and float64 autograd;
 //! - `test_arrays.py`: `flashgrpo.arrays` on NumPy and JAX arrays against the same references;
 //! - `test_jax.py`: `flashgrpo.jax` (XLA FFI custom calls) under `jit`, `grad` and `vmap` against
 //!   plain JAX reference code, and the original's gradcheck at its shape;
@@ -50,6 +53,11 @@ fn run_script(script: &str) {
 #[test]
 fn torch_functions_and_modules_match_references() {
     run_script("test_torch.py");
+}
+
+#[test]
+fn token_stats_and_their_drop_ins_match_liger_and_float64_autograd() {
+    run_script("test_token_stats.py");
 }
 
 #[test]

@@ -16,13 +16,18 @@ Functions (logits ``[B, T, V]``; cross-entropy, entropy and log-probabilities al
 - ``cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, ...) -> Tensor``
 - ``entropy(logits, mask=None, *, temperature=1.0) -> Tensor`` (per token, differentiable)
 - ``logprob(logits, targets, *, temperature=1.0) -> Tensor`` (per token, differentiable)
+- ``token_stats(logits, targets, mask=None, *, temperature=1.0) -> TokenStats`` (per-token
+  ``logp``, ``entropy``, ``lse``, all three differentiable)
 - ``fused_linear_grpo_loss``, ``fused_linear_cross_entropy``, ``fused_linear_entropy``,
-  ``fused_linear_logprob``: the same from ``hidden [.., H]``, ``weight [V, H]`` and ``bias [V]``.
+  ``fused_linear_logprob``, ``fused_linear_token_stats``: the same from ``hidden [.., H]``,
+  ``weight [V, H]`` and ``bias [V]``.
 
 Modules: ``FusedLinearGRPOLoss``, ``GRPOLoss``, ``CrossEntropyLoss`` and
 ``FusedLinearCrossEntropyLoss`` take the constructor and forward arguments of Liger-Kernel's
 ``LigerFusedLinearGRPOLoss``, ``triton_grpo_loss``, ``LigerCrossEntropyLoss`` and
-``LigerFusedLinearCrossEntropyLoss`` and return what they return.
+``LigerFusedLinearCrossEntropyLoss`` and return what they return. ``FusedLinearForPPO`` is verl's
+module of that name, ``liger_fused_linear_scaled_cross_entropy`` Liger's
+``LigerFusedLinearScaledCrossEntropyFunction.apply``.
 """
 
 import dataclasses
@@ -50,6 +55,11 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_entropy",
     "fused_linear_logprob",
+    "TokenStats",
+    "token_stats",
+    "fused_linear_token_stats",
+    "FusedLinearForPPO",
+    "liger_fused_linear_scaled_cross_entropy",
     "FusedLinearGRPOLoss",
     "GRPOLoss",
     "CrossEntropyLoss",
@@ -252,32 +262,76 @@ class _DeferredGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, upstream):
-        pending = _take_once(ctx, "pending")
-        ctx.saved_tensors  # noqa: B018 -- raises if an input was modified in place since the forward
         scale, row_scale = 1.0, None
         if ctx.per_row:
             row_scale = upstream.detach().to(torch.float32).contiguous().reshape(-1)
         else:
             scale = float(upstream)
-        scores = _take_once(ctx, "scores")
-        if len(scores) == 1:
-            grad = scores[0] if ctx.in_place else scores[0].clone()
-            pending.write_logits(_address(grad), scale, _address(row_scale))
-            grads = [grad]
-        else:
-            grads = _write_linear_gradients(pending, scores, ctx.wants, scale, row_scale)
-        out = [None if g is None or not want else _as_dtype(g, dtype)
-               for g, want, dtype in zip(grads, ctx.wants, ctx.dtypes)]
-        return (None, None, None, None, None, *out)
+        return (None, None, None, None, None, *_write_deferred(ctx, scale, row_scale))
 
 
-def _write_linear_gradients(pending, scores, wants, scale, row_scale):
+class TokenStats(NamedTuple):
+    """Each token's ``log p(target)``, entropy and ``lse = logsumexp(logits / temperature)``
+    (float32, the shape of ``targets``; 0 on masked rows), each differentiable."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    lse: torch.Tensor
+
+
+class _DeferredTokenStats(torch.autograd.Function):
+    """``logp``, ``entropy`` and ``lse`` per token, whose gradients the kernels write in the
+    backward from the three upstreams at once, in one pass over the vocabulary (each row's
+    gradient is ``a [j = y] + p_j (b + c log p_j)`` whichever of the three it comes from). The
+    rest as ``_DeferredGradients``."""
+
+    @staticmethod
+    def forward(ctx, pending, scores, logp, entropy, lse, *inputs):
+        ctx.set_materialize_grads(False)
+        ctx.pending, ctx.scores, ctx.in_place = pending, scores, False
+        ctx.dtypes = [None if x is None else x.dtype for x in inputs]
+        ctx.wants = [x is not None and x.requires_grad for x in inputs]
+        ctx.save_for_backward(*[x for x in inputs if x is not None])
+        return logp.clone(), entropy.clone(), lse.clone()
+
+    @staticmethod
+    def backward(ctx, d_logp, d_entropy, d_lse):
+        def flat(g):
+            return None if g is None else g.detach().to(torch.float32).contiguous().reshape(-1)
+
+        if d_logp is None and d_entropy is None and d_lse is None:
+            return (None,) * (5 + len(ctx.dtypes))
+        n = next(g for g in (d_logp, d_entropy, d_lse) if g is not None).numel()
+        row_scale = flat(d_logp) if d_logp is not None else torch.zeros(n, dtype=torch.float32)
+        grads = _write_deferred(ctx, 1.0, row_scale, flat(d_entropy), flat(d_lse))
+        return (None, None, None, None, None, *grads)
+
+
+def _write_deferred(ctx, scale, row_scale, entropy_scale=None, lse_scale=None):
+    """Writes the gradient a deferred function's forward left pending, with these upstreams (of
+    the loss: ``scale`` and per row ``row_scale``; of the ``entropy`` and ``lse`` outputs per row);
+    the gradients of the inputs, each in its own dtype (``None`` where not wanted)."""
+    pending = _take_once(ctx, "pending")
+    ctx.saved_tensors  # noqa: B018 -- raises if an input was modified in place since the forward
+    scores = _take_once(ctx, "scores")
+    outputs = dict(entropy_scale=_address(entropy_scale), lse_scale=_address(lse_scale))
+    if len(scores) == 1:
+        grad = scores[0] if ctx.in_place else scores[0].clone()
+        pending.write_logits(_address(grad), scale, _address(row_scale), **outputs)
+        grads = [grad]
+    else:
+        grads = _write_linear_gradients(pending, scores, ctx.wants, scale, row_scale, outputs)
+    return [None if g is None or not want else _as_dtype(g, dtype)
+            for g, want, dtype in zip(grads, ctx.wants, ctx.dtypes)]
+
+
+def _write_linear_gradients(pending, scores, wants, scale, row_scale, outputs):
     h, w, b = scores
     f32 = torch.float32
     grads = (_gradient_tensor(h.shape, f32), _gradient_tensor(w.shape, f32) if wants[1] else None,
              torch.empty(b.shape, dtype=f32) if b is not None and wants[2] else None)
     addresses = dict(hidden=_address(grads[0]), weight=_address(grads[1]), bias=_address(grads[2]), accumulate=False)
-    pending.write_linear(_address(h), _address(w), _address(b), addresses, scale, _address(row_scale))
+    pending.write_linear(_address(h), _address(w), _address(b), addresses, scale, _address(row_scale), **outputs)
     return grads
 
 
@@ -311,12 +365,13 @@ def _refuse_tokens(options, tokens):
 
 
 def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=None, defer=False, tokens=False,
-                 **row_inputs):
+                 token_stats=False, **row_inputs):
     """Runs ``op`` over logits ``[B, T, V]`` (or ``[N, V]``); returns the loss value (with the
     kernels' gradient attached when the logits require one) and the per-token outputs. ``defer``:
     the gradient is written in the backward, over the logits with ``in_place`` (Liger's
     ``inplace``), else over a copy of them (see ``_DeferredGradients``): what a per-token loss whose
-    rows mix within a sequence (sequence-level importance sampling) needs for a per-token upstream."""
+    rows mix within a sequence (sequence-level importance sampling) needs for a per-token upstream.
+    ``token_stats``: the value is ``TokenStats``, each differentiable (with ``defer``)."""
     _refuse_tokens(options, tokens)
     x = _float_input("logits", logits)
     if x.dim() not in (2, 3):
@@ -339,6 +394,8 @@ def _logits_call(op, logits, options, in_place=False, per_row=None, out_shape=No
     else:
         result = _native.loss(*native, grad=_address(grad), in_place=wants_grad and in_place)
     per_token = _per_token(result, batch * seq_len, out_shape)
+    if token_stats:
+        return _token_stats(per_token, pending if deferred else None, (x,), logits), per_token
     value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=torch.float32)
     if deferred:
         value = _DeferredGradients.apply(value, pending, (x,), per_row is not None, in_place, logits)
@@ -357,11 +414,12 @@ def _default_products(*inputs):
 
 
 def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None, chunk_memory_mb=None,
-                 bf16_products=None, tokens=False, **row_inputs):
+                 bf16_products=None, tokens=False, token_stats=False, **row_inputs):
     """Runs ``op`` over ``hidden [B, T, H] (or [N, H]) @ weight[V, H]^T + bias``. A weight or bias
     of another dtype than ``hidden`` is cast to it (a copy, as Liger-Kernel casts the weight); the
     gradients come back in each input's own dtype. A per-token ``value`` (``per_row``) gets its
-    gradients in the backward, where the upstream gradient of each token is known."""
+    gradients in the backward, where the upstream gradient of each token is known;
+    ``token_stats``: the value is ``TokenStats``, each differentiable (with ``per_row``)."""
     _refuse_tokens(options, tokens)
     h = _float_input("hidden", hidden)
     w = _float_input("weight", weight)
@@ -398,6 +456,8 @@ def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None
                          accumulate=False)
         result = _native.linear_loss(*native, addresses, chunk, products)
     per_token = _per_token(result, batch * seq_len, out_shape)
+    if token_stats:
+        return _token_stats(per_token, pending if deferred else None, (h, w, b), hidden, weight, bias), per_token
     value = per_token[per_row] if per_row else torch.tensor(result.loss, dtype=f32)
     if deferred:
         value = _DeferredGradients.apply(value, pending, (h, w, b), True, False, hidden, weight, bias)
@@ -405,6 +465,12 @@ def _linear_call(op, hidden, weight, bias, options, per_row=None, out_shape=None
         kept = (grads[0] if hidden.requires_grad else None, grads[1], grads[2])
         value = _KernelGradients.apply(value, kept, None, hidden, weight, bias)
     return value, per_token
+
+
+def _token_stats(per_token, pending, scores, *inputs):
+    """``TokenStats`` of the per-token outputs, differentiable when the gradient is ``pending``."""
+    stats = (per_token["logp"], per_token["entropy"], per_token["lse"])
+    return TokenStats(*(stats if pending is None else _DeferredTokenStats.apply(pending, scores, *stats, *inputs)))
 
 
 def _outputs(value, per_token):
@@ -527,6 +593,28 @@ def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0,
     value, _ = _linear_call("logprob", hidden, weight, bias, dict(temperature=temperature, softcap=softcap),
                             per_row="logp", out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb,
                             bf16_products=bf16_products, targets=targets)
+    return value
+
+
+def token_stats(logits, targets, mask=None, *, temperature=1.0, softcap=None):
+    """Each token's ``log p(target)``, entropy and ``lse`` under ``softmax(logits / temperature)``
+    (``TokenStats``), all three differentiable: what verl's actor takes from the logits
+    (log-probabilities and an entropy bonus, both back-propagated). The gradients of the three
+    are written in one pass over the logits in the backward, from the three upstreams at once."""
+    value, _ = _logits_call("logprob", logits, dict(temperature=temperature, softcap=softcap), defer=True,
+                            out_shape=targets.shape, token_stats=True, targets=targets, mask=mask)
+    return value
+
+
+def fused_linear_token_stats(hidden, weight, targets, *, bias=None, mask=None, temperature=1.0, softcap=None,
+                             chunk_memory_mb=None, bf16_products=None):
+    """``token_stats`` of ``hidden @ weight^T + bias`` without materialising the logits: one
+    stream of the vocabulary forward and one backward whichever of the three outputs are
+    back-propagated (verl's ``FusedLinearForPPO`` and Liger's fused-linear scaled cross-entropy
+    are built on it)."""
+    value, _ = _linear_call("logprob", hidden, weight, bias, dict(temperature=temperature, softcap=softcap),
+                            per_row="logp", out_shape=targets.shape, chunk_memory_mb=chunk_memory_mb,
+                            bf16_products=bf16_products, token_stats=True, targets=targets, mask=mask)
     return value
 
 
@@ -981,3 +1069,97 @@ def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight
                                          return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
                                          return_predicted_tokens)
     return module(weight, input, target, bias)
+
+
+# ---------------------------------------------------------------- verl and Liger: log-probabilities and entropy
+
+
+class FusedLinearForPPO(torch.nn.Module):
+    """Drop-in for verl's ``verl.utils.experimental.torch_functional.FusedLinearForPPO``:
+    ``forward(hidden_states, vocab_weights, input_ids, temperature=1.0)`` returns each token's
+    log-probability (float32) and entropy (in ``hidden_states``' dtype) under
+    ``softmax(hidden_states @ vocab_weights^T / temperature)``, both differentiable, the shape of
+    ``input_ids`` (``[T]`` from ``[T, D]``, ``[B, T]`` from ``[B, T, D]``). ``temperature``: a
+    number (or a one-element tensor), or one per token (``[T]``, or the shape of ``input_ids``),
+    which, as verl does, divides ``hidden_states`` (in float32, rounded back to their dtype so that
+    a bf16 ``vocab_weights`` is not copied to float32) before the kernel. ``chunk_size``
+    (verl's tokens per chunk) is accepted and ignored: the chunks here are sized by memory."""
+
+    def __init__(self, chunk_size=512):
+        super().__init__()
+        self.chunk_size = chunk_size
+
+    def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
+        hidden, scalar = _per_token_temperature(hidden_states, input_ids, temperature)
+        stats = fused_linear_token_stats(hidden, vocab_weights, input_ids.to(torch.int64), temperature=scalar)
+        return stats.logp, stats.entropy.to(hidden_states.dtype)
+
+
+def _per_token_temperature(hidden, input_ids, temperature):
+    """``(hidden, scalar temperature)``: a per-token temperature divides ``hidden`` (in float32,
+    differentiably, back in ``hidden``'s dtype) and leaves 1 for the kernel, as verl's
+    ``FusedLinearForPPO`` does."""
+    if not isinstance(temperature, torch.Tensor) or temperature.numel() == 1:
+        return hidden, float(temperature)
+    if temperature.numel() != input_ids.numel():
+        raise ValueError(f"`temperature` has {temperature.numel()} values; expected one, or one per token "
+                         f"({input_ids.numel()}, the shape of `input_ids` {list(input_ids.shape)})")
+    per_token = temperature.to(torch.float32).reshape(*input_ids.shape, 1)
+    return (hidden.to(torch.float32) / per_token).to(hidden.dtype), 1.0
+
+
+def _check_scaled_ce_arguments(temperature, m_tiles_per_cluster, return_entropy, selected_token_ids, hidden, weight,
+                               target):
+    """Liger's checks of ``LigerFusedLinearScaledCrossEntropyFunction.apply``, with its exception
+    types (``TypeError`` for a wrong type, ``ValueError`` for a wrong value)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"`temperature` must be a real number, got {type(temperature).__name__}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"`temperature` must be finite and > 0, got {temperature}")
+    if not isinstance(m_tiles_per_cluster, int) or isinstance(m_tiles_per_cluster, bool) or m_tiles_per_cluster < 1:
+        raise ValueError(f"`m_tiles_per_cluster` must be an int >= 1, got {m_tiles_per_cluster!r}")
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"`return_entropy` must be a bool, got {type(return_entropy).__name__}")
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError("expected `_input` [M, H] and `weight` [V, H] tensors")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"`_input` ({hidden.dtype}) and `weight` ({weight.dtype}) must have the same dtype")
+    if not isinstance(target, torch.Tensor) or target.dtype != torch.int64 or tuple(target.shape) != hidden.shape[:1]:
+        raise ValueError(f"`target` must be an int64 tensor of shape [{hidden.shape[0]}]")
+    if selected_token_ids is None:
+        return
+    ids = selected_token_ids
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        raise TypeError("`selected_token_ids` must be an int64 tensor")
+    if ids.dim() != 1:
+        raise ValueError(f"`selected_token_ids` must have shape [K], got {list(ids.shape)}")
+    outside = (ids < 0) | (ids >= weight.shape[0])
+    if bool(outside.any()):
+        k = int(outside.nonzero()[0, 0])
+        raise ValueError(f"`selected_token_ids[{k}]` = {int(ids[k])} is outside the vocabulary [0, {weight.shape[0]})")
+
+
+def liger_fused_linear_scaled_cross_entropy(_input, weight, target, temperature=1.0, ignore_index=-100,
+                                            m_tiles_per_cluster=1, return_entropy=False, selected_token_ids=None):
+    """Drop-in for Liger-Kernel's ``LigerFusedLinearScaledCrossEntropyFunction.apply``
+    (``liger_kernel.ops``): each token's NLL ``-log p(target)`` (float32 ``[M]``) under
+    ``softmax(_input @ weight^T / temperature)``, with ``return_entropy`` its entropy (in
+    ``_input``'s dtype), with ``selected_token_ids [K]`` the log-probabilities of those tokens
+    (float32 ``[M, K]``, in their order, duplicates kept); rows whose target is ``ignore_index``
+    output 0 and get no gradient. Every output is differentiable: the NLL's and the entropy's
+    gradients (and the selected tokens' normaliser's) are written in one backward stream of the
+    vocabulary; the selected tokens' own logits, ``K`` columns, are a small product PyTorch
+    differentiates. ``m_tiles_per_cluster`` (a GPU tiling) is checked and ignored."""
+    _check_scaled_ce_arguments(temperature, m_tiles_per_cluster, return_entropy, selected_token_ids, _input, weight,
+                               target)
+    valid = target != ignore_index
+    stats = fused_linear_token_stats(_input, weight, target.masked_fill(~valid, 0), mask=valid,
+                                     temperature=float(temperature))
+    outputs = (-stats.logp,)
+    if return_entropy:
+        outputs += (stats.entropy.to(_input.dtype),)
+    if selected_token_ids is not None:
+        f32 = torch.float32
+        selected_logits = _input.to(f32) @ weight.index_select(0, selected_token_ids).to(f32).t() / temperature
+        outputs += (torch.where(valid[:, None], selected_logits - stats.lse[:, None], 0.0),)
+    return outputs[0] if len(outputs) == 1 else outputs
