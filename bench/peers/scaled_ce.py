@@ -1,0 +1,73 @@
+"""Per-token NLL and entropy from hidden states and lm_head, both back-propagated (what verl's
+`FusedLinearForPPO` and Liger-Kernel's `LigerFusedLinearScaledCrossEntropyFunction` compute), one
+forward and backward per step, the arms alternated in every round (A B C, then C B A):
+
+- `flashgrpo`: `flashgrpo.torch.liger_fused_linear_scaled_cross_entropy(return_entropy=True)`,
+  one stream of the vocabulary forward and one backward (`fused_linear_token_stats`);
+- `flashgrpo-two-calls`: `fused_linear_logprob` + `fused_linear_entropy`, each differentiable,
+  two streams each way (what composing the earlier ops costs);
+- `liger`: Liger's function itself (on the CPU its PyTorch fallback, verl's formulas: 512-token
+  chunks, the logits materialised per chunk, recomputed in the backward).
+
+Prints one JSON line per arm: step times per round and their median (s).
+Usage: python bench/peers/scaled_ce.py [--n 1024] [--hidden 896] [--vocab 151936] [--dtype f32|bf16]
+[--rounds 3]"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import flashgrpo.torch as ft
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def step(arm, hidden, weight, target, d_nll, d_ent):
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    if arm == "flashgrpo":
+        nll, ent = ft.liger_fused_linear_scaled_cross_entropy(h, w, target, return_entropy=True)
+    elif arm == "flashgrpo-two-calls":
+        nll = -ft.fused_linear_logprob(h, w, target)
+        ent = ft.fused_linear_entropy(h, w)
+    else:
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+
+        nll, ent = LigerFusedLinearScaledCrossEntropyFunction.apply(h, w, target, return_entropy=True)
+    ((nll * d_nll).sum() + (ent.float() * d_ent).sum()).backward()
+    return h.grad, w.grad
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--dtype", choices=DTYPES, default="f32")
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    dtype = DTYPES[a.dtype]
+    hidden = torch.randn(a.n, a.hidden).to(dtype)
+    weight = (torch.randn(a.vocab, a.hidden) * (2.0 / a.hidden**0.5)).to(dtype)
+    target = torch.randint(0, a.vocab, (a.n,))
+    d_nll, d_ent = torch.randn(a.n), torch.randn(a.n)
+    arms = ["flashgrpo", "flashgrpo-two-calls", "liger"]
+    for arm in arms:  # warm-up: pages, thread pools, pooled gradient buffers
+        step(arm, hidden, weight, target, d_nll, d_ent)
+    times = {arm: [] for arm in arms}
+    for r in range(a.rounds):
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            t0 = time.perf_counter()
+            step(arm, hidden, weight, target, d_nll, d_ent)
+            times[arm].append(time.perf_counter() - t0)
+    for arm in arms:
+        print(json.dumps(dict(arm=arm, n=a.n, hidden=a.hidden, vocab=a.vocab, dtype=a.dtype,
+                              step_s=[round(t, 4) for t in times[arm]],
+                              step_s_p50=round(statistics.median(times[arm]), 4))))
+
+
+if __name__ == "__main__":
+    main()
