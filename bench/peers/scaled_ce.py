@@ -9,9 +9,12 @@ forward and backward per step, the arms alternated in every round (A B C, then C
 - `liger`: Liger's function itself (on the CPU its PyTorch fallback, verl's formulas: 512-token
   chunks, the logits materialised per chunk, recomputed in the backward).
 
-Prints one JSON line per arm: step times per round and their median (s).
+Prints one JSON line per arm: step times per round and their median (s). With `--only ARM`, that
+arm alone, and its peak memory above the inputs and their gradients (`VmHWM` after the steps minus
+the resident size once the inputs exist, less a step's copy of the inputs and their gradients in
+the inputs' dtype, MiB): run each arm in a process of its own for that.
 Usage: python bench/peers/scaled_ce.py [--n 1024] [--hidden 896] [--vocab 151936] [--dtype f32|bf16]
-[--rounds 3]"""
+[--rounds 3] [--only flashgrpo|flashgrpo-two-calls|liger]"""
 
 import argparse
 import json
@@ -40,6 +43,13 @@ def step(arm, hidden, weight, target, d_nll, d_ent):
     return h.grad, w.grad
 
 
+def resident_mib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=1024)
@@ -47,6 +57,7 @@ def main():
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--dtype", choices=DTYPES, default="f32")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--only", choices=["flashgrpo", "flashgrpo-two-calls", "liger"])
     a = p.parse_args()
     torch.manual_seed(0)
     dtype = DTYPES[a.dtype]
@@ -54,7 +65,10 @@ def main():
     weight = (torch.randn(a.vocab, a.hidden) * (2.0 / a.hidden**0.5)).to(dtype)
     target = torch.randint(0, a.vocab, (a.n,))
     d_nll, d_ent = torch.randn(a.n), torch.randn(a.n)
-    arms = ["flashgrpo", "flashgrpo-two-calls", "liger"]
+    if a.only == "liger":  # its import's own memory is not the step's
+        import liger_kernel.ops.fused_linear_scaled_cross_entropy  # noqa: F401
+    base = resident_mib("VmRSS")
+    arms = [a.only] if a.only else ["flashgrpo", "flashgrpo-two-calls", "liger"]
     for arm in arms:  # warm-up: pages, thread pools, pooled gradient buffers
         step(arm, hidden, weight, target, d_nll, d_ent)
     times = {arm: [] for arm in arms}
@@ -64,9 +78,11 @@ def main():
             step(arm, hidden, weight, target, d_nll, d_ent)
             times[arm].append(time.perf_counter() - t0)
     for arm in arms:
+        leaves = 2 * (hidden.nbytes + weight.nbytes) / 2**20  # a step's clones and their gradients
+        extra = dict(peak_above_inputs_and_grads_mib=round(resident_mib("VmHWM") - base - leaves)) if a.only else {}
         print(json.dumps(dict(arm=arm, n=a.n, hidden=a.hidden, vocab=a.vocab, dtype=a.dtype,
                               step_s=[round(t, 4) for t in times[arm]],
-                              step_s_p50=round(statistics.median(times[arm]), 4))))
+                              step_s_p50=round(statistics.median(times[arm]), 4), **extra)))
 
 
 if __name__ == "__main__":
