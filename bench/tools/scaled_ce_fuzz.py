@@ -1,4 +1,5 @@
-"""`flashgrpo.torch.liger_fused_linear_scaled_cross_entropy` and `FusedLinearForPPO` on random
+"""`flashgrpo.torch.liger_fused_linear_scaled_cross_entropy` (and so `fused_linear_token_stats`, which
+`FusedLinearForPPO` is built on too) on random
 shapes (ragged M, H, V), dtypes, temperatures, ignored rows, entropy on or off and selected
 tokens (duplicates, repeated ids), against Liger-Kernel's `LigerFusedLinearScaledCrossEntropyFunction`
 (on the CPU its PyTorch fallback, verl's formulas) given the same values in float64: every output

@@ -221,6 +221,14 @@ def check_errors_and_edges():
     expect_error("return_entropy not a bool", TypeError, ["return_entropy"], lambda: f(h, w, y, return_entropy=1))
     expect_error("m_tiles_per_cluster 0", ValueError, ["m_tiles_per_cluster"], lambda: f(h, w, y,
                                                                                           m_tiles_per_cluster=0))
+    expect_error("m_tiles_per_cluster a float", TypeError, ["m_tiles_per_cluster"],
+                 lambda: f(h, w, y, m_tiles_per_cluster=1.0))
+    expect_error("target of int32", TypeError, ["target", "int64"], lambda: f(h, w, y.int()))
+    expect_error("target of another length", ValueError, ["target", "[3]"], lambda: f(h, w, y[:3]))
+    expect_error("no tokens", ValueError, ["non-empty"], lambda: f(h[:0], w, y[:0]))
+    expect_error("float64 inputs", TypeError, ["float64"], lambda: f(h.double(), w.double(), y))
+    expect_error("selected ids of rank 2", ValueError, ["selected_token_ids", "[K]"],
+                 lambda: f(h, w, y, selected_token_ids=torch.tensor([[3]])))
     expect_error("mixed dtypes", TypeError, ["_input", "weight"], lambda: f(h, w.bfloat16(), y))
     expect_error("selected id out of range", ValueError, ["selected_token_ids[1]", "20"],
                  lambda: f(h, w, y, selected_token_ids=torch.tensor([3, 20])))

@@ -153,7 +153,8 @@ impl<'a> PreparedLoss<'a> {
     /// gradient: those of the loss with each row's weight in the reduction times `upstream[i]`
     /// ([`Objective::all`]). With sequence-level importance sampling a sequence's rows share the
     /// gradient of its weight, so this is not each row's gradient times its upstream (as it is
-    /// for a row-local loss). Refused for `geo_mean`, and for an `upstream` not of one per row.
+    /// for a row-local loss). Refused for `geo_mean`, for an `upstream` not of one per row, and
+    /// for an op without a gradient (`entropy` without `entropy_gradient`).
     pub fn upstream_gradients(
         &self,
         stats: &[PartialRowStats],

@@ -5,11 +5,16 @@ mod common;
 use common::{relative_norm_error, Case, Data, Op};
 use flashgrpo_kernels::{
     combine_shards, forward_backward, quantile, Aggregation, BatchShard, EntropyBonus, GradientTarget,
-    ImportanceSamplingLevel, LossSpec, LossType, PreparedLoss, Reduction, RolloutCorrection, Rows,
+    ImportanceSamplingLevel, LossSpec, LossType, OutputUpstreams, PreparedLoss, Reduction, RolloutCorrection, Rows,
 };
 
-/// Runs the three steps over `bounds.len() - 1` vocabulary shards, as separate devices would.
-fn vocab_sharded(data: &Data, bounds: &[usize]) -> (flashgrpo_kernels::LossOutput, Vec<f32>) {
+/// Runs the three steps over `bounds.len() - 1` vocabulary shards, as separate devices would;
+/// with `upstreams`, the row gradients are theirs ([`PreparedLoss::output_gradients`]).
+fn vocab_sharded(
+    data: &Data,
+    bounds: &[usize],
+    upstreams: Option<&OutputUpstreams>,
+) -> (flashgrpo_kernels::LossOutput, Vec<f32>) {
     let (n, v) = (data.case.batch * data.case.seq_len, data.case.vocab);
     let prepared = PreparedLoss::new(data.spec()).unwrap();
     let shards: Vec<(std::ops::Range<usize>, Vec<f32>)> = bounds
@@ -24,7 +29,10 @@ fn vocab_sharded(data: &Data, bounds: &[usize]) -> (flashgrpo_kernels::LossOutpu
     let partials: Vec<_> =
         shards.iter().map(|(c, l)| (c.clone(), prepared.statistics(l, c.clone()).unwrap())).collect();
     let combined = combine_shards(v, &partials).unwrap();
-    let (out, grads) = prepared.objective(&combined).unwrap();
+    let (out, mut grads) = prepared.objective(&combined).unwrap();
+    if let Some(up) = upstreams {
+        grads = prepared.output_gradients(&combined, up).unwrap();
+    }
     let mut grad = vec![0.0f32; n * v];
     for (cols, local) in &shards {
         let mut g = vec![0.0f32; local.len()];
@@ -52,6 +60,10 @@ fn vocabulary_shards_equal_unsharded() {
             o.z_loss = 1e-3;
         }),
         Case::new(Op::Logprob, 2, 3, 100),
+        Case::new(Op::Entropy, 2, 3, 301).with(|o| {
+            o.entropy_gradient = true;
+            o.temperature = 0.8;
+        }),
     ];
     for case in cases {
         let data = case.data();
@@ -59,7 +71,7 @@ fn vocabulary_shards_equal_unsharded() {
         let mut full_grad = vec![0.0f32; data.logits.len()];
         let full = forward_backward(data.spec(), &data.logits, &mut full_grad).unwrap();
         for bounds in [vec![0, v], vec![0, v / 2, v], vec![0, 1, v / 3, v - 1, v], vec![0, 3, 3, 10, v]] {
-            let (out, grad) = vocab_sharded(&data, &bounds);
+            let (out, grad) = vocab_sharded(&data, &bounds, None);
             assert!((out.loss - full.loss).abs() <= 1e-6 * full.loss.abs().max(1e-2), "{bounds:?} {case:?}");
             for (a, b) in out.per_token_loss.iter().zip(&full.per_token_loss) {
                 assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0));
@@ -71,6 +83,28 @@ fn vocabulary_shards_equal_unsharded() {
             let err = relative_norm_error(grad.iter().map(|&x| x as f64), &full64);
             assert!(err < 1e-6, "gradient error {err} with shards {bounds:?} in {case:?}");
         }
+    }
+}
+
+/// The gradients of the per-token entropy and `lse` outputs beside the loss's, from statistics
+/// combined over shards, equal those from the whole vocabulary.
+#[test]
+fn output_upstreams_over_shards_equal_unsharded() {
+    let data = Case::new(Op::Logprob, 2, 4, 997).with(|o| o.temperature = 0.7).data();
+    let (n, v) = (8, 997);
+    let wave = |k: f32| (0..n).map(|i| (i as f32 * k).sin()).collect::<Vec<f32>>();
+    let (loss, entropy, lse) = (wave(0.7), wave(1.3), wave(2.1));
+    let up = OutputUpstreams { loss: Some(&loss), entropy: Some(&entropy), lse: Some(&lse) };
+    let prepared = PreparedLoss::new(data.spec()).unwrap();
+    let stats = prepared.statistics(&data.logits, 0..v).unwrap();
+    let rows = prepared.output_gradients(&stats, &up).unwrap();
+    let mut whole = vec![0.0f32; n * v];
+    prepared.gradient(GradientTarget::Into { logits: &data.logits, out: &mut whole }, 0..v, &rows).unwrap();
+    let whole64: Vec<f64> = whole.iter().map(|&x| x as f64).collect();
+    for bounds in [vec![0, v / 2, v], vec![0, 1, v / 3, v - 1, v]] {
+        let (_, grad) = vocab_sharded(&data, &bounds, Some(&up));
+        let err = relative_norm_error(grad.iter().map(|&x| x as f64), &whole64);
+        assert!(err < 1e-6, "gradient error {err} with shards {bounds:?}");
     }
 }
 

@@ -10,8 +10,10 @@
 //! gradient scalars of every row; the backward scales those by a scalar upstream gradient (they
 //! are linear in it), or runs step 2's gradients again with a per-token one (with sequence-level
 //! importance sampling a sequence's rows share the gradient of its weight, so a row's gradient is
-//! not its own gradient times its upstream: [`PreparedLoss::upstream_gradients`]), and runs step
-//! 3, the same pass the eager calls run. The caller keeps the logits (or hidden states and
+//! not its own gradient times its upstream: [`PreparedLoss::upstream_gradients`]), adds those of
+//! upstreams on each row's `entropy` and `lse` outputs where given
+//! ([`PreparedLoss::output_gradients`]: `token_stats`), and runs step 3, the same pass the eager
+//! calls run. The caller keeps the logits (or hidden states and
 //! lm_head) alive and unchanged in between (PyTorch's saved-tensor version check enforces it).
 
 use std::sync::Mutex;

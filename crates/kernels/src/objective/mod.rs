@@ -75,14 +75,17 @@ impl RowGradient {
         Self { d: 0.0, ..*self }
     }
 
-    /// The sum of two gradients of one row (both finished with that row's `lse`; a zero one
-    /// carries none).
+    /// The sum of two gradients of one row (a zero one carries none).
+    ///
+    /// # Panics
+    /// If both are non-zero and were finished with different `lse` (not the same row's
+    /// statistics): their `p_j` would differ.
     pub fn plus(&self, other: &Self) -> Self {
         match (self.is_zero(), other.is_zero()) {
             (true, _) => *other,
             (_, true) => *self,
             _ => {
-                debug_assert_eq!(self.lse.to_bits(), other.lse.to_bits(), "gradients of one row share its lse");
+                assert_eq!(self.lse.to_bits(), other.lse.to_bits(), "gradients of one row share its lse");
                 Self { a: self.a + other.a, b: self.b + other.b, c: self.c + other.c, d: self.d + other.d, ..*self }
             }
         }

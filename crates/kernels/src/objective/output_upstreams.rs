@@ -56,6 +56,12 @@ impl OutputUpstreams<'_> {
     pub(crate) fn has_outputs(&self) -> bool {
         self.entropy.is_some() || self.lse.is_some()
     }
+
+    /// Row `i`'s upstreams of its `entropy` and `lse` (0 where absent).
+    pub(crate) fn outputs_at(&self, i: usize) -> (f64, f64) {
+        let at = |u: Option<&[f32]>| u.map_or(0.0, |u| u[i] as f64);
+        (at(self.entropy), at(self.lse))
+    }
 }
 
 /// Adds the gradient of the `entropy` and `lse` upstreams to each active row's gradient (rows
@@ -70,11 +76,11 @@ pub(crate) fn add_output_terms(
     if !upstreams.has_outputs() {
         return;
     }
-    let at = |u: Option<&[f32]>, i: usize| u.map_or(0.0, |u| u[i] as f64);
     grads.par_iter_mut().enumerate().with_min_len(ROWS_PER_TASK).filter(|(i, _)| active[*i]).for_each(|(i, g)| {
+        let (entropy, lse) = upstreams.outputs_at(i);
         let mut terms = GradTerms::default();
-        terms.entropy(at(upstreams.entropy, i), stats[i].entropy);
-        terms.lse(at(upstreams.lse, i));
+        terms.entropy(entropy, stats[i].entropy);
+        terms.lse(lse);
         *g = g.plus(&terms.finish(&stats[i], temperature));
     });
 }

@@ -117,10 +117,10 @@ pub fn evaluate_with_outputs(
         (Some(_), Some(d)) => d,
         _ => vec![RowDerivatives::default(); active.len()],
     };
-    let at = |u: Option<&[f32]>, i: usize| u.map_or(0.0, |u| u[i] as f64);
     for i in (0..d.len()).filter(|&i| active[i]) {
-        d[i].entropy += at(upstreams.entropy, i);
-        d[i].lse += at(upstreams.lse, i);
+        let (entropy, lse) = upstreams.outputs_at(i);
+        d[i].entropy += entropy;
+        d[i].lse += lse;
     }
     out.grad = Some(gradient_of(spec, logits, &active, &d));
     Ok(out)

@@ -3,8 +3,10 @@
 Every function reads the logits (or the hidden states and the lm_head) in place, from the
 tensor's own memory, and writes the gradient into a tensor PyTorch allocates (or over the logits,
 with ``in_place=True``). The kernels compute the gradient during the forward, in the same sweep
-over the vocabulary, so the backward only scales it by the upstream gradient: no ``[N, V]``
-temporary is built in either direction.
+over the vocabulary, so the backward only scales it by the upstream gradient; where a per-token
+upstream must reach each row's gradient before it is written (fused-linear per-token outputs,
+``token_stats``) the forward keeps four numbers per row and the backward streams the vocabulary
+once more. No ``[N, V]`` temporary is built in either direction.
 
 Options are docs/LOSSES.md's (``loss_type``, ``beta``, ``epsilon_low``, ``temperature``, ...),
 given as keyword arguments; an unknown name is a ``TypeError`` that names it.
@@ -16,7 +18,7 @@ Functions (logits ``[B, T, V]``; cross-entropy, entropy and log-probabilities al
 - ``cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, ...) -> Tensor``
 - ``entropy(logits, mask=None, *, temperature=1.0) -> Tensor`` (per token, differentiable)
 - ``logprob(logits, targets, *, temperature=1.0) -> Tensor`` (per token, differentiable)
-- ``token_stats(logits, targets, mask=None, *, temperature=1.0) -> TokenStats`` (per-token
+- ``token_stats(logits, targets, mask=None, *, temperature=1.0, softcap=None) -> TokenStats`` (per-token
   ``logp``, ``entropy``, ``lse``, all three differentiable)
 - ``fused_linear_grpo_loss``, ``fused_linear_cross_entropy``, ``fused_linear_entropy``,
   ``fused_linear_logprob``, ``fused_linear_token_stats``: the same from ``hidden [.., H]``,
@@ -301,9 +303,9 @@ class _DeferredTokenStats(torch.autograd.Function):
 
         if d_logp is None and d_entropy is None and d_lse is None:
             return (None,) * (5 + len(ctx.dtypes))
-        n = next(g for g in (d_logp, d_entropy, d_lse) if g is not None).numel()
-        row_scale = flat(d_logp) if d_logp is not None else torch.zeros(n, dtype=torch.float32)
-        grads = _write_deferred(ctx, 1.0, row_scale, flat(d_entropy), flat(d_lse))
+        # Without an upstream on `logp`, its gradient is scaled by 0 (not run again with zeros).
+        scale = 1.0 if d_logp is not None else 0.0
+        grads = _write_deferred(ctx, scale, flat(d_logp), flat(d_entropy), flat(d_lse))
         return (None, None, None, None, None, *grads)
 
 
@@ -1108,31 +1110,44 @@ def _per_token_temperature(hidden, input_ids, temperature):
     return (hidden.to(torch.float32) / per_token).to(hidden.dtype), 1.0
 
 
-def _check_scaled_ce_arguments(temperature, m_tiles_per_cluster, return_entropy, selected_token_ids, hidden, weight,
-                               target):
-    """Liger's checks of ``LigerFusedLinearScaledCrossEntropyFunction.apply``, with its exception
-    types (``TypeError`` for a wrong type, ``ValueError`` for a wrong value)."""
+def _check_scaled_ce_arguments(hidden, weight, target, temperature, m_tiles_per_cluster, return_entropy,
+                               selected_token_ids):
+    """Liger's checks of ``LigerFusedLinearScaledCrossEntropyFunction.apply``, in its order and with
+    its exception types (``TypeError`` for a wrong type, ``ValueError`` for a wrong value); a
+    target outside the vocabulary is the kernels' ``ValueError``, which names its row."""
+    if not isinstance(m_tiles_per_cluster, int) or isinstance(m_tiles_per_cluster, bool):
+        raise TypeError(f"`m_tiles_per_cluster` must be an int, got {type(m_tiles_per_cluster).__name__}")
+    if m_tiles_per_cluster < 1:
+        raise ValueError(f"`m_tiles_per_cluster` must be >= 1, got {m_tiles_per_cluster}")
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"`return_entropy` must be a bool, got {type(return_entropy).__name__}")
+    tensors = (hidden, weight, target)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or (hidden.dim(), weight.dim(), target.dim()) != (2, 2, 1):
+        raise ValueError("expected `_input` [M, H], `weight` [V, H] and `target` [M] tensors")
+    if hidden.shape[0] != target.shape[0] or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"`_input` {list(hidden.shape)}, `weight` {list(weight.shape)} and `target` "
+                         f"{list(target.shape)} have incompatible shapes")
+    if 0 in (hidden.shape[0], hidden.shape[1], weight.shape[0]):
+        raise ValueError(f"`_input` {list(hidden.shape)} and `weight` {list(weight.shape)}: the token, hidden and "
+                         f"vocabulary sizes must be non-empty")
+    if hidden.dtype != weight.dtype or not hidden.is_floating_point():
+        raise TypeError(f"`_input` ({hidden.dtype}) and `weight` ({weight.dtype}) must have the same floating-point "
+                        f"dtype")
+    if target.dtype != torch.int64:
+        raise TypeError(f"`target` must be an int64 tensor, got {target.dtype}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"`temperature` must be a real number, got {type(temperature).__name__}")
     if not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"`temperature` must be finite and > 0, got {temperature}")
-    if not isinstance(m_tiles_per_cluster, int) or isinstance(m_tiles_per_cluster, bool) or m_tiles_per_cluster < 1:
-        raise ValueError(f"`m_tiles_per_cluster` must be an int >= 1, got {m_tiles_per_cluster!r}")
-    if not isinstance(return_entropy, bool):
-        raise TypeError(f"`return_entropy` must be a bool, got {type(return_entropy).__name__}")
-    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor) or hidden.dim() != 2:
-        raise ValueError("expected `_input` [M, H] and `weight` [V, H] tensors")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"`_input` ({hidden.dtype}) and `weight` ({weight.dtype}) must have the same dtype")
-    if not isinstance(target, torch.Tensor) or target.dtype != torch.int64 or tuple(target.shape) != hidden.shape[:1]:
-        raise ValueError(f"`target` must be an int64 tensor of shape [{hidden.shape[0]}]")
     if selected_token_ids is None:
         return
     ids = selected_token_ids
-    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+    if not isinstance(ids, torch.Tensor):
         raise TypeError("`selected_token_ids` must be an int64 tensor")
     if ids.dim() != 1:
         raise ValueError(f"`selected_token_ids` must have shape [K], got {list(ids.shape)}")
+    if ids.dtype != torch.int64:
+        raise TypeError(f"`selected_token_ids` must be an int64 tensor, got {ids.dtype}")
     outside = (ids < 0) | (ids >= weight.shape[0])
     if bool(outside.any()):
         k = int(outside.nonzero()[0, 0])
@@ -1149,16 +1164,19 @@ def liger_fused_linear_scaled_cross_entropy(_input, weight, target, temperature=
     output 0 and get no gradient. Every output is differentiable: the NLL's and the entropy's
     gradients (and the selected tokens' normaliser's) are written in one backward stream of the
     vocabulary; the selected tokens' own logits, ``K`` columns, are a small product PyTorch
-    differentiates. ``m_tiles_per_cluster`` (a GPU tiling) is checked and ignored."""
-    _check_scaled_ce_arguments(temperature, m_tiles_per_cluster, return_entropy, selected_token_ids, _input, weight,
-                               target)
+    differentiates. ``m_tiles_per_cluster`` (a GPU tiling) is checked and ignored. float64 inputs,
+    which Liger's CPU fallback takes, are refused (``TypeError``): the kernels take f32, bf16, f16."""
+    _check_scaled_ce_arguments(_input, weight, target, temperature, m_tiles_per_cluster, return_entropy,
+                               selected_token_ids)
     valid = target != ignore_index
     stats = fused_linear_token_stats(_input, weight, target.masked_fill(~valid, 0), mask=valid,
                                      temperature=float(temperature))
-    outputs = (-stats.logp,)
+    outputs = (torch.where(valid, -stats.logp, 0.0),)  # +0.0 on ignored rows, as Liger's
     if return_entropy:
         outputs += (stats.entropy.to(_input.dtype),)
     if selected_token_ids is not None:
+        # The K columns in f32 from the inputs' values, as the kernels' `lse` is accumulated (a bf16
+        # `_input`'s f32 copy, [M, H], is kept by autograd until the backward).
         f32 = torch.float32
         selected_logits = _input.to(f32) @ weight.index_select(0, selected_token_ids).to(f32).t() / temperature
         outputs += (torch.where(valid[:, None], selected_logits - stats.lse[:, None], 0.0),)
