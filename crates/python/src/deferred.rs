@@ -147,19 +147,19 @@ impl DeferredGradient {
         self.inputs.batch * self.inputs.seq_len
     }
 
-    /// The row gradients times the upstream gradient: `scale`, and with `row_scale` (an f32
+    /// The row gradients times the upstream gradient: `up.scale`, and with `up.rows` (an f32
     /// buffer of `N`, the upstream of each row's loss) those of the loss with each row's weight
-    /// times `row_scale[i]`, from the kept statistics (without them, each row's gradient times
-    /// its upstream, which is the same for a row-local loss); plus, with `outputs` (f32 buffers of
-    /// `N`, the upstreams of each row's `entropy` and `lse` outputs), the gradients of those
-    /// ([`PreparedLoss::output_gradients`]). Rows without a gradient (masked) stay zero whatever
+    /// times `rows[i]`, from the kept statistics (without them, each row's gradient times its
+    /// upstream, which is the same for a row-local loss); plus, with `up.entropy` / `up.lse` (f32
+    /// buffers of `N`, the upstreams of each row's `entropy` and `lse` outputs), the gradients of
+    /// those ([`PreparedLoss::output_gradients`]). Rows without a gradient (masked) stay zero whatever
     /// their upstream (an infinite or NaN upstream on a masked row writes no NaN). What was kept
     /// is forgotten by [`written`](Self::written) only once the gradient is written, so a backward
     /// that fails on its inputs can be retried.
     ///
     /// # Safety
-    /// The module's contract for `row_scale` and `outputs`.
-    unsafe fn scaled_rows(&self, scale: f32, row_scale: usize, outputs: OutputScales) -> Result<Vec<RowGradient>> {
+    /// The module's contract for `up`'s buffers.
+    unsafe fn scaled_rows(&self, up: Upstreams) -> Result<Vec<RowGradient>> {
         let kept = self.kept.lock().map_err(|_| message("a previous backward panicked"))?;
         let kept = kept.as_ref().ok_or_else(|| {
             message(
@@ -168,7 +168,7 @@ impl DeferredGradient {
             )
         })?;
         let n = self.rows();
-        let per_row = unsafe { Address::new("row_scale", row_scale, n).slice::<f32>()? };
+        let per_row = unsafe { Address::new("upstream rows", up.rows, n).slice::<f32>()? };
         let spec = self.inputs.spec(self.vocab);
         let rows: Vec<RowGradient> = match (per_row, &kept.stats) {
             (Some(upstream), Some(stats)) => {
@@ -180,9 +180,9 @@ impl DeferredGradient {
             (Some(upstream), None) => kept.rows.iter().zip(upstream).map(|(g, &k)| g.times(k)).collect(),
             (None, _) => kept.rows.clone(),
         };
-        let rows = rows.iter().map(|g| g.times(scale));
-        let entropy = unsafe { Address::new("entropy_scale", outputs.entropy, n).slice::<f32>()? };
-        let lse = unsafe { Address::new("lse_scale", outputs.lse, n).slice::<f32>()? };
+        let rows = rows.iter().map(|g| g.times(up.scale));
+        let entropy = unsafe { Address::new("upstream entropy", up.entropy, n).slice::<f32>()? };
+        let lse = unsafe { Address::new("upstream lse", up.lse, n).slice::<f32>()? };
         if entropy.is_none() && lse.is_none() {
             return Ok(rows.collect());
         }
@@ -206,11 +206,11 @@ impl DeferredGradient {
     ///
     /// # Safety
     /// The module's contract.
-    unsafe fn logits_gradient(&self, logits: usize, scale: f32, row_scale: usize, outputs: OutputScales) -> Result<()> {
+    unsafe fn logits_gradient(&self, logits: usize, up: Upstreams) -> Result<()> {
         if !matches!(self.scores, Scores::Logits) {
             return Err(message("a fused-linear loss's gradient is written with `write_linear`"));
         }
-        let rows = unsafe { self.scaled_rows(scale, row_scale, outputs)? };
+        let rows = unsafe { self.scaled_rows(up)? };
         let logits = Address::new("logits", logits, self.rows() * self.vocab);
         let prepared = PreparedLoss::new(self.inputs.spec(self.vocab)).map_err(message)?;
         with_element!(self.dtype, T => {
@@ -227,14 +227,12 @@ impl DeferredGradient {
         &self,
         inputs: [usize; 3],
         grads: GradientAddresses,
-        scale: f32,
-        row_scale: usize,
-        outputs: OutputScales,
+        up: Upstreams,
     ) -> Result<()> {
         let Scores::Linear { hidden_size } = self.scores else {
             return Err(message("a logits-level loss's gradient is written with `write_logits`"));
         };
-        let rows = unsafe { self.scaled_rows(scale, row_scale, outputs)? };
+        let rows = unsafe { self.scaled_rows(up)? };
         let (n, v, h) = (self.rows(), self.vocab, hidden_size);
         let inputs = linear_addresses(LINEAR_INPUTS, inputs, n, v, h);
         let [gh, gw, gb] = linear_addresses(LINEAR_GRADIENTS, [grads.hidden, grads.weight, grads.bias], n, v, h);
@@ -254,39 +252,37 @@ impl DeferredGradient {
     }
 }
 
-/// The addresses (0: none) of the per-token upstreams of a loss's `entropy` and `lse` outputs.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct OutputScales {
-    entropy: usize,
-    lse: usize,
+/// The upstream gradients a backward hands over, as the dict `{"scale", "rows", "entropy",
+/// "lse"}`: of the loss, `scale` and, at the address `rows` (0: none), one per row; at `entropy`
+/// and `lse`, one per row of those outputs (f32 `[N]`; 0: none).
+#[derive(Debug, Clone, Copy, FromPyObject)]
+#[pyo3(from_item_all)]
+pub(crate) struct Upstreams {
+    pub scale: f32,
+    pub rows: usize,
+    pub entropy: usize,
+    pub lse: usize,
+}
+
+impl Upstreams {
+    /// The upstream of the loss alone: `scale`, and per row at `rows` when not 0.
+    pub(crate) fn of_loss(scale: f32, rows: usize) -> Self {
+        Self { scale, rows, entropy: 0, lse: 0 }
+    }
 }
 
 #[pymethods]
 impl DeferredGradient {
-    /// Writes the gradient of the loss times the upstream gradient (`scale`, and `row_scale[i]`
-    /// for row `i` when that address is not 0), plus those of the `entropy` and `lse` outputs
-    /// times `entropy_scale[i]` / `lse_scale[i]` (addresses of f32 `[N]`, when not 0), over the
-    /// logits.
-    #[pyo3(signature = (logits, scale = 1.0, row_scale = 0, entropy_scale = 0, lse_scale = 0))]
-    fn write_logits(
-        &self,
-        py: Python<'_>,
-        logits: usize,
-        scale: f32,
-        row_scale: usize,
-        entropy_scale: usize,
-        lse_scale: usize,
-    ) -> PyResult<()> {
-        let outputs = OutputScales { entropy: entropy_scale, lse: lse_scale };
+    /// Writes the gradient of the loss and its outputs times their upstream gradients
+    /// ([`Upstreams`]) over the logits.
+    fn write_logits(&self, py: Python<'_>, logits: usize, upstreams: Upstreams) -> PyResult<()> {
         // SAFETY: the module's contract, for the length of this call.
-        py.detach(|| unsafe { self.logits_gradient(logits, scale, row_scale, outputs) }).map_err(error)
+        py.detach(|| unsafe { self.logits_gradient(logits, upstreams) }).map_err(error)
     }
 
-    /// Writes the f32 gradients of a fused-linear loss times the upstream gradient (as
-    /// `write_logits`) into the buffers of `grads` (those not 0), reading `hidden`, `weight` and
-    /// `bias` again.
-    #[pyo3(signature = (hidden, weight, bias, grads, scale = 1.0, row_scale = 0, entropy_scale = 0, lse_scale = 0))]
-    #[allow(clippy::too_many_arguments)]
+    /// Writes the f32 gradients of a fused-linear loss and its outputs times their upstream
+    /// gradients ([`Upstreams`]) into the buffers of `grads` (those not 0), reading `hidden`,
+    /// `weight` and `bias` again.
     fn write_linear(
         &self,
         py: Python<'_>,
@@ -294,15 +290,10 @@ impl DeferredGradient {
         weight: usize,
         bias: usize,
         grads: GradientAddresses,
-        scale: f32,
-        row_scale: usize,
-        entropy_scale: usize,
-        lse_scale: usize,
+        upstreams: Upstreams,
     ) -> PyResult<()> {
-        let outputs = OutputScales { entropy: entropy_scale, lse: lse_scale };
         // SAFETY: the module's contract, for the length of this call.
-        py.detach(|| unsafe { self.linear_gradients([hidden, weight, bias], grads, scale, row_scale, outputs) })
-            .map_err(error)
+        py.detach(|| unsafe { self.linear_gradients([hidden, weight, bias], grads, upstreams) }).map_err(error)
     }
 }
 

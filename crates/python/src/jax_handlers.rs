@@ -25,7 +25,7 @@ use pyo3::types::{PyCapsule, PyDict};
 
 use crate::buffers::Result;
 use crate::call::{BudgetArgs, GradientAddresses, LinearCall, LogitsCall, RowAddresses};
-use crate::deferred::OutputScales;
+use crate::deferred::Upstreams;
 use crate::xla_ffi::{self, Buffer, Call, CallFrame, Error};
 
 fn dtype_name(buffer: &Buffer, what: &str) -> Result<&'static str> {
@@ -260,7 +260,7 @@ fn linear_rows_gradient(call: &Call<'_>) -> Result<()> {
     // SAFETY: XLA's buffers, live for the call; each gradient is a result of its own.
     unsafe {
         let deferred = run.deferred_from_rows(values)?;
-        deferred.linear_gradients(inputs, grads, 1.0, address(cotangent), OutputScales::default())
+        deferred.linear_gradients(inputs, grads, Upstreams::of_loss(1.0, address(cotangent)))
     }
 }
 

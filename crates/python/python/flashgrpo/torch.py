@@ -316,24 +316,24 @@ def _write_deferred(ctx, scale, row_scale, entropy_scale=None, lse_scale=None):
     pending = _take_once(ctx, "pending")
     ctx.saved_tensors  # noqa: B018 -- raises if an input was modified in place since the forward
     scores = _take_once(ctx, "scores")
-    outputs = dict(entropy_scale=_address(entropy_scale), lse_scale=_address(lse_scale))
+    upstreams = dict(scale=scale, rows=_address(row_scale), entropy=_address(entropy_scale), lse=_address(lse_scale))
     if len(scores) == 1:
         grad = scores[0] if ctx.in_place else scores[0].clone()
-        pending.write_logits(_address(grad), scale, _address(row_scale), **outputs)
+        pending.write_logits(_address(grad), upstreams)
         grads = [grad]
     else:
-        grads = _write_linear_gradients(pending, scores, ctx.wants, scale, row_scale, outputs)
+        grads = _write_linear_gradients(pending, scores, ctx.wants, upstreams)
     return [None if g is None or not want else _as_dtype(g, dtype)
             for g, want, dtype in zip(grads, ctx.wants, ctx.dtypes)]
 
 
-def _write_linear_gradients(pending, scores, wants, scale, row_scale, outputs):
+def _write_linear_gradients(pending, scores, wants, upstreams):
     h, w, b = scores
     f32 = torch.float32
     grads = (_gradient_tensor(h.shape, f32), _gradient_tensor(w.shape, f32) if wants[1] else None,
              torch.empty(b.shape, dtype=f32) if b is not None and wants[2] else None)
     addresses = dict(hidden=_address(grads[0]), weight=_address(grads[1]), bias=_address(grads[2]), accumulate=False)
-    pending.write_linear(_address(h), _address(w), _address(b), addresses, scale, _address(row_scale), **outputs)
+    pending.write_linear(_address(h), _address(w), _address(b), addresses, upstreams)
     return grads
 
 
