@@ -152,10 +152,10 @@ impl DeferredGradient {
     /// times `rows[i]`, from the kept statistics (without them, each row's gradient times its
     /// upstream, which is the same for a row-local loss); plus, with `up.entropy` / `up.lse` (f32
     /// buffers of `N`, the upstreams of each row's `entropy` and `lse` outputs), the gradients of
-    /// those ([`PreparedLoss::output_gradients`]). Rows without a gradient (masked) stay zero whatever
-    /// their upstream (an infinite or NaN upstream on a masked row writes no NaN). What was kept
-    /// is forgotten by [`written`](Self::written) only once the gradient is written, so a backward
-    /// that fails on its inputs can be retried.
+    /// those ([`PreparedLoss::output_gradients`]). Rows without a gradient (masked) stay zero
+    /// whatever their upstream (an infinite or NaN upstream on a masked row writes no NaN). What
+    /// was kept is forgotten by [`written`](Self::written) only once the gradient is written, so a
+    /// backward that fails on its inputs can be retried.
     ///
     /// # Safety
     /// The module's contract for `up`'s buffers.
