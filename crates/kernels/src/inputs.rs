@@ -105,6 +105,12 @@ impl Op {
         }
     }
 
+    /// Whether the op has a gradient output: every op but entropy, and entropy with
+    /// `options.entropy_gradient`. The one rule of every front end.
+    pub fn has_gradient(self, options: &LossOptions) -> bool {
+        self != Op::Entropy || options.entropy_gradient
+    }
+
     /// The [`Loss`] of this op; `policy` is read by `grpo` only, which requires it.
     pub fn loss<'a>(self, policy: Option<PolicyInputs<'a>>) -> Result<Loss<'a>, crate::LossError> {
         Ok(match self {
@@ -134,7 +140,7 @@ impl std::str::FromStr for Op {
 pub enum Loss<'a> {
     Grpo(PolicyInputs<'a>),
     CrossEntropy(CrossEntropyInputs<'a>),
-    /// No gradient; `loss` is the mean entropy over unmasked rows.
+    /// `loss` is the mean entropy over unmasked rows; no gradient unless `entropy_gradient`.
     Entropy,
     /// `loss = sum(mask * logp)`, whose gradient this op returns.
     Logprob,
@@ -154,10 +160,9 @@ impl Loss<'_> {
         }
     }
 
-    /// Whether the op has a gradient output: every op but entropy, and entropy with
-    /// `options.entropy_gradient`.
+    /// Whether the op has a gradient output ([`Op::has_gradient`]).
     pub fn has_gradient(&self, options: &LossOptions) -> bool {
-        !matches!(self, Loss::Entropy) || options.entropy_gradient
+        self.op().has_gradient(options)
     }
 
     /// Cross-entropy's class weights, when given.

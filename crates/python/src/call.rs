@@ -335,6 +335,14 @@ pub fn default_bf16_products(bf16_gradients: bool) -> &'static str {
     Bf16Choice::default_for(bf16_gradients).setting()
 }
 
+/// Whether `op` with `options` (JSON) has a gradient output ([`Op::has_gradient`]): the Python
+/// side asks rather than repeating the rule.
+#[pyfunction]
+pub fn has_gradient(op: &str, options: &str) -> PyResult<bool> {
+    let op: Op = op.parse().map_err(|e: flashgrpo_kernels::LossError| PyValueError::new_err(e.to_string()))?;
+    Ok(op.has_gradient(&parse_options(options).map_err(PyValueError::new_err)?))
+}
+
 /// [`LinearCall`] from Python, with the GIL released.
 #[pyfunction]
 #[pyo3(signature = (op, dtype, hidden, weight, bias, hidden_size, rows, options, grads, chunk_memory_mb, bf16_products="auto"))]

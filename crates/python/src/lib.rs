@@ -23,6 +23,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(call::loss_deferred, m)?)?;
     m.add_function(wrap_pyfunction!(call::linear_loss_deferred, m)?)?;
     m.add_function(wrap_pyfunction!(call::default_bf16_products, m)?)?;
+    m.add_function(wrap_pyfunction!(call::has_gradient, m)?)?;
     m.add_class::<deferred::DeferredGradient>()?;
     m.add_class::<result::LossResult>()?;
     m.add_class::<pool::GradientBuffer>()?;

@@ -256,10 +256,8 @@ class _DeferredGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, value, pending, scores, per_row, in_place, *inputs):
-        ctx.pending, ctx.scores, ctx.per_row, ctx.in_place = pending, scores, per_row, in_place
-        ctx.dtypes = [None if x is None else x.dtype for x in inputs]
-        ctx.wants = [x is not None and x.requires_grad for x in inputs]
-        ctx.save_for_backward(*[x for x in inputs if x is not None])
+        _keep_for_backward(ctx, pending, scores, in_place, inputs)
+        ctx.per_row = per_row
         return value.clone()
 
     @staticmethod
@@ -290,10 +288,7 @@ class _DeferredTokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pending, scores, logp, entropy, lse, *inputs):
         ctx.set_materialize_grads(False)
-        ctx.pending, ctx.scores, ctx.in_place = pending, scores, False
-        ctx.dtypes = [None if x is None else x.dtype for x in inputs]
-        ctx.wants = [x is not None and x.requires_grad for x in inputs]
-        ctx.save_for_backward(*[x for x in inputs if x is not None])
+        _keep_for_backward(ctx, pending, scores, False, inputs)
         return logp.clone(), entropy.clone(), lse.clone()
 
     @staticmethod
@@ -307,6 +302,16 @@ class _DeferredTokenStats(torch.autograd.Function):
         scale = 1.0 if d_logp is not None else 0.0
         grads = _write_deferred(ctx, scale, flat(d_logp), flat(d_entropy), flat(d_lse))
         return (None, None, None, None, None, *grads)
+
+
+def _keep_for_backward(ctx, pending, scores, in_place, inputs):
+    """What a deferred function's backward needs: the pending gradient, the tensors the kernels
+    read, each input's dtype and whether it wants a gradient; the inputs saved for PyTorch's
+    in-place modification check."""
+    ctx.pending, ctx.scores, ctx.in_place = pending, scores, in_place
+    ctx.dtypes = [None if x is None else x.dtype for x in inputs]
+    ctx.wants = [x is not None and x.requires_grad for x in inputs]
+    ctx.save_for_backward(*[x for x in inputs if x is not None])
 
 
 def _write_deferred(ctx, scale, row_scale, entropy_scale=None, lse_scale=None):
@@ -342,8 +347,9 @@ def _wants_gradient(*inputs):
 
 
 def _has_gradient(op, options):
-    """Every op has a gradient but entropy, which has one with ``entropy_gradient``."""
-    return op != "entropy" or bool(options.get("entropy_gradient"))
+    """Whether ``op`` with ``options`` has a gradient output: the kernels' one rule (every op but
+    entropy, which has one with ``entropy_gradient``)."""
+    return _native.has_gradient(op, options_json(options))
 
 
 def _entropy_options(temperature, softcap, *inputs):
