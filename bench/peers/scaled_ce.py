@@ -13,8 +13,11 @@ Prints one JSON line per arm: step times per round and their median (s). With `-
 arm alone, and its peak memory above the inputs and their gradients (`VmHWM` after the steps minus
 the resident size once the inputs exist, less a step's copy of the inputs and their gradients in
 the inputs' dtype, MiB): run each arm in a process of its own for that.
+With `--split`, instead: `fused_linear_token_stats`'s forward and backward timed apart (NLL and
+entropy back-propagated), beside `fused_linear_grpo_loss`'s eager step (three products) in the
+same process, per round after a first one discarded: what the step costs against its products.
 Usage: python bench/peers/scaled_ce.py [--n 1024] [--hidden 896] [--vocab 151936] [--dtype f32|bf16]
-[--rounds 3] [--only flashgrpo|flashgrpo-two-calls|liger]"""
+[--rounds 3] [--only flashgrpo|flashgrpo-two-calls|liger] [--split]"""
 
 import argparse
 import json
@@ -43,6 +46,27 @@ def step(arm, hidden, weight, target, d_nll, d_ent):
     return h.grad, w.grad
 
 
+def split(hidden, weight, target, d_nll, d_ent, rounds):
+    """Per round: the token statistics' forward and backward (s), and the GRPO step's."""
+    n, h = hidden.shape
+    out = dict(forward_s=[], backward_s=[], grpo_step_s=[])
+    for r in range(rounds + 1):
+        hh, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        t0 = time.perf_counter()
+        stats = ft.fused_linear_token_stats(hh, w, target)
+        t1 = time.perf_counter()
+        ((-stats.logp * d_nll).sum() + (stats.entropy * d_ent).sum()).backward()
+        t2 = time.perf_counter()
+        hh, w = hidden.clone().reshape(1, n, h).requires_grad_(True), weight.clone().requires_grad_(True)
+        t3 = time.perf_counter()
+        ft.fused_linear_grpo_loss(hh, w, target.reshape(1, n), torch.randn(1), beta=0.0).loss.backward()
+        t4 = time.perf_counter()
+        if r:  # the first round maps pages and pools buffers
+            for k, t in zip(out, (t1 - t0, t2 - t1, t4 - t3)):
+                out[k].append(round(t, 4))
+    return out
+
+
 def resident_mib(field):
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
@@ -58,6 +82,7 @@ def main():
     p.add_argument("--dtype", choices=DTYPES, default="f32")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", choices=["flashgrpo", "flashgrpo-two-calls", "liger"])
+    p.add_argument("--split", action="store_true")
     a = p.parse_args()
     torch.manual_seed(0)
     dtype = DTYPES[a.dtype]
@@ -65,6 +90,10 @@ def main():
     weight = (torch.randn(a.vocab, a.hidden) * (2.0 / a.hidden**0.5)).to(dtype)
     target = torch.randint(0, a.vocab, (a.n,))
     d_nll, d_ent = torch.randn(a.n), torch.randn(a.n)
+    if a.split:
+        print(json.dumps(dict(n=a.n, hidden=a.hidden, vocab=a.vocab, dtype=a.dtype,
+                              **split(hidden, weight, target, d_nll, d_ent, a.rounds))))
+        return
     if a.only == "liger":  # its import's own memory is not the step's
         import liger_kernel.ops.fused_linear_scaled_cross_entropy  # noqa: F401
     base = resident_mib("VmRSS")
