@@ -11,7 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::buffers::{Address, Result};
-use crate::deferred::{self, DeferredGradient};
+use crate::deferred::{self, DeferredGradient, Scores};
 use crate::result::LossResult;
 
 fn message(e: impl std::fmt::Display) -> String {
@@ -136,6 +136,18 @@ impl LogitsCall<'_> {
         let spec = unsafe { self.rows.spec(op, &options)? };
         let logits = Address::new("logits", self.logits, self.rows.rows() * self.rows.vocab);
         unsafe { deferred::logits_forward(spec, dtype, logits) }
+    }
+
+    /// The deferred gradient of this call from the unit row gradients its forward kept and their
+    /// upstreams ([`DeferredGradient::from_rows`]); nothing is streamed.
+    ///
+    /// # Safety
+    /// The module's contract for the per-row addresses (copied into the deferred gradient).
+    pub unsafe fn deferred_from_rows(self, values: &[f32], upstreams: &[&[f32]]) -> Result<DeferredGradient> {
+        let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
+        let options = parse_options(self.options)?;
+        let spec = unsafe { self.rows.spec(op, &options)? };
+        DeferredGradient::from_rows(&spec, ChunkBudget::default(), dtype, Scores::Logits, values, upstreams)
     }
 
     /// # Safety
@@ -301,17 +313,17 @@ impl LinearCall<'_> {
         with_element!(dtype, T => unsafe { linear_call::<T>(spec, self.inputs(), h, gradients, g.accumulate, budget) })
     }
 
-    /// The deferred gradient of this call from row gradients kept by its forward (`values`, as
-    /// [`DeferredGradient::row_values`] gives them); nothing is computed.
+    /// The deferred gradient of this call from the unit row gradients its forward kept and their
+    /// upstreams ([`DeferredGradient::from_rows`]); nothing is streamed.
     ///
     /// # Safety
     /// The module's contract for the per-row addresses (copied into the deferred gradient).
-    pub unsafe fn deferred_from_rows(self, values: &[f32]) -> Result<DeferredGradient> {
+    pub unsafe fn deferred_from_rows(self, values: &[f32], upstreams: &[&[f32]]) -> Result<DeferredGradient> {
         let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
         let options = parse_options(self.options)?;
         let spec = unsafe { self.rows.spec(op, &options)? };
-        let budget = self.budget.budget()?;
-        DeferredGradient::linear_from_rows(&spec, budget, dtype, self.hidden_size, values)
+        let scores = Scores::Linear { hidden_size: self.hidden_size };
+        DeferredGradient::from_rows(&spec, self.budget.budget()?, dtype, scores, values, upstreams)
     }
 
     /// Steps 1 and 2 only; the gradients (`grads` unused) left for the backward.

@@ -36,8 +36,40 @@ pub enum Scores {
     Linear { hidden_size: usize },
 }
 
-/// f32 values per row in [`DeferredGradient::row_values`].
+/// f32 values per row and output in [`DeferredGradient::unit_row_values`].
 pub const ROW_VALUES: usize = 5;
+
+/// The per-token outputs whose unit row gradients a JAX forward keeps for its backward (the
+/// custom calls' `outputs` attribute): the loss's per-token term (a row-local one: cross-entropy
+/// with `reduction="none"`, log-probabilities), or the token statistics `logp`, `entropy` and
+/// `lse` (`token_stats`), each back-propagated with its own upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeptRows {
+    Loss,
+    TokenStats,
+}
+
+impl KeptRows {
+    /// The kept outputs, in the order of their unit gradients and upstreams.
+    pub fn outputs(self) -> &'static [&'static str] {
+        match self {
+            Self::Loss => &["loss"],
+            Self::TokenStats => &["logp", "entropy", "lse"],
+        }
+    }
+}
+
+impl std::str::FromStr for KeptRows {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "loss" => Ok(Self::Loss),
+            "token_stats" => Ok(Self::TokenStats),
+            other => Err(format!("kept outputs `{other}`: expected `loss` or `token_stats`")),
+        }
+    }
+}
 
 /// The row gradients of one loss, waiting for the backward.
 #[pyclass(frozen, module = "flashgrpo._native")]
@@ -55,7 +87,7 @@ struct Kept {
     /// The row gradients of the loss.
     rows: Vec<RowGradient>,
     /// The rows' statistics over the whole vocabulary, for a per-token upstream gradient (`None`
-    /// from [`DeferredGradient::linear_from_rows`]: the rows are then scaled).
+    /// from [`DeferredGradient::from_rows`], whose rows hold their upstreams already).
     stats: Option<Vec<PartialRowStats>>,
 }
 
@@ -117,30 +149,54 @@ impl DeferredGradient {
         }
     }
 
-    /// A fused-linear loss's deferred gradient from row gradients a caller kept (a JAX forward's
-    /// residual, [`Self::row_values`]), so that the backward streams the vocabulary once, not
-    /// twice.
-    pub(crate) fn linear_from_rows(
+    /// A deferred gradient from the unit row gradients a caller kept ([`Self::unit_row_values`]:
+    /// a JAX forward's residual) and the upstream of each kept output (`upstreams`, one per row
+    /// each, in [`KeptRows::outputs`] order), so that the backward streams the vocabulary once,
+    /// not twice. Each row's gradient is `sum_k upstream_k[i] * unit_k[i]`: every kept output's
+    /// gradient is linear in its upstream (a row-local loss term, the entropy, the `lse`).
+    pub(crate) fn from_rows(
         spec: &LossSpec<'_>,
         budget: ChunkBudget,
         dtype: DType,
-        hidden_size: usize,
+        scores: Scores,
         values: &[f32],
+        upstreams: &[&[f32]],
     ) -> Result<Self> {
-        if values.len() != ROW_VALUES * spec.rows.len() {
-            return Err(format!("{} row-gradient values for {} rows", values.len(), spec.rows.len()));
+        let (n, outputs) = (spec.rows.len(), upstreams.len());
+        if values.len() != ROW_VALUES * outputs * n {
+            return Err(format!("{} row-gradient values for {n} rows and {outputs} outputs", values.len()));
         }
-        let rows =
-            values.chunks_exact(ROW_VALUES).map(|v| RowGradient { lse: v[0], a: v[1], b: v[2], c: v[3], d: v[4] });
+        if let Some(u) = upstreams.iter().find(|u| u.len() != n) {
+            return Err(format!("an upstream of {} values for {n} rows", u.len()));
+        }
+        let unit = |v: &[f32]| RowGradient { lse: v[0], a: v[1], b: v[2], c: v[3], d: v[4] };
+        let rows = values.chunks_exact(ROW_VALUES * outputs).enumerate().map(|(i, row)| {
+            let terms = row.chunks_exact(ROW_VALUES).zip(upstreams).map(|(v, u)| unit(v).times(u[i]));
+            terms.fold(RowGradient::ZERO, |sum, g| sum.plus(&g))
+        });
         let kept = Kept { rows: rows.collect(), stats: None };
-        Ok(Self::new(spec, budget, dtype, Scores::Linear { hidden_size }, kept))
+        Ok(Self::new(spec, budget, dtype, scores, kept))
     }
 
-    /// The kept row gradients as `ROW_VALUES` f32 each (`lse, a, b, c, d`).
-    pub(crate) fn row_values(&self) -> Result<Vec<f32>> {
+    /// The row gradients of each of `outputs` at a unit upstream, `ROW_VALUES` f32 each (`lse, a,
+    /// b, c, d`), row by row, the outputs in [`KeptRows::outputs`] order: what a JAX forward keeps
+    /// for its backward ([`Self::from_rows`]).
+    pub(crate) fn unit_row_values(&self, outputs: KeptRows) -> Result<Vec<f32>> {
         let kept = self.kept.lock().map_err(|_| message("a previous backward panicked"))?;
         let kept = kept.as_ref().ok_or_else(|| message("the row gradients were already used"))?;
-        Ok(kept.rows.iter().flat_map(|g| [g.lse, g.a, g.b, g.c, g.d]).collect())
+        let values = |g: &RowGradient| [g.lse, g.a, g.b, g.c, g.d];
+        let KeptRows::TokenStats = outputs else {
+            return Ok(kept.rows.iter().flat_map(values).collect());
+        };
+        let stats = kept.stats.as_ref().ok_or_else(|| message("the forward's statistics were not kept"))?;
+        let ones = vec![1.0f32; self.rows()];
+        let prepared = PreparedLoss::new(self.inputs.spec(self.vocab)).map_err(message)?;
+        let unit = |up: OutputUpstreams| prepared.output_gradients(stats, &up).map_err(message);
+        let logp = unit(OutputUpstreams { loss: Some(&ones), ..OutputUpstreams::default() })?;
+        let entropy = unit(OutputUpstreams { entropy: Some(&ones), ..OutputUpstreams::default() })?;
+        let lse = unit(OutputUpstreams { lse: Some(&ones), ..OutputUpstreams::default() })?;
+        let rows = logp.iter().zip(&entropy).zip(&lse);
+        Ok(rows.flat_map(|((p, h), l)| [values(p), values(h), values(l)]).flatten().collect())
     }
 
     fn rows(&self) -> usize {
@@ -149,8 +205,7 @@ impl DeferredGradient {
 
     /// The row gradients times the upstream gradient: `up.scale`, and with `up.rows` (an f32
     /// buffer of `N`, the upstream of each row's loss) those of the loss with each row's weight
-    /// times `rows[i]`, from the kept statistics (without them, each row's gradient times its
-    /// upstream, which is the same for a row-local loss); plus, with `up.entropy` / `up.lse` (f32
+    /// times `rows[i]`, from the kept statistics; plus, with `up.entropy` / `up.lse` (f32
     /// buffers of `N`, the upstreams of each row's `entropy` and `lse` outputs), the gradients of
     /// those ([`PreparedLoss::output_gradients`]). Rows without a gradient (masked) stay zero
     /// whatever their upstream (an infinite or NaN upstream on a masked row writes no NaN). What
@@ -175,9 +230,10 @@ impl DeferredGradient {
                 let prepared = PreparedLoss::new(spec).map_err(message)?;
                 prepared.upstream_gradients(stats, upstream).map_err(message)?
             }
-            // From rows alone (JAX's residual): its per-token fused-linear outputs (cross-entropy,
-            // log-probabilities) are row-local, where this is the same.
-            (Some(upstream), None) => kept.rows.iter().zip(upstream).map(|(g, &k)| g.times(k)).collect(),
+            // From rows alone ([`Self::from_rows`]), whose upstreams are folded in already.
+            (Some(_), None) => {
+                return Err(message("a per-row upstream needs the forward's statistics (not kept here)"))
+            }
             (None, _) => kept.rows.clone(),
         };
         let rows = rows.iter().map(|g| g.times(up.scale));
@@ -201,21 +257,27 @@ impl DeferredGradient {
         }
     }
 
-    /// Writes the gradient over the logits (the one use: Liger's `inplace`, whose logits keep their
-    /// values until the backward).
+    /// Writes the gradient of the logits into `out` (same dtype and shape; 0: over the logits,
+    /// Liger's `inplace`, whose logits keep their values until the backward).
     ///
     /// # Safety
-    /// The module's contract.
-    unsafe fn logits_gradient(&self, logits: usize, up: Upstreams) -> Result<()> {
+    /// The module's contract; `out` does not overlap the logits.
+    pub(crate) unsafe fn logits_gradient(&self, logits: usize, out: usize, up: Upstreams) -> Result<()> {
         if !matches!(self.scores, Scores::Logits) {
             return Err(message("a fused-linear loss's gradient is written with `write_linear`"));
         }
         let rows = unsafe { self.scaled_rows(up)? };
-        let logits = Address::new("logits", logits, self.rows() * self.vocab);
+        let len = self.rows() * self.vocab;
+        let (logits, out) = (Address::new("logits", logits, len), Address::new("grad", out, len));
         let prepared = PreparedLoss::new(self.inputs.spec(self.vocab)).map_err(message)?;
         with_element!(self.dtype, T => {
-            let logits = unsafe { logits.slice_mut::<T>()? }.ok_or_else(|| message("`logits` is required"))?;
-            prepared.gradient(GradientTarget::InPlace(logits), 0..self.vocab, &rows).map_err(message)
+            let target = match unsafe { out.slice_mut::<T>()? } {
+                Some(out) => GradientTarget::Into { logits: unsafe { logits.required()? }, out },
+                None => GradientTarget::InPlace(
+                    unsafe { logits.slice_mut::<T>()? }.ok_or_else(|| message("`logits` is required"))?,
+                ),
+            };
+            prepared.gradient(target, 0..self.vocab, &rows).map_err(message)
         })?;
         self.written();
         Ok(())
@@ -277,7 +339,7 @@ impl DeferredGradient {
     /// ([`Upstreams`]) over the logits.
     fn write_logits(&self, py: Python<'_>, logits: usize, upstreams: Upstreams) -> PyResult<()> {
         // SAFETY: the module's contract, for the length of this call.
-        py.detach(|| unsafe { self.logits_gradient(logits, upstreams) }).map_err(error)
+        py.detach(|| unsafe { self.logits_gradient(logits, 0, upstreams) }).map_err(error)
     }
 
     /// Writes the f32 gradients of a fused-linear loss and its outputs times their upstream

@@ -12,10 +12,12 @@
 //! computes none), then, in the `_grad` variants, the gradient: of the logits (their dtype and
 //! shape), or of hidden, weight and bias (float32). A logits gradient aliased to the logits
 //! (`input_output_aliases`) is written over them.
-//! A fused-linear per-token output under `jax.grad`: `flashgrpo_linear_rows` (the forward) also
-//! returns each row's gradient scalars (`[B*T * 5]`), and `flashgrpo_linear_rows_grad` (the
-//! backward) takes them and the cotangent after the per-row inputs and returns only the three
-//! gradients.
+//! Per-token outputs under `jax.grad` whose gradient waits for the backward (attribute `outputs`:
+//! `loss`, a fused-linear loss's per-token term; `token_stats`, `logp`, `entropy` and `lse`):
+//! `flashgrpo_rows` / `flashgrpo_linear_rows` (the forwards) also return each row's `lse` and the
+//! unit gradient scalars of every kept output (`[B*T * 5 * outputs]`), and `flashgrpo_rows_grad` /
+//! `flashgrpo_linear_rows_grad` (the backwards) take them and one cotangent per kept output after
+//! the per-row inputs and return only the gradients (of the logits; of hidden, weight and bias).
 
 use std::ffi::c_void;
 
@@ -25,7 +27,7 @@ use pyo3::types::{PyCapsule, PyDict};
 
 use crate::buffers::Result;
 use crate::call::{BudgetArgs, GradientAddresses, LinearCall, LogitsCall, RowAddresses};
-use crate::deferred::Upstreams;
+use crate::deferred::{DeferredGradient, KeptRows, Upstreams, ROW_VALUES};
 use crate::xla_ffi::{self, Buffer, Call, CallFrame, Error};
 
 fn dtype_name(buffer: &Buffer, what: &str) -> Result<&'static str> {
@@ -216,51 +218,128 @@ fn linear_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
     write_outputs(call, &output, rows)
 }
 
-/// The forward of a fused-linear per-token output under `jax.grad`: the outputs (results 0..=5)
-/// and each row's gradient scalars (result 6, float32 `[B*T * 5]`), the residual its backward
-/// scales by the cotangent.
+/// An f32 buffer of `len` elements as a slice (`what` names it in the error).
+fn f32_slice<'b>(buffer: &'b Buffer, what: &str, len: usize) -> Result<&'b [f32]> {
+    if buffer.dtype != xla_ffi::DTYPE_F32 || buffer.len() != len {
+        return Err(format!(
+            "{what} must be float32 [{len}], got XLA dtype {} and {} elements",
+            buffer.dtype,
+            buffer.len()
+        ));
+    }
+    // SAFETY: XLA's float32 buffer of `len` elements, live for the call.
+    Ok(unsafe { std::slice::from_raw_parts(buffer.data as *const f32, len) })
+}
+
+/// Copies `values` into the float32 result `index`.
+fn write_result(call: &Call<'_>, index: usize, values: &[f32]) -> Result<()> {
+    let ret = call.ret(index)?;
+    if ret.dtype != xla_ffi::DTYPE_F32 || ret.len() != values.len() {
+        return Err(format!("result {index} must be float32 [{}], got {} elements", values.len(), ret.len()));
+    }
+    // SAFETY: XLA's float32 result of `values.len()` elements.
+    unsafe { std::slice::from_raw_parts_mut(ret.data as *mut f32, values.len()) }.copy_from_slice(values);
+    Ok(())
+}
+
+/// The per-token outputs whose gradients a rows call keeps (its `outputs` attribute).
+fn kept_outputs(call: &Call<'_>) -> Result<KeptRows> {
+    call.string_attr("outputs")?.parse()
+}
+
+/// The results of a rows forward (`flashgrpo_rows`, `flashgrpo_linear_rows`): the outputs
+/// (0..=5), each row's `lse` (6) and the unit row gradients of the kept outputs (7, float32
+/// `[B*T * 5 * outputs]`), the residual its backward folds the upstreams into.
+fn write_kept_rows(call: &Call<'_>, output: &LossOutput, deferred: &DeferredGradient, rows: usize) -> Result<()> {
+    write_outputs(call, output, rows)?;
+    write_result(call, 6, &output.lse)?;
+    write_result(call, 7, &deferred.unit_row_values(kept_outputs(call)?)?)
+}
+
+/// A rows backward's arguments from `first` on: the forward's unit row gradients, then the
+/// upstream (the cotangent, float32 `[B*T]`) of each kept output.
+fn kept_rows<'c>(call: &'c Call<'_>, first: usize, rows: usize) -> Result<(&'c [f32], Vec<&'c [f32]>)> {
+    let outputs = kept_outputs(call)?.outputs();
+    let values = f32_slice(call.arg(first)?, "the row gradients", ROW_VALUES * outputs.len() * rows)?;
+    let upstream = |(i, name)| f32_slice(call.arg(first + 1 + i)?, &format!("the cotangent of `{name}`"), rows);
+    Ok((values, outputs.iter().enumerate().map(upstream).collect::<Result<_>>()?))
+}
+
+/// The forward of per-token outputs of a loss over logits under `jax.grad` (`token_stats`):
+/// results as [`write_kept_rows`].
+fn logits_rows(call: &Call<'_>) -> Result<()> {
+    let logits = call.arg(0)?;
+    let shape = rows_of(logits, "logits")?;
+    let mut widened = Vec::new();
+    let rows = per_row_inputs(call, 1, shape, &mut widened)?;
+    let run = LogitsCall {
+        op: call.string_attr("op")?,
+        dtype: dtype_name(logits, "logits")?,
+        options: call.string_attr("options")?,
+        rows,
+        logits: address(logits),
+        grad: 0,
+        in_place: false,
+    };
+    // SAFETY: XLA's buffers, live for the call.
+    let (output, deferred) = unsafe { run.run_deferred() }?;
+    write_kept_rows(call, &output, &deferred, shape.0 * shape.1)
+}
+
+/// The gradient of `sum_k sum_i g_k[i] * out_k[i]` over the kept outputs `out_k` of
+/// [`logits_rows`], into result 0 (the logits' dtype and shape): argument 9 holds the forward's
+/// unit row gradients, arguments 10.. the cotangents `g_k`; one stream over the logits.
+fn logits_rows_gradient(call: &Call<'_>) -> Result<()> {
+    let (logits, grad) = (call.arg(0)?, call.ret(0)?);
+    let shape = rows_of(logits, "logits")?;
+    let n = shape.0 * shape.1;
+    let mut widened = Vec::new();
+    let rows = per_row_inputs(call, 1, shape, &mut widened)?;
+    if grad.len() != logits.len() || grad.dtype != logits.dtype {
+        return Err(format!("result 0 must be the logits' dtype and shape, got {} elements", grad.len()));
+    }
+    flashgrpo_kernels::huge_pages::advise(grad.data as usize, grad.len() * grad_element_size(grad)?);
+    let (values, upstreams) = kept_rows(call, 9, n)?;
+    let run = LogitsCall {
+        op: call.string_attr("op")?,
+        dtype: dtype_name(logits, "logits")?,
+        options: call.string_attr("options")?,
+        rows,
+        logits: address(logits),
+        grad: 0,
+        in_place: false,
+    };
+    // SAFETY: XLA's buffers, live for the call; the gradient is a result of its own.
+    unsafe {
+        let deferred = run.deferred_from_rows(values, &upstreams)?;
+        deferred.logits_gradient(address(logits), address(grad), Upstreams::of_loss(1.0, 0))
+    }
+}
+
+/// The forward of per-token outputs of a fused-linear loss under `jax.grad` (a per-token loss,
+/// log-probabilities, `token_stats`): results as [`write_kept_rows`].
 fn linear_rows(call: &Call<'_>) -> Result<()> {
     let mut widened = Vec::new();
     let run = linear_call(call, None, &mut widened)?;
     let rows = run.rows.batch * run.rows.seq_len;
     // SAFETY: XLA's buffers, live for the call.
     let (output, deferred) = unsafe { run.run_deferred() }?;
-    write_outputs(call, &output, rows)?;
-    let values = deferred.row_values()?;
-    let kept = call.ret(6)?;
-    if kept.dtype != xla_ffi::DTYPE_F32 || kept.len() != values.len() {
-        return Err(format!("result 6 must be float32 [{}], got {} elements", values.len(), kept.len()));
-    }
-    // SAFETY: XLA's float32 result of `values.len()` elements.
-    unsafe { std::slice::from_raw_parts_mut(kept.data as *mut f32, values.len()) }.copy_from_slice(&values);
-    Ok(())
+    write_kept_rows(call, &output, &deferred, rows)
 }
 
-/// The gradients of `sum_i g_i * out_i` for a per-token output `out` of a fused-linear loss, into
-/// results 0..3: argument 11 holds the forward's row gradients ([`linear_rows`]), argument 12 the
-/// float32 cotangent `g [B*T]`; each row's scalars are scaled by its `g_i` before the products
+/// The gradients of `sum_k sum_i g_k[i] * out_k[i]` over the kept outputs `out_k` of
+/// [`linear_rows`], into results 0..3: argument 11 holds the forward's unit row gradients,
+/// arguments 12.. the cotangents `g_k`; folded into each row's scalars before the products
 /// (`d hidden` and `d weight` mix the rows), one more stream over the vocabulary.
 fn linear_rows_gradient(call: &Call<'_>) -> Result<()> {
     let mut widened = Vec::new();
     let run = linear_call(call, Some(0), &mut widened)?;
-    let rows = run.rows.batch * run.rows.seq_len;
-    let (kept, cotangent) = (call.arg(11)?, call.arg(12)?);
-    for (buffer, what, len) in [(kept, "the row gradients", 5 * rows), (cotangent, "the cotangent", rows)] {
-        if buffer.dtype != xla_ffi::DTYPE_F32 || buffer.len() != len {
-            return Err(format!(
-                "{what} must be float32 [{len}], got XLA dtype {} and {} elements",
-                buffer.dtype,
-                buffer.len()
-            ));
-        }
-    }
-    // SAFETY: XLA's float32 argument of `5 * rows` elements.
-    let values = unsafe { std::slice::from_raw_parts(kept.data as *const f32, kept.len()) };
+    let (values, upstreams) = kept_rows(call, 11, run.rows.batch * run.rows.seq_len)?;
     let (inputs, grads) = ([run.hidden, run.weight, run.bias], run.grads);
     // SAFETY: XLA's buffers, live for the call; each gradient is a result of its own.
     unsafe {
-        let deferred = run.deferred_from_rows(values)?;
-        deferred.linear_gradients(inputs, grads, Upstreams::of_loss(1.0, address(cotangent)))
+        let deferred = run.deferred_from_rows(values, &upstreams)?;
+        deferred.linear_gradients(inputs, grads, Upstreams::of_loss(1.0, 0))
     }
 }
 
@@ -280,6 +359,14 @@ unsafe extern "C" fn flashgrpo_linear_loss_grad(frame: *mut CallFrame) -> *mut E
     unsafe { xla_ffi::handle(frame, |call| linear_loss(call, true)) }
 }
 
+unsafe extern "C" fn flashgrpo_rows(frame: *mut CallFrame) -> *mut Error {
+    unsafe { xla_ffi::handle(frame, logits_rows) }
+}
+
+unsafe extern "C" fn flashgrpo_rows_grad(frame: *mut CallFrame) -> *mut Error {
+    unsafe { xla_ffi::handle(frame, logits_rows_gradient) }
+}
+
 unsafe extern "C" fn flashgrpo_linear_rows(frame: *mut CallFrame) -> *mut Error {
     unsafe { xla_ffi::handle(frame, linear_rows) }
 }
@@ -294,9 +381,11 @@ type Handler = unsafe extern "C" fn(*mut CallFrame) -> *mut Error;
 /// `jax.ffi.register_ffi_target` takes.
 #[pyfunction]
 pub fn ffi_handlers(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let handlers: [(&str, Handler); 6] = [
+    let handlers: [(&str, Handler); 8] = [
         ("flashgrpo_loss", flashgrpo_loss),
         ("flashgrpo_loss_grad", flashgrpo_loss_grad),
+        ("flashgrpo_rows", flashgrpo_rows),
+        ("flashgrpo_rows_grad", flashgrpo_rows_grad),
         ("flashgrpo_linear_loss", flashgrpo_linear_loss),
         ("flashgrpo_linear_loss_grad", flashgrpo_linear_loss_grad),
         ("flashgrpo_linear_rows", flashgrpo_linear_rows),

@@ -9,6 +9,8 @@
 //! - `test_arrays.py`: `flashgrpo.arrays` on NumPy and JAX arrays against the same references;
 //! - `test_jax.py`: `flashgrpo.jax` (XLA FFI custom calls) under `jit`, `grad` and `vmap` against
 //!   plain JAX reference code, and the original's gradcheck at its shape;
+//! - `test_jax_token_stats.py`: `flashgrpo.jax`'s token statistics, each back-propagated with its
+//!   own cotangent, against float64 PyTorch autograd;
 //! - `test_trl.py`: TRL's `GRPOTrainer` with our loss (`examples/trl_grpo.py`) against TRL's own,
 //!   two training steps;
 //! - `test_no_copy.py`: the logits are read and the gradient written in place (peak memory).
@@ -68,6 +70,11 @@ fn numpy_and_jax_arrays_match_references() {
 #[test]
 fn jax_custom_calls_match_plain_jax_under_jit_grad_and_vmap() {
     run_script("test_jax.py");
+}
+
+#[test]
+fn jax_token_stats_match_float64_autograd() {
+    run_script("test_jax_token_stats.py");
 }
 
 #[test]

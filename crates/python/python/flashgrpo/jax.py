@@ -11,16 +11,19 @@ Functions (logits ``[B, T, V]``; cross-entropy, entropy and log-probabilities al
 - ``cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, ...)``;
 - ``entropy(logits, mask=None, *, temperature=1.0)``: per token, no gradient;
 - ``logprob(logits, targets, *, temperature=1.0)``: per token, differentiable;
+- ``token_stats(logits, targets, mask=None, *, temperature=1.0, softcap=None)``: ``TokenStats``
+  (``logp``, ``entropy``, ``lse`` per token), all three differentiable, one stream each way;
 - ``fused_linear_grpo_loss``, ``fused_linear_cross_entropy``, ``fused_linear_logprob`` (from
   ``hidden``, ``weight [V, H]`` and ``bias``; gradients to all three; a per-token output's
-  gradient is written in the backward, where each token's cotangent is known) and
-  ``fused_linear_entropy`` (values only).
+  gradient is written in the backward, where each token's cotangent is known),
+  ``fused_linear_token_stats`` and ``fused_linear_entropy`` (values only).
 
 ``vmap`` runs the custom call once per mapped element (each element its own loss).
 Options are docs/LOSSES.md's, as keyword arguments.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +36,19 @@ __all__ = [
     "cross_entropy",
     "entropy",
     "logprob",
+    "TokenStats",
+    "token_stats",
     "fused_linear_grpo_loss",
     "fused_linear_cross_entropy",
     "fused_linear_entropy",
     "fused_linear_logprob",
+    "fused_linear_token_stats",
 ]
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+#: The per-token outputs of ``token_stats``, in order.
+TOKEN_STATS = ("logp", "entropy", "lse")
 
 # The inputs after the scores (targets, mask, advantages, old_logp, ref_logp, is_ratio,
 # sampling_logp, class_weights): they get no cotangent.
@@ -164,6 +173,63 @@ def _logits_loss_bwd(op, value, opts, in_place, grad, cotangents):
 _logits_loss.defvjp(_logits_loss_fwd, _logits_loss_bwd)
 
 
+# Per-token outputs each back-propagated with its own cotangent, whose gradient waits for the
+# backward (``token_stats``; a fused-linear loss's per-token term): the forward's custom call keeps
+# each row's unit gradient scalars of every such output, the backward's folds the cotangents into
+# them and streams the vocabulary once.
+
+
+def _kept(values):
+    """The custom calls' ``outputs`` attribute for the per-token ``values`` returned: the token
+    statistics, or one per-token term of the loss."""
+    return "token_stats" if values == TOKEN_STATS else "loss"
+
+
+def _rows_results(scores, values):
+    """The results of a rows forward over ``scores`` (logits or hidden states): the loss, the five
+    per-token outputs, each row's ``lse``, and the unit row gradients (5 per row and value)."""
+    rows = scores.size // scores.shape[-1]
+    f32 = jnp.float32
+    return ([jax.ShapeDtypeStruct((), f32)] + [jax.ShapeDtypeStruct((rows,), f32)] * 6
+            + [jax.ShapeDtypeStruct((rows * 5 * len(values),), f32)])
+
+
+def _picked(results, values):
+    """The per-token ``values`` of a rows forward's results, and its unit row gradients."""
+    named = dict(zip(PER_TOKEN + ("lse",), results[1:7]))
+    return tuple(named[v] for v in values), results[7]
+
+
+def _flat(cotangents):
+    return [c.astype(jnp.float32).reshape(-1) for c in cotangents]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _logits_rows(op, values, opts, logits, *side):
+    """The per-token outputs ``values`` of a loss over logits, each differentiable with its own
+    cotangent; the backward writes the logits' gradient (their dtype) in one stream."""
+    return _logits_rows_fwd(op, values, opts, logits, *side)[0]
+
+
+def _logits_rows_fwd(op, values, opts, logits, *side):
+    _register()
+    results = jax.ffi.ffi_call("flashgrpo_rows", _rows_results(logits, values), vmap_method="sequential")(
+        logits, *side, op=op, options=opts, outputs=_kept(values))
+    out, kept = _picked(results, values)
+    return out, (logits, side, kept)
+
+
+def _logits_rows_bwd(op, values, opts, residual, cotangents):
+    logits, side, kept = residual
+    grad = jax.ffi.ffi_call("flashgrpo_rows_grad", jax.ShapeDtypeStruct(logits.shape, logits.dtype),
+                            vmap_method="sequential")(
+        logits, *side, kept, *_flat(cotangents), op=op, options=opts, outputs=_kept(values))
+    return (grad,) + _NO_COTANGENTS
+
+
+_logits_rows.defvjp(_logits_rows_fwd, _logits_rows_bwd)
+
+
 def _run_logits(op, value, logits, options, in_place=False, **row_inputs):
     logits = _float_input("logits", logits)
     batch, seq_len = _rows("logits", logits, "V")
@@ -226,6 +292,38 @@ def logprob(logits, targets, *, temperature=1.0, softcap=None, in_place=False):
     return out.reshape(jnp.shape(targets))
 
 
+class TokenStats(NamedTuple):
+    """Each token's ``log p(target)``, entropy and ``lse = logsumexp(logits / temperature)``
+    (float32, the shape of ``targets``; 0 on masked rows), each differentiable."""
+
+    logp: jax.Array
+    entropy: jax.Array
+    lse: jax.Array
+
+
+def _empty_stats(shape, scores):
+    """``TokenStats`` over no rows, with JAX's zero gradient for the empty ``scores``."""
+    zero = jnp.zeros(shape, jnp.float32) + jnp.sum(scores, dtype=jnp.float32) * 0.0
+    return TokenStats(zero, zero, zero)
+
+
+def token_stats(logits, targets, mask=None, *, temperature=1.0, softcap=None):
+    """Each token's ``log p(target)``, entropy and ``lse`` under ``softmax(logits / temperature)``
+    (of ``c tanh(logits / c)`` with ``softcap=c``) as ``TokenStats``, all three differentiable
+    (verl's actor back-propagates log-probabilities and an entropy bonus): the forward keeps each
+    row's gradient scalars of the three, the backward folds the three cotangents into them and
+    writes the logits' gradient (their dtype) in one stream."""
+    logits = _float_input("logits", logits)
+    batch, seq_len = _rows("logits", logits, "V")
+    side = _per_row(batch, seq_len, logits.shape[-1], targets=targets, mask=mask)
+    opts = _options_json(dict(temperature=temperature, softcap=softcap))
+    shape = jnp.shape(targets)
+    if batch * seq_len == 0:
+        return _empty_stats(shape, logits)
+    out = _logits_rows("logprob", TOKEN_STATS, opts, logits, *side)
+    return TokenStats(*(x.reshape(shape) for x in out))
+
+
 # ---------------------------------------------------------------- fused-linear
 
 
@@ -286,29 +384,29 @@ _linear_loss.defvjp(_linear_loss_fwd, _linear_loss_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _linear_rows(op, value, opts, chunk, hidden, weight, bias, *side):
-    """The per-token output ``value`` of a fused-linear loss, differentiable per token: the forward
-    keeps each row's gradient scalars, the backward's custom call folds each token's cotangent into
-    them before the products that mix the rows (the logits recomputed there: four products in
-    all, as on the PyTorch side)."""
-    return _outputs_of(_linear_call(op, opts, chunk, hidden, weight, bias, side, False))[1][value]
+def _linear_rows(op, values, opts, chunk, hidden, weight, bias, *side):
+    """The per-token outputs ``values`` of a fused-linear loss, each differentiable with its own
+    cotangent: the forward keeps each row's unit gradient scalars, the backward's custom call folds
+    the cotangents into them before the products that mix the rows (the logits recomputed there:
+    four products in all, as on the PyTorch side)."""
+    return _linear_rows_fwd(op, values, opts, chunk, hidden, weight, bias, *side)[0]
 
 
-def _linear_rows_fwd(op, value, opts, chunk, hidden, weight, bias, *side):
-    rows = hidden.size // hidden.shape[-1]
-    shapes = [jax.ShapeDtypeStruct((), jnp.float32)] + [jax.ShapeDtypeStruct((rows,), jnp.float32)] * 5
-    shapes.append(jax.ShapeDtypeStruct((rows * 5,), jnp.float32))  # each row's gradient scalars
-    results = jax.ffi.ffi_call("flashgrpo_linear_rows", shapes, vmap_method="sequential")(
-        hidden, *_as_hidden_dtype(hidden, weight, bias), *side, op=op, options=opts, **_budget_attrs(chunk))
-    return _outputs_of(results)[1][value], (hidden, weight, bias, side, results[6])
+def _linear_rows_fwd(op, values, opts, chunk, hidden, weight, bias, *side):
+    _register()
+    results = jax.ffi.ffi_call("flashgrpo_linear_rows", _rows_results(hidden, values), vmap_method="sequential")(
+        hidden, *_as_hidden_dtype(hidden, weight, bias), *side, op=op, options=opts, outputs=_kept(values),
+        **_budget_attrs(chunk))
+    out, kept = _picked(results, values)
+    return out, (hidden, weight, bias, side, kept)
 
 
-def _linear_rows_bwd(op, value, opts, chunk, residual, cotangent):
-    hidden, weight, bias, side, row_gradients = residual
+def _linear_rows_bwd(op, values, opts, chunk, residual, cotangents):
+    hidden, weight, bias, side, kept = residual
     shapes = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (hidden, weight, bias)]
     grads = jax.ffi.ffi_call("flashgrpo_linear_rows_grad", shapes, vmap_method="sequential")(
-        hidden, *_as_hidden_dtype(hidden, weight, bias), *side, row_gradients,
-        cotangent.astype(jnp.float32).reshape(-1), op=op, options=opts, **_budget_attrs(chunk))
+        hidden, *_as_hidden_dtype(hidden, weight, bias), *side, kept, *_flat(cotangents), op=op, options=opts,
+        outputs=_kept(values), **_budget_attrs(chunk))
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (hidden, weight, bias))) + _NO_COTANGENTS
 
 
@@ -335,7 +433,7 @@ def _run_linear_rows(op, value, hidden, weight, bias, options, chunk_memory_mb, 
         return _empty_batch(value, hidden.shape[:-1], hidden)[0]
     _register()
     chunk = _budget(chunk_memory_mb, bf16_products, hidden, weight, bias)
-    out = _linear_rows(op, value, _options_json(options), chunk, hidden, weight, bias, *side)
+    (out,) = _linear_rows(op, (value,), _options_json(options), chunk, hidden, weight, bias, *side)
     return out.reshape(hidden.shape[:-1])
 
 
@@ -397,3 +495,18 @@ def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.
                                None if bias is None else jax.lax.stop_gradient(bias),
                                dict(temperature=temperature, softcap=softcap), chunk_memory_mb, bf16_products, mask=mask)
     return per_token["entropy"]
+
+
+def fused_linear_token_stats(hidden, weight, targets, *, bias=None, mask=None, temperature=1.0, softcap=None,
+                             chunk_memory_mb=None, bf16_products=None):
+    """``token_stats`` of ``hidden @ weight^T + bias`` without materialising the logits: one stream
+    of the vocabulary forward and one backward whichever of the three outputs are back-propagated;
+    gradients to ``hidden``, ``weight`` and ``bias``."""
+    hidden, weight, bias, side = _linear_inputs(hidden, weight, bias, dict(targets=targets, mask=mask))
+    opts = _options_json(dict(temperature=temperature, softcap=softcap))
+    shape = jnp.shape(targets)
+    if hidden.size == 0:
+        return _empty_stats(shape, hidden)
+    chunk = _budget(chunk_memory_mb, bf16_products, hidden, weight, bias)
+    out = _linear_rows("logprob", TOKEN_STATS, opts, chunk, hidden, weight, bias, *side)
+    return TokenStats(*(x.reshape(shape) for x in out))
