@@ -1,6 +1,6 @@
 """`flashgrpo.jax.token_stats` and `fused_linear_token_stats`: each token's log-probability,
 entropy and log-sum-exp, all differentiable with their own cotangents, under `jit`, `grad` and
-`vmap`. Reference: float64 PyTorch autograd through materialised logits (test_token_stats.py's).
+`vmap`; `entropy` and `fused_linear_entropy`, differentiable per token. Reference: float64 PyTorch autograd through materialised logits (test_token_stats.py's).
 Prints "N checks, 0 failures"."""
 
 import itertools
@@ -116,6 +116,35 @@ def check_fused_linear():
             close_norm(case, name, to_torch(g), w, tol)
 
 
+def check_entropy():
+    """`entropy` and `fused_linear_entropy` with a per-token cotangent, a mask, a temperature and a
+    soft cap: values and gradients."""
+    for (B, T, V), temp, cap, dtype in [((2, 5, 40), 1.0, None, "f32"), ((1, 4, 1001), 0.7, 5.0, "bf16"),
+                                        ((3, 2, 257), 1.2, None, "f16")]:
+        logits = as_dtype(torch.randn(B, T, V) * 2.5, dtype)
+        mask = (torch.rand(B, T) > 0.3).float()
+        up = torch.randn(B, T)
+        r = logits.double().requires_grad_(True)
+        want = reference_stats(r, torch.zeros(B, T, dtype=torch.int64), temp, cap)[1]
+        (want * up.double() * mask.double()).sum().backward()
+        value, grad = jax.jit(jax.value_and_grad(
+            lambda x: (fj.entropy(x, to_jax(mask), temperature=temp, softcap=cap) * to_jax(up)).sum()))(
+            to_jax(logits, dtype))
+        case = f"jax entropy [{B}, {T}, {V}] T={temp} softcap={cap} {dtype}"
+        close(case, "weighted value", to_torch(value), (want * up.double() * mask.double()).sum().detach(), 1e-5)
+        close_norm(case, "grad", to_torch(grad), r.grad, grad_tol(dtype))
+    hidden, weight, bias = linear_inputs(2, 3, 16, 60, True)
+    up, mask = torch.randn(2, 3), (torch.rand(2, 3) > 0.3).float()
+    h64, w64, b64 = (x.double().requires_grad_(True) for x in (hidden, weight, bias))
+    want = reference_stats(h64 @ w64.T + b64, torch.zeros(2, 3, dtype=torch.int64), 0.9)[1]
+    (want * up.double() * mask.double()).sum().backward()
+    grads = jax.jit(jax.grad(lambda h, w, b: (fj.fused_linear_entropy(h, w, bias=b, mask=to_jax(mask), temperature=0.9)
+                                              * to_jax(up)).sum(), argnums=(0, 1, 2)))(
+        to_jax(hidden), to_jax(weight), to_jax(bias))
+    for name, g, w in zip(["grad_hidden", "grad_weight", "grad_bias"], grads, (h64.grad, w64.grad, b64.grad)):
+        close_norm("jax fused_linear_entropy", name, to_torch(g), w, 1e-4)
+
+
 def check_vmap():
     """Under `vmap(grad)`, each mapped problem its own call: the same as one call per problem."""
     hidden, weight, _ = linear_inputs(2, 4, 16, 50, False)
@@ -169,6 +198,7 @@ def main():
     torch.set_num_threads(1)
     check_logits()
     check_fused_linear()
+    check_entropy()
     check_vmap()
     check_edges()
     sys.exit(report("jax token stats"))

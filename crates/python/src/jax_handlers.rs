@@ -13,7 +13,8 @@
 //! shape), or of hidden, weight and bias (float32). A logits gradient aliased to the logits
 //! (`input_output_aliases`) is written over them.
 //! Per-token outputs under `jax.grad` whose gradient waits for the backward (attribute `outputs`:
-//! `loss`, a fused-linear loss's per-token term; `token_stats`, `logp`, `entropy` and `lse`):
+//! `loss`, a row-local per-token term of the loss: the entropy, log-probabilities, cross-entropy;
+//! `token_stats`: `logp`, `entropy` and `lse`):
 //! `flashgrpo_rows` / `flashgrpo_linear_rows` (the forwards) also return each row's `lse` and the
 //! unit gradient scalars of every kept output (`[B*T * 5 * outputs]`), and `flashgrpo_rows_grad` /
 //! `flashgrpo_linear_rows_grad` (the backwards) take them and one cotangent per kept output after

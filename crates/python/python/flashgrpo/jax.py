@@ -9,14 +9,14 @@ Functions (logits ``[B, T, V]``; cross-entropy, entropy and log-probabilities al
   is_ratio=None, sampling_logp=None, return_outputs=False, **options)``: the loss (float32
   scalar), or ``(loss, outputs)`` with the per-token outputs (no gradient through them);
 - ``cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, ...)``;
-- ``entropy(logits, mask=None, *, temperature=1.0)``: per token, no gradient;
+- ``entropy(logits, mask=None, *, temperature=1.0)``: per token, differentiable;
 - ``logprob(logits, targets, *, temperature=1.0)``: per token, differentiable;
 - ``token_stats(logits, targets, mask=None, *, temperature=1.0, softcap=None)``: ``TokenStats``
   (``logp``, ``entropy``, ``lse`` per token), all three differentiable, one stream each way;
 - ``fused_linear_grpo_loss``, ``fused_linear_cross_entropy``, ``fused_linear_logprob`` (from
   ``hidden``, ``weight [V, H]`` and ``bias``; gradients to all three; a per-token output's
   gradient is written in the backward, where each token's cotangent is known),
-  ``fused_linear_token_stats`` and ``fused_linear_entropy`` (values only).
+  ``fused_linear_token_stats`` and ``fused_linear_entropy``.
 
 ``vmap`` runs the custom call once per mapped element (each element its own loss).
 Options are docs/LOSSES.md's, as keyword arguments.
@@ -277,21 +277,6 @@ def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, label
     return out.reshape(jnp.shape(targets)) if reduction == "none" else out
 
 
-def entropy(logits, mask=None, *, temperature=1.0, softcap=None):
-    """Per-token entropy of ``softmax(logits / temperature)`` (of ``c tanh(logits / c)`` with
-    ``softcap=c``); no gradient."""
-    _, per_token = _run_logits("entropy", "loss", jax.lax.stop_gradient(jnp.asarray(logits)),
-                               dict(temperature=temperature, softcap=softcap), mask=mask)
-    return per_token["entropy"]
-
-
-def logprob(logits, targets, *, temperature=1.0, softcap=None, in_place=False):
-    """Per-token ``log_softmax(logits / temperature)[target]``, differentiable."""
-    out, _ = _run_logits("logprob", "logp", logits, dict(temperature=temperature, softcap=softcap), in_place,
-                         targets=targets)
-    return out.reshape(jnp.shape(targets))
-
-
 class TokenStats(NamedTuple):
     """Each token's ``log p(target)``, entropy and ``lse = logsumexp(logits / temperature)``
     (float32, the shape of ``targets``; 0 on masked rows), each differentiable."""
@@ -305,6 +290,33 @@ def _empty_stats(shape, scores):
     """``TokenStats`` over no rows, with JAX's zero gradient for the empty ``scores``."""
     zero = jnp.zeros(shape, jnp.float32) + jnp.sum(scores, dtype=jnp.float32) * 0.0
     return TokenStats(zero, zero, zero)
+
+
+def _entropy_options(temperature, softcap):
+    """The entropy's options, with its gradient per token (each row's weight 1)."""
+    return dict(temperature=temperature, softcap=softcap, entropy_gradient=True, reduction="none")
+
+
+def entropy(logits, mask=None, *, temperature=1.0, softcap=None):
+    """Per-token entropy of ``softmax(logits / temperature)`` (of ``c tanh(logits / c)`` with
+    ``softcap=c``; 0 where ``mask`` is 0), differentiable per token (LOSSES.md's
+    ``entropy_gradient``): the forward costs what the values cost, the gradient is written in the
+    backward with each token's cotangent folded in."""
+    logits = _float_input("logits", logits)
+    batch, seq_len = _rows("logits", logits, "V")
+    side = _per_row(batch, seq_len, logits.shape[-1], mask=mask)
+    opts = _options_json(_entropy_options(temperature, softcap))
+    if batch * seq_len == 0:
+        return _empty_stats(logits.shape[:-1], logits).entropy
+    (out,) = _logits_rows("entropy", ("entropy",), opts, logits, *side)
+    return out.reshape(logits.shape[:-1])
+
+
+def logprob(logits, targets, *, temperature=1.0, softcap=None, in_place=False):
+    """Per-token ``log_softmax(logits / temperature)[target]``, differentiable."""
+    out, _ = _run_logits("logprob", "logp", logits, dict(temperature=temperature, softcap=softcap), in_place,
+                         targets=targets)
+    return out.reshape(jnp.shape(targets))
 
 
 def token_stats(logits, targets, mask=None, *, temperature=1.0, softcap=None):
@@ -490,11 +502,10 @@ def fused_linear_logprob(hidden, weight, targets, *, bias=None, temperature=1.0,
 
 def fused_linear_entropy(hidden, weight, *, bias=None, mask=None, temperature=1.0, softcap=None,
                          chunk_memory_mb=None, bf16_products=None):
-    """Per-token entropy under ``hidden @ weight^T + bias`` (values only)."""
-    _, per_token = _run_linear("entropy", jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(weight),
-                               None if bias is None else jax.lax.stop_gradient(bias),
-                               dict(temperature=temperature, softcap=softcap), chunk_memory_mb, bf16_products, mask=mask)
-    return per_token["entropy"]
+    """Per-token entropy under ``hidden @ weight^T + bias``, differentiable per token in ``hidden``,
+    ``weight`` and ``bias`` (as ``entropy``)."""
+    return _run_linear_rows("entropy", "entropy", hidden, weight, bias, _entropy_options(temperature, softcap),
+                            chunk_memory_mb, bf16_products, mask=mask)
 
 
 def fused_linear_token_stats(hidden, weight, targets, *, bias=None, mask=None, temperature=1.0, softcap=None,
