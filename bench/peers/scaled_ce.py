@@ -11,8 +11,8 @@ forward and backward per step, the arms alternated in every round (A B C, then C
 
 Prints one JSON line per arm: step times per round and their median (s). With `--only ARM`, that
 arm alone, and its peak memory above the inputs and their gradients (`VmHWM` after the steps minus
-the resident size once the inputs exist, less a step's copy of the inputs and their gradients in
-the inputs' dtype, MiB): run each arm in a process of its own for that.
+the resident size once the inputs exist, the peak reset there, less a step's copy of the inputs and
+their gradients in the inputs' dtype, MiB): run each arm in a process of its own for that.
 With `--split`, instead: `fused_linear_token_stats`'s forward and backward timed apart (NLL and
 entropy back-propagated), beside `fused_linear_grpo_loss`'s eager step (three products) in the
 same process, per round after a first one discarded: what the step costs against its products.
@@ -67,6 +67,13 @@ def split(hidden, weight, target, d_nll, d_ent, rounds):
     return out
 
 
+def reset_peak():
+    """Linux: `VmHWM` set to the current RSS, so that the peak measured is the steps' (not the
+    inputs' creation, whose f32 temporaries are larger than bf16 inputs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def resident_mib(field):
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
@@ -96,6 +103,7 @@ def main():
         return
     if a.only == "liger":  # its import's own memory is not the step's
         import liger_kernel.ops.fused_linear_scaled_cross_entropy  # noqa: F401
+    reset_peak()
     base = resident_mib("VmRSS")
     arms = [a.only] if a.only else ["flashgrpo", "flashgrpo-two-calls", "liger"]
     for arm in arms:  # warm-up: pages, thread pools, pooled gradient buffers

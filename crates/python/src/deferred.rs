@@ -41,8 +41,9 @@ pub const ROW_VALUES: usize = 5;
 
 /// The per-token outputs whose unit row gradients a JAX forward keeps for its backward (the
 /// custom calls' `outputs` attribute): the loss's per-token term (a row-local one: cross-entropy
-/// with `reduction="none"`, log-probabilities, the entropy with its gradient), or the token statistics `logp`, `entropy` and
-/// `lse` (`token_stats`), each back-propagated with its own upstream.
+/// with `reduction="none"`, log-probabilities, the entropy with its gradient), or the token
+/// statistics `logp`, `entropy` and `lse` (`token_stats`), each back-propagated with its own
+/// upstream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeptRows {
     Loss,
