@@ -2,7 +2,8 @@
 # A/B of two (or more) flashgrpo binaries on the logits-level GRPO shapes: each arm runs every
 # binary in turn, round after round, so that this VM's drift hits both alike.
 #   bench/ab_logits.sh ROUNDS BIN_A BIN_B [BIN ...]
-# Prints `round|arm|binary|step p50 (s) x-the-floor copy-GB/s` per run (`flashgrpo bench`).
+# Prints `round|arm|binary|step p50 (s) x-the-floor copy-GB/s pass-floor (s) x-the-pass-floor` per run
+# (`flashgrpo bench`; the pass floor: a pass with the step's own traffic, 0 where not measured).
 # ARMS=REGEX runs only the arms whose name matches (e.g. ARMS=bf16; ARMS=extras: what
 # `predicted_tokens` and class weights with label smoothing add to the step).
 # Build the binaries first (e.g. `cargo build --release && cp target/release/flashgrpo /tmp/new`).
@@ -39,7 +40,8 @@ for r in $(seq "$rounds"); do
     if ((r % 2)); then bins=("$@"); else bins=("${reversed[@]}"); fi
     for bin in "${bins[@]}"; do
       v=$("$bin" bench "${args[@]}" 2>/dev/null |
-        awk '/step_s_p50/{s=$2}/p50_over_floor/{f=$2}/copy_gbps/{c=$2}END{printf "%.4f %.2f %.1f", s, f, c}')
+        awk '/step_s_p50/{s=$2}/p50_over_floor/{f=$2}/copy_gbps/{c=$2}/pass_floor_s/{p=$2}/p50_over_pass_floor/{q=$2}
+             END{printf "%.4f %.2f %.1f %.4f %.2f", s, f, c, p, q}')
       echo "$r|$name|$bin|$v"
     done
   done

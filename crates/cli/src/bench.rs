@@ -132,6 +132,8 @@ struct Measured {
     memory: StepMemory,
     /// Bytes of the buffers the timed implementation keeps between steps (gradient buffers).
     kept: u64,
+    /// The best time of a pass with the step's memory traffic over its buffers, where measured.
+    pass_floor_s: Option<f64>,
 }
 
 impl Measured {
@@ -177,6 +179,7 @@ impl DeviceVisitor for Bench<'_> {
                 let copy_bps = runner.copy_bandwidth()?;
                 let mut extra = logits_rows(copy_bps, input_bytes, measured.p50());
                 extra.extend(runner.traffic_rows(input_bytes as u64, measured.p50(), copy_bps));
+                extra.extend(pass_floor_rows(&measured));
                 extra
             }
             Some(linear) => linear_rows(runner, &batch, (&linear, dtype), options, input_bytes, &measured)?,
@@ -195,6 +198,14 @@ fn logits_rows(copy_bps: f64, input_bytes: usize, p50: f64) -> Rows {
         ("bench/p50_over_floor", json!(p50 / floor_s)),
         ("mem/logits_bytes", json!(input_bytes)),
     ]
+}
+
+/// A fused step against a pass with its own memory traffic over its own buffers
+/// ([`Runner::pass_floor`]), where one was measured.
+fn pass_floor_rows(measured: &Measured) -> Rows {
+    measured.pass_floor_s.map_or_else(Vec::new, |floor| {
+        vec![("bench/pass_floor_s", json!(floor)), ("bench/p50_over_pass_floor", json!(measured.p50() / floor))]
+    })
 }
 
 /// A fused-linear loss against the device's product rate: the flops of its products (entropy
@@ -264,7 +275,7 @@ impl<R: Runner> Timer<'_, R> {
                 loss = Some(step_loss);
             }
         }
-        Ok(Measured { times, loss: loss.unwrap_or(f64::NAN), memory, kept: kept as u64 })
+        Ok(Measured { times, loss: loss.unwrap_or(f64::NAN), memory, kept: kept as u64, pass_floor_s: None })
     }
 }
 
@@ -292,15 +303,20 @@ impl<R: Runner> FloatVisitorOwned for LogitsSteps<'_, R> {
             // Restored before each step (untimed) from the host's pristine copy.
             BenchImpl::FusedInplace if cfg.restore => {
                 // Filled from the host before every step, the first included.
-                let logits = runner.zeros::<T>(len)?;
+                let mut logits = runner.zeros::<T>(len)?;
+                let floor = runner.pass_floor(&mut logits, None);
                 let restore = |l: &mut R::Buffer<T>| Ok(runner.refill(&host, l)?);
-                timer.time(logits, restore, |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)
+                let measured = timer.time(logits, restore, |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)?;
+                Ok(Measured { pass_floor_s: floor, ..measured })
             }
             // Each step on the previous step's gradient (same work, no second logits-sized
             // buffer: for shapes that would not fit twice).
             BenchImpl::FusedInplace => {
-                let logits = runner.upload(host)?;
-                timer.time(logits, |_| Ok(()), |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)
+                let mut logits = runner.upload(host)?;
+                let floor = runner.pass_floor(&mut logits, None);
+                let measured =
+                    timer.time(logits, |_| Ok(()), |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)?;
+                Ok(Measured { pass_floor_s: floor, ..measured })
             }
             BenchImpl::Fused if cfg.fresh_gradient => {
                 // The previous step's buffer is freed untimed, before the next step.
@@ -317,11 +333,13 @@ impl<R: Runner> FloatVisitorOwned for LogitsSteps<'_, R> {
             }
             BenchImpl::Fused => {
                 // Filled once so the timed steps do not pay for the first touch of its pages.
-                let grad = runner.upload(vec![T::from_f32(1.0); len])?;
-                let logits = runner.upload(host)?;
+                let mut grad = runner.upload(vec![T::from_f32(1.0); len])?;
+                let mut logits = runner.upload(host)?;
+                let floor = runner.pass_floor(&mut logits, Some(&mut grad));
                 let step =
                     |(l, g): &mut (R::Buffer<T>, R::Buffer<T>)| Ok(runner.forward_backward(spec, l, Some(g))?.loss);
-                timer.time((logits, grad), |_| Ok(()), step, bytes)
+                let measured = timer.time((logits, grad), |_| Ok(()), step, bytes)?;
+                Ok(Measured { pass_floor_s: floor, ..measured })
             }
             _ => unreachable!("bench::main refuses fused-linear without `hidden_size`"),
         }

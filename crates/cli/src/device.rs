@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::ValueEnum;
 use flashgrpo_kernels::linear::{matmul_bf16_gflops, matmul_gflops};
-use flashgrpo_kernels::{Backend, Cpu, DType, Isa};
+use flashgrpo_kernels::{Backend, Cpu, DType, Element, Isa};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -80,6 +80,15 @@ pub trait Runner: Backend {
 
     /// Bytes per second of a large copy (read + written): the streaming rate.
     fn copy_bandwidth(&self) -> Result<f64>;
+
+    /// The best time (s) of a pass with the memory traffic of a logits-level step, over the
+    /// step's own buffers (`grad` absent: every line of the logits read and written back, which
+    /// leaves them as they were; else the logits read and streamed into `grad`): that step's
+    /// floor. `None` where not measured (the GPU, whose copy rate stands in).
+    fn pass_floor<T: Element>(&self, logits: &mut Self::Buffer<T>, grad: Option<&mut Self::Buffer<T>>) -> Option<f64> {
+        let _ = (logits, grad);
+        None
+    }
 
     /// The rate (GFLOP/s) of the backend's matrix product on the fused-linear forward shape in
     /// `dtype`, which the loss's own rate is held against, and rows naming every rate measured.
@@ -181,6 +190,13 @@ impl Runner for Cpu {
         }
         std::hint::black_box(&dst);
         Ok(2.0 * (n * 4) as f64 / best)
+    }
+
+    fn pass_floor<T: Element>(&self, logits: &mut Vec<T>, grad: Option<&mut Vec<T>>) -> Option<f64> {
+        Some(match grad {
+            None => crate::pass_floor::in_place_seconds(logits),
+            Some(grad) => crate::pass_floor::streamed_seconds(logits, grad),
+        })
     }
 
     /// The f32 product (`gemm`) on 256 rows, and for bf16 the bf16 products where the CPU has

@@ -17,6 +17,7 @@ mod input_spec;
 mod loss_cmd;
 mod memory;
 mod mpi_check_cmd;
+mod pass_floor;
 mod peers;
 mod plot_cmd;
 mod run;

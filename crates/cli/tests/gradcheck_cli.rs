@@ -211,6 +211,10 @@ fn bench_reports_every_metric_and_impls_agree() {
             assert!(!v[key].is_null(), "{imp} lacks {key}");
         }
         assert_eq!(v["bench/impl"], imp);
+        // The fused steps' floor as a pass over their own buffers; none for the baseline.
+        let floor = v["bench/p50_over_pass_floor"].as_f64();
+        assert_eq!(floor.is_some(), imp != "baseline", "{imp}: bench/p50_over_pass_floor {floor:?}");
+        assert!(floor.is_none_or(|f| f.is_finite() && f > 0.0), "{imp}: {floor:?}");
         losses.push(v["bench/loss"].as_f64().unwrap());
     }
     assert!((losses[0] - losses[1]).abs() < 1e-9 && (losses[0] - losses[2]).abs() < 1e-5, "{losses:?}");
