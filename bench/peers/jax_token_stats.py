@@ -26,6 +26,7 @@ jax.config.update("jax_platforms", "cpu")
 import jax.numpy as jnp  # noqa: E402
 
 import flashgrpo.jax as fj  # noqa: E402
+from rss import reset_peak, resident_mib  # noqa: E402
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
@@ -40,20 +41,6 @@ def objective(arm, hidden, weight, target, d_nll, d_ent):
         logp = jnp.take_along_axis(logsm, target[:, None], axis=-1)[:, 0]
         entropy = -(jnp.exp(logsm) * logsm).sum(-1)
     return (-logp * d_nll).sum() + (entropy * d_ent).sum()
-
-
-def reset_peak():
-    """Linux: `VmHWM` set to the current RSS, so that the peak measured is the steps' (not the
-    inputs' creation, whose f32 temporaries are larger than bf16 inputs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def resident_mib(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main():

@@ -27,6 +27,7 @@ import time
 import torch
 
 import flashgrpo.torch as ft
+from rss import reset_peak, resident_mib
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -65,20 +66,6 @@ def split(hidden, weight, target, d_nll, d_ent, rounds):
             for k, t in zip(out, (t1 - t0, t2 - t1, t4 - t3)):
                 out[k].append(round(t, 4))
     return out
-
-
-def reset_peak():
-    """Linux: `VmHWM` set to the current RSS, so that the peak measured is the steps' (not the
-    inputs' creation, whose f32 temporaries are larger than bf16 inputs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def resident_mib(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main():

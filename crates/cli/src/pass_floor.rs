@@ -3,7 +3,9 @@
 //! of the logits and writes it back (the gradient over them), so its floor is a pass that flips a
 //! bit of every byte in place (an even number of passes leaves the logits as they were); `fused`
 //! reads the logits and writes the gradient buffer with streaming stores (the kernels' stores for
-//! a gradient of 64 MiB or more), so its floor is a streamed copy of one into the other.
+//! a gradient of 64 MiB or more), so its floor is a streamed copy of one into the other (streamed
+//! whatever the size: below 64 MiB, where the kernels store plainly and the buffers fit in
+//! cache, the ratio says less). `fused` with a fresh gradient buffer each step has no such floor.
 //!
 //! Why the step's own buffers: on the Zen 5 host of 2026-11-30 the rate of a pass over a fresh
 //! buffer was one of two from one process to the next (a copy of 311 MB at ~40 or ~68 GB/s),
@@ -15,19 +17,22 @@
 
 use std::time::Instant;
 
+use flashgrpo_kernels::Element;
 use rayon::prelude::*;
 
 /// Passes timed (even, so that the in-place passes restore every bit); the best counts.
 const PASSES: usize = 8;
+const _: () = assert!(PASSES.is_multiple_of(2), "the in-place passes must leave the logits as they were");
 
-/// The bytes of a buffer of plain values (f32, bf16, f16: every bit pattern is a value).
-fn bytes_of<T: Copy>(values: &[T]) -> &[u8] {
-    // SAFETY: `T` is a plain value type without padding; the bytes live as long as `values`.
+/// The bytes of a buffer of [`Element`]s (f32, bf16, f16: no padding, every bit pattern a value).
+fn bytes_of<T: Element>(values: &[T]) -> &[u8] {
+    // SAFETY: `Element` is sealed to f32, bf16 and f16, plain values without padding; the bytes
+    // live as long as `values`.
     unsafe { std::slice::from_raw_parts(values.as_ptr().cast(), std::mem::size_of_val(values)) }
 }
 
-fn bytes_of_mut<T: Copy>(values: &mut [T]) -> &mut [u8] {
-    // SAFETY: as `bytes_of`; every byte pattern written is a valid `T` (f32, bf16, f16).
+fn bytes_of_mut<T: Element>(values: &mut [T]) -> &mut [u8] {
+    // SAFETY: as `bytes_of`; every byte pattern written is a valid f32, bf16 or f16.
     unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast(), std::mem::size_of_val(values)) }
 }
 
@@ -37,14 +42,14 @@ fn chunk_of(len: usize) -> usize {
 
 /// The best time (s) of a pass that reads every byte of `logits` and writes it back changed;
 /// `logits` end as they began.
-pub fn in_place_seconds<T: Copy + Send>(logits: &mut [T]) -> f64 {
+pub fn in_place_seconds<T: Element>(logits: &mut [T]) -> f64 {
     let bytes = bytes_of_mut(logits);
     let chunk = chunk_of(bytes.len());
     best_of(|| bytes.par_chunks_mut(chunk).for_each(|c| c.iter_mut().for_each(|b| *b ^= 1)))
 }
 
 /// The best time (s) of a streamed copy of `logits` into `grad` (same length).
-pub fn streamed_seconds<T: Copy + Send + Sync>(logits: &[T], grad: &mut [T]) -> f64 {
+pub fn streamed_seconds<T: Element>(logits: &[T], grad: &mut [T]) -> f64 {
     assert_eq!(logits.len(), grad.len(), "pass_floor: lengths");
     let (src, dst) = (bytes_of(logits), bytes_of_mut(grad));
     let chunk = chunk_of(src.len());
@@ -63,6 +68,7 @@ fn best_of(mut pass: impl FnMut()) -> f64 {
 
 /// `dst = src` with non-temporal stores where the CPU has them (the lines are not read first).
 fn streamed_copy(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "streamed_copy: lengths");
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};

@@ -11,7 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::buffers::{Address, Result};
-use crate::deferred::{self, DeferredGradient, Scores};
+use crate::deferred::{self, DeferredGradient, KeptRows, Scores};
 use crate::result::LossResult;
 
 fn message(e: impl std::fmt::Display) -> String {
@@ -93,6 +93,26 @@ impl RowAddresses {
     }
 }
 
+impl RowAddresses {
+    /// [`DeferredGradient::from_rows`] for `op` over these rows: the shared part of both calls'
+    /// `deferred_from_rows`.
+    ///
+    /// # Safety
+    /// The module's contract for every address.
+    unsafe fn deferred_from_rows(
+        &self,
+        (op, dtype, options): (&str, &str, &str),
+        (budget, scores): (ChunkBudget, Scores),
+        kept: (KeptRows, &[f32]),
+        upstreams: &[&[f32]],
+    ) -> Result<DeferredGradient> {
+        let (op, dtype) = parse_op_and_dtype(op, dtype)?;
+        let options = parse_options(options)?;
+        let spec = unsafe { self.spec(op, &options)? };
+        DeferredGradient::from_rows(&spec, budget, dtype, scores, kept, upstreams)
+    }
+}
+
 /// LOSSES.md's options from a JSON object (the Python keyword arguments): an unknown key or a
 /// value of the wrong type is an error that names it.
 fn parse_options(json: &str) -> Result<LossOptions> {
@@ -138,16 +158,17 @@ impl LogitsCall<'_> {
         unsafe { deferred::logits_forward(spec, dtype, logits) }
     }
 
-    /// The deferred gradient of this call from the unit row gradients its forward kept and their
-    /// upstreams ([`DeferredGradient::from_rows`]); nothing is streamed.
+    /// The deferred gradient of this call from the unit row gradients of the outputs `kept` that
+    /// its forward kept, and their upstreams ([`DeferredGradient::from_rows`]); nothing is
+    /// streamed.
     ///
     /// # Safety
     /// The module's contract for the per-row addresses (copied into the deferred gradient).
-    pub unsafe fn deferred_from_rows(self, values: &[f32], upstreams: &[&[f32]]) -> Result<DeferredGradient> {
-        let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
-        let options = parse_options(self.options)?;
-        let spec = unsafe { self.rows.spec(op, &options)? };
-        DeferredGradient::from_rows(&spec, ChunkBudget::default(), dtype, Scores::Logits, values, upstreams)
+    pub unsafe fn deferred_from_rows(self, kept: (KeptRows, &[f32]), upstreams: &[&[f32]]) -> Result<DeferredGradient> {
+        let budget = ChunkBudget::default();
+        unsafe {
+            self.rows.deferred_from_rows((self.op, self.dtype, self.options), (budget, Scores::Logits), kept, upstreams)
+        }
     }
 
     /// # Safety
@@ -313,17 +334,13 @@ impl LinearCall<'_> {
         with_element!(dtype, T => unsafe { linear_call::<T>(spec, self.inputs(), h, gradients, g.accumulate, budget) })
     }
 
-    /// The deferred gradient of this call from the unit row gradients its forward kept and their
-    /// upstreams ([`DeferredGradient::from_rows`]); nothing is streamed.
+    /// As [`LogitsCall::deferred_from_rows`].
     ///
     /// # Safety
     /// The module's contract for the per-row addresses (copied into the deferred gradient).
-    pub unsafe fn deferred_from_rows(self, values: &[f32], upstreams: &[&[f32]]) -> Result<DeferredGradient> {
-        let (op, dtype) = parse_op_and_dtype(self.op, self.dtype)?;
-        let options = parse_options(self.options)?;
-        let spec = unsafe { self.rows.spec(op, &options)? };
-        let scores = Scores::Linear { hidden_size: self.hidden_size };
-        DeferredGradient::from_rows(&spec, self.budget.budget()?, dtype, scores, values, upstreams)
+    pub unsafe fn deferred_from_rows(self, kept: (KeptRows, &[f32]), upstreams: &[&[f32]]) -> Result<DeferredGradient> {
+        let scores = (self.budget.budget()?, Scores::Linear { hidden_size: self.hidden_size });
+        unsafe { self.rows.deferred_from_rows((self.op, self.dtype, self.options), scores, kept, upstreams) }
     }
 
     /// Steps 1 and 2 only; the gradients (`grads` unused) left for the backward.

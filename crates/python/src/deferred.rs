@@ -58,6 +58,21 @@ impl KeptRows {
             Self::TokenStats => &["logp", "entropy", "lse"],
         }
     }
+
+    /// Refuses an op whose kept gradients would not be linear in each row's own upstream: the
+    /// token statistics are the `logprob` op's; a per-token loss term is kept for the row-local
+    /// ops only (not GRPO, whose rows share a sequence's or the batch's weights).
+    fn check(self, op: &str) -> Result<()> {
+        let allowed: &[&str] = match self {
+            Self::Loss => &["logprob", "cross_entropy", "entropy"],
+            Self::TokenStats => &["logprob"],
+        };
+        if allowed.contains(&op) {
+            Ok(())
+        } else {
+            Err(format!("kept outputs `{self:?}` are for the ops {allowed:?}, not `{op}`"))
+        }
+    }
 }
 
 impl std::str::FromStr for KeptRows {
@@ -67,7 +82,7 @@ impl std::str::FromStr for KeptRows {
         match s {
             "loss" => Ok(Self::Loss),
             "token_stats" => Ok(Self::TokenStats),
-            other => Err(format!("kept outputs `{other}`: expected `loss` or `token_stats`")),
+            other => Err(format!("the attribute `outputs` is `{other}`: expected `loss` or `token_stats`")),
         }
     }
 }
@@ -150,9 +165,9 @@ impl DeferredGradient {
         }
     }
 
-    /// A deferred gradient from the unit row gradients a caller kept ([`Self::unit_row_values`]:
-    /// a JAX forward's residual) and the upstream of each kept output (`upstreams`, one per row
-    /// each, in [`KeptRows::outputs`] order), so that the backward streams the vocabulary once,
+    /// A deferred gradient from the unit row gradients of the outputs `kept` that a caller kept
+    /// ([`Self::unit_row_values`]: a JAX forward's residual) and the upstream of each of those
+    /// outputs (`upstreams`, one per row each, in [`KeptRows::outputs`] order), so that the backward streams the vocabulary once,
     /// not twice. Each row's gradient is `sum_k upstream_k[i] * unit_k[i]`: every kept output's
     /// gradient is linear in its upstream (a row-local loss term, the entropy, the `lse`).
     pub(crate) fn from_rows(
@@ -160,29 +175,34 @@ impl DeferredGradient {
         budget: ChunkBudget,
         dtype: DType,
         scores: Scores,
-        values: &[f32],
+        (kept, values): (KeptRows, &[f32]),
         upstreams: &[&[f32]],
     ) -> Result<Self> {
-        let (n, outputs) = (spec.rows.len(), upstreams.len());
-        if values.len() != ROW_VALUES * outputs * n {
-            return Err(format!("{} row-gradient values for {n} rows and {outputs} outputs", values.len()));
+        kept.check(spec.loss.name())?;
+        let (n, outputs) = (spec.rows.len(), kept.outputs());
+        if values.len() != ROW_VALUES * outputs.len() * n {
+            return Err(format!("{} row-gradient values for {n} rows and the outputs {outputs:?}", values.len()));
         }
-        if let Some(u) = upstreams.iter().find(|u| u.len() != n) {
-            return Err(format!("an upstream of {} values for {n} rows", u.len()));
+        if upstreams.len() != outputs.len() {
+            return Err(format!("{} upstreams for the outputs {outputs:?}", upstreams.len()));
+        }
+        if let Some((name, u)) = outputs.iter().zip(upstreams).find(|(_, u)| u.len() != n) {
+            return Err(format!("the upstream of `{name}` has {} values, expected one per row, {n}", u.len()));
         }
         let unit = |v: &[f32]| RowGradient { lse: v[0], a: v[1], b: v[2], c: v[3], d: v[4] };
-        let rows = values.chunks_exact(ROW_VALUES * outputs).enumerate().map(|(i, row)| {
+        let rows = values.chunks_exact(ROW_VALUES * outputs.len()).enumerate().map(|(i, row)| {
             let terms = row.chunks_exact(ROW_VALUES).zip(upstreams).map(|(v, u)| unit(v).times(u[i]));
             terms.fold(RowGradient::ZERO, |sum, g| sum.plus(&g))
         });
-        let kept = Kept { rows: rows.collect(), stats: None };
-        Ok(Self::new(spec, budget, dtype, scores, kept))
+        Ok(Self::new(spec, budget, dtype, scores, Kept { rows: rows.collect(), stats: None }))
     }
 
     /// The row gradients of each of `outputs` at a unit upstream, `ROW_VALUES` f32 each (`lse, a,
     /// b, c, d`), row by row, the outputs in [`KeptRows::outputs`] order: what a JAX forward keeps
     /// for its backward ([`Self::from_rows`]).
     pub(crate) fn unit_row_values(&self, outputs: KeptRows) -> Result<Vec<f32>> {
+        let spec = self.inputs.spec(self.vocab);
+        outputs.check(spec.loss.name())?;
         let kept = self.kept.lock().map_err(|_| message("a previous backward panicked"))?;
         let kept = kept.as_ref().ok_or_else(|| message("the row gradients were already used"))?;
         let values = |g: &RowGradient| [g.lse, g.a, g.b, g.c, g.d];
@@ -191,7 +211,7 @@ impl DeferredGradient {
         };
         let stats = kept.stats.as_ref().ok_or_else(|| message("the forward's statistics were not kept"))?;
         let ones = vec![1.0f32; self.rows()];
-        let prepared = PreparedLoss::new(self.inputs.spec(self.vocab)).map_err(message)?;
+        let prepared = PreparedLoss::new(spec).map_err(message)?;
         let unit = |up: OutputUpstreams| prepared.output_gradients(stats, &up).map_err(message);
         let logp = unit(OutputUpstreams { loss: Some(&ones), ..OutputUpstreams::default() })?;
         let entropy = unit(OutputUpstreams { entropy: Some(&ones), ..OutputUpstreams::default() })?;

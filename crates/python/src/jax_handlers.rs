@@ -257,34 +257,44 @@ fn write_kept_rows(call: &Call<'_>, output: &LossOutput, deferred: &DeferredGrad
     write_result(call, 7, &deferred.unit_row_values(kept_outputs(call)?)?)
 }
 
+/// The kept outputs and their unit row gradients, and the upstreams of those outputs.
+type KeptArgs<'c> = ((KeptRows, &'c [f32]), Vec<&'c [f32]>);
+
 /// A rows backward's arguments from `first` on: the forward's unit row gradients, then the
 /// upstream (the cotangent, float32 `[B*T]`) of each kept output.
-fn kept_rows<'c>(call: &'c Call<'_>, first: usize, rows: usize) -> Result<(&'c [f32], Vec<&'c [f32]>)> {
-    let outputs = kept_outputs(call)?.outputs();
+fn kept_rows<'c>(call: &'c Call<'_>, first: usize, rows: usize) -> Result<KeptArgs<'c>> {
+    let kept = kept_outputs(call)?;
+    let outputs = kept.outputs();
     let values = f32_slice(call.arg(first)?, "the row gradients", ROW_VALUES * outputs.len() * rows)?;
     let upstream = |(i, name)| f32_slice(call.arg(first + 1 + i)?, &format!("the cotangent of `{name}`"), rows);
-    Ok((values, outputs.iter().enumerate().map(upstream).collect::<Result<_>>()?))
+    Ok(((kept, values), outputs.iter().enumerate().map(upstream).collect::<Result<_>>()?))
+}
+
+/// The loss over the logits (argument 0) and the per-row inputs after them, without a gradient
+/// buffer: what the rows calls run. `widened` holds int32 targets widened for the call.
+fn logits_rows_call<'c>(call: &'c Call<'_>, widened: &mut Vec<i64>) -> Result<LogitsCall<'c>> {
+    let logits = call.arg(0)?;
+    let shape = rows_of(logits, "logits")?;
+    Ok(LogitsCall {
+        op: call.string_attr("op")?,
+        dtype: dtype_name(logits, "logits")?,
+        options: call.string_attr("options")?,
+        rows: per_row_inputs(call, 1, shape, widened)?,
+        logits: address(logits),
+        grad: 0,
+        in_place: false,
+    })
 }
 
 /// The forward of per-token outputs of a loss over logits under `jax.grad` (`token_stats`):
 /// results as [`write_kept_rows`].
 fn logits_rows(call: &Call<'_>) -> Result<()> {
-    let logits = call.arg(0)?;
-    let shape = rows_of(logits, "logits")?;
     let mut widened = Vec::new();
-    let rows = per_row_inputs(call, 1, shape, &mut widened)?;
-    let run = LogitsCall {
-        op: call.string_attr("op")?,
-        dtype: dtype_name(logits, "logits")?,
-        options: call.string_attr("options")?,
-        rows,
-        logits: address(logits),
-        grad: 0,
-        in_place: false,
-    };
+    let run = logits_rows_call(call, &mut widened)?;
+    let rows = run.rows.batch * run.rows.seq_len;
     // SAFETY: XLA's buffers, live for the call.
     let (output, deferred) = unsafe { run.run_deferred() }?;
-    write_kept_rows(call, &output, &deferred, shape.0 * shape.1)
+    write_kept_rows(call, &output, &deferred, rows)
 }
 
 /// The gradient of `sum_k sum_i g_k[i] * out_k[i]` over the kept outputs `out_k` of
@@ -292,27 +302,22 @@ fn logits_rows(call: &Call<'_>) -> Result<()> {
 /// unit row gradients, arguments 10.. the cotangents `g_k`; one stream over the logits.
 fn logits_rows_gradient(call: &Call<'_>) -> Result<()> {
     let (logits, grad) = (call.arg(0)?, call.ret(0)?);
-    let shape = rows_of(logits, "logits")?;
-    let n = shape.0 * shape.1;
-    let mut widened = Vec::new();
-    let rows = per_row_inputs(call, 1, shape, &mut widened)?;
-    if grad.len() != logits.len() || grad.dtype != logits.dtype {
-        return Err(format!("result 0 must be the logits' dtype and shape, got {} elements", grad.len()));
+    if grad.dims() != logits.dims() || grad.dtype != logits.dtype {
+        return Err(format!(
+            "result 0 must be the logits' dtype and shape (XLA dtype {}, {:?}), got XLA dtype {} and {:?}",
+            logits.dtype,
+            logits.dims(),
+            grad.dtype,
+            grad.dims()
+        ));
     }
     flashgrpo_kernels::huge_pages::advise(grad.data as usize, grad.len() * grad_element_size(grad)?);
-    let (values, upstreams) = kept_rows(call, 9, n)?;
-    let run = LogitsCall {
-        op: call.string_attr("op")?,
-        dtype: dtype_name(logits, "logits")?,
-        options: call.string_attr("options")?,
-        rows,
-        logits: address(logits),
-        grad: 0,
-        in_place: false,
-    };
+    let mut widened = Vec::new();
+    let run = logits_rows_call(call, &mut widened)?;
+    let (kept, upstreams) = kept_rows(call, 9, run.rows.batch * run.rows.seq_len)?;
     // SAFETY: XLA's buffers, live for the call; the gradient is a result of its own.
     unsafe {
-        let deferred = run.deferred_from_rows(values, &upstreams)?;
+        let deferred = run.deferred_from_rows(kept, &upstreams)?;
         deferred.logits_gradient(address(logits), address(grad), Upstreams::of_loss(1.0, 0))
     }
 }
@@ -335,11 +340,11 @@ fn linear_rows(call: &Call<'_>) -> Result<()> {
 fn linear_rows_gradient(call: &Call<'_>) -> Result<()> {
     let mut widened = Vec::new();
     let run = linear_call(call, Some(0), &mut widened)?;
-    let (values, upstreams) = kept_rows(call, 11, run.rows.batch * run.rows.seq_len)?;
+    let (kept, upstreams) = kept_rows(call, 11, run.rows.batch * run.rows.seq_len)?;
     let (inputs, grads) = ([run.hidden, run.weight, run.bias], run.grads);
     // SAFETY: XLA's buffers, live for the call; each gradient is a result of its own.
     unsafe {
-        let deferred = run.deferred_from_rows(values, &upstreams)?;
+        let deferred = run.deferred_from_rows(kept, &upstreams)?;
         deferred.linear_gradients(inputs, grads, Upstreams::of_loss(1.0, 0))
     }
 }

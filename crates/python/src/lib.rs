@@ -32,5 +32,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(jax_handlers::ffi_handlers, m)?)?;
     m.add("OPTION_NAMES", flashgrpo_kernels::LossOptions::NAMES.to_vec())?;
     m.add("DEFAULT_CHUNK_MEMORY_MB", flashgrpo_kernels::ChunkBudget::DEFAULT_MB)?;
+    m.add("ROW_VALUES", deferred::ROW_VALUES)?;
     Ok(())
 }

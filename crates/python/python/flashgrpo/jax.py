@@ -1,7 +1,10 @@
 """flashgrpo's losses for JAX (CPU): ``jax.custom_vjp`` functions whose forward and backward are
 XLA FFI custom calls into the Rust kernels, so they work under ``jax.jit``, ``jax.grad`` and
-``jax.vmap``. JAX's buffers are read in place; the gradient is computed in the forward's sweep
-(as the kernels always do) and kept as the residual, so the backward only scales it.
+``jax.vmap``. JAX's buffers are read in place. For a loss the gradient is computed in the
+forward's sweep (as the kernels always do) and kept as the residual, so the backward only scales
+it; for per-token outputs with their own cotangents (``token_stats``, ``entropy``, the
+fused-linear per-token outputs) the forward keeps each row's gradient scalars and the backward
+writes the gradient, one more stream.
 
 Functions (logits ``[B, T, V]``; cross-entropy, entropy and log-probabilities also ``[N, V]``):
 
@@ -187,11 +190,12 @@ def _kept(values):
 
 def _rows_results(scores, values):
     """The results of a rows forward over ``scores`` (logits or hidden states): the loss, the five
-    per-token outputs, each row's ``lse``, and the unit row gradients (5 per row and value)."""
+    per-token outputs, each row's ``lse``, and the unit row gradients (``ROW_VALUES`` a row and
+    value)."""
     rows = scores.size // scores.shape[-1]
     f32 = jnp.float32
     return ([jax.ShapeDtypeStruct((), f32)] + [jax.ShapeDtypeStruct((rows,), f32)] * 6
-            + [jax.ShapeDtypeStruct((rows * 5 * len(values),), f32)])
+            + [jax.ShapeDtypeStruct((rows * _native.ROW_VALUES * len(values),), f32)])
 
 
 def _picked(results, values):
@@ -443,7 +447,6 @@ def _run_linear_rows(op, value, hidden, weight, bias, options, chunk_memory_mb, 
     if hidden.size == 0:
         _options_json(options)
         return _empty_batch(value, hidden.shape[:-1], hidden)[0]
-    _register()
     chunk = _budget(chunk_memory_mb, bf16_products, hidden, weight, bias)
     (out,) = _linear_rows(op, (value,), _options_json(options), chunk, hidden, weight, bias, *side)
     return out.reshape(hidden.shape[:-1])
