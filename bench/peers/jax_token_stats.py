@@ -15,9 +15,6 @@ Usage: python bench/peers/jax_token_stats.py [--n 1024] [--hidden 896] [--vocab 
 [--dtype f32|bf16] [--rounds 3] [--only flashgrpo|jax]"""
 
 import argparse
-import json
-import statistics
-import time
 
 import jax
 
@@ -26,7 +23,7 @@ jax.config.update("jax_platforms", "cpu")
 import jax.numpy as jnp  # noqa: E402
 
 import flashgrpo.jax as fj  # noqa: E402
-from rss import reset_peak, resident_mib  # noqa: E402
+from arms import alternated, print_arms, reset_peak, resident_mib  # noqa: E402
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
@@ -66,18 +63,10 @@ def main():
                                              argnums=(0, 1))) for arm in arms}
     for arm in arms:  # compilation, pages, thread pools
         jax.block_until_ready(steps[arm](hidden, weight))
-    times = {arm: [] for arm in arms}
-    for r in range(a.rounds):
-        for arm in arms if r % 2 == 0 else arms[::-1]:
-            t0 = time.perf_counter()
-            jax.block_until_ready(steps[arm](hidden, weight))
-            times[arm].append(time.perf_counter() - t0)
-    for arm in arms:
-        grads = (hidden.nbytes + weight.nbytes) / 2**20
-        extra = dict(peak_above_inputs_and_grads_mib=round(resident_mib("VmHWM") - base - grads)) if a.only else {}
-        print(json.dumps(dict(arm=arm, n=a.n, hidden=a.hidden, vocab=a.vocab, dtype=a.dtype,
-                              step_s=[round(t, 4) for t in times[arm]],
-                              step_s_p50=round(statistics.median(times[arm]), 4), **extra)))
+    times = alternated(arms, a.rounds, lambda arm: jax.block_until_ready(steps[arm](hidden, weight)))
+    grads = (hidden.nbytes + weight.nbytes) / 2**20
+    peak = resident_mib("VmHWM") - base - grads if a.only else None
+    print_arms(times, dict(n=a.n, hidden=a.hidden, vocab=a.vocab, dtype=a.dtype), peak)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,12 @@ Usage: python bench/peers/scaled_ce.py [--n 1024] [--hidden 896] [--vocab 151936
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
 import flashgrpo.torch as ft
-from rss import reset_peak, resident_mib
+from arms import alternated, print_arms, reset_peak, resident_mib
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -95,18 +94,10 @@ def main():
     arms = [a.only] if a.only else ["flashgrpo", "flashgrpo-two-calls", "liger"]
     for arm in arms:  # warm-up: pages, thread pools, pooled gradient buffers
         step(arm, hidden, weight, target, d_nll, d_ent)
-    times = {arm: [] for arm in arms}
-    for r in range(a.rounds):
-        for arm in arms if r % 2 == 0 else arms[::-1]:
-            t0 = time.perf_counter()
-            step(arm, hidden, weight, target, d_nll, d_ent)
-            times[arm].append(time.perf_counter() - t0)
-    for arm in arms:
-        leaves = 2 * (hidden.nbytes + weight.nbytes) / 2**20  # a step's clones and their gradients
-        extra = dict(peak_above_inputs_and_grads_mib=round(resident_mib("VmHWM") - base - leaves)) if a.only else {}
-        print(json.dumps(dict(arm=arm, n=a.n, hidden=a.hidden, vocab=a.vocab, dtype=a.dtype,
-                              step_s=[round(t, 4) for t in times[arm]],
-                              step_s_p50=round(statistics.median(times[arm]), 4), **extra)))
+    times = alternated(arms, a.rounds, lambda arm: step(arm, hidden, weight, target, d_nll, d_ent))
+    leaves = 2 * (hidden.nbytes + weight.nbytes) / 2**20  # a step's clones and their gradients
+    peak = resident_mib("VmHWM") - base - leaves if a.only else None
+    print_arms(times, dict(n=a.n, hidden=a.hidden, vocab=a.vocab, dtype=a.dtype), peak)
 
 
 if __name__ == "__main__":
