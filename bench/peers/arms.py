@@ -1,9 +1,23 @@
 """Running a peer script's arms side by side: step times with the arms alternated (A B C, then
 C B A), one JSON line per arm, and the process's peak memory (Linux `/proc/self`)."""
 
+import argparse
 import json
 import statistics
 import time
+
+
+def parser(arms):
+    """The peer scripts' common arguments: the shape (N=1024, H=896, V=151936 by default), the
+    dtype, the rounds and `--only ARM` (one of `arms`, alone in its process, with its memory)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--only", choices=arms)
+    return p
 
 
 def alternated(arms, rounds, step):

@@ -14,7 +14,6 @@ run each arm in a process of its own for that.
 Usage: python bench/peers/jax_token_stats.py [--n 1024] [--hidden 896] [--vocab 151936]
 [--dtype f32|bf16] [--rounds 3] [--only flashgrpo|jax]"""
 
-import argparse
 
 import jax
 
@@ -23,7 +22,7 @@ jax.config.update("jax_platforms", "cpu")
 import jax.numpy as jnp  # noqa: E402
 
 import flashgrpo.jax as fj  # noqa: E402
-from arms import alternated, print_arms, reset_peak, resident_mib  # noqa: E402
+from arms import alternated, parser, print_arms, reset_peak, resident_mib  # noqa: E402
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
@@ -41,13 +40,7 @@ def objective(arm, hidden, weight, target, d_nll, d_ent):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--n", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=896)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--dtype", choices=DTYPES, default="f32")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--only", choices=["flashgrpo", "jax"])
+    p = parser(["flashgrpo", "jax"])
     a = p.parse_args()
     k = jax.random.split(jax.random.PRNGKey(0), 5)
     dtype = DTYPES[a.dtype]

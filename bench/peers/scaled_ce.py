@@ -19,14 +19,13 @@ same process, per round after a first one discarded: what the step costs against
 Usage: python bench/peers/scaled_ce.py [--n 1024] [--hidden 896] [--vocab 151936] [--dtype f32|bf16]
 [--rounds 3] [--only flashgrpo|flashgrpo-two-calls|liger] [--split]"""
 
-import argparse
 import json
 import time
 
 import torch
 
 import flashgrpo.torch as ft
-from arms import alternated, print_arms, reset_peak, resident_mib
+from arms import alternated, parser, print_arms, reset_peak, resident_mib
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -68,13 +67,7 @@ def split(hidden, weight, target, d_nll, d_ent, rounds):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--n", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=896)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--dtype", choices=DTYPES, default="f32")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--only", choices=["flashgrpo", "flashgrpo-two-calls", "liger"])
+    p = parser(["flashgrpo", "flashgrpo-two-calls", "liger"])
     p.add_argument("--split", action="store_true")
     a = p.parse_args()
     torch.manual_seed(0)
