@@ -140,6 +140,10 @@ impl Measured {
     fn p50(&self) -> f64 {
         median(&self.times)
     }
+
+    fn with_pass_floor(self, pass_floor_s: Option<f64>) -> Self {
+        Self { pass_floor_s, ..self }
+    }
 }
 
 /// One bench run on a device.
@@ -306,17 +310,18 @@ impl<R: Runner> FloatVisitorOwned for LogitsSteps<'_, R> {
                 let mut logits = runner.zeros::<T>(len)?;
                 let floor = runner.pass_floor(&mut logits, None);
                 let restore = |l: &mut R::Buffer<T>| Ok(runner.refill(&host, l)?);
-                let measured = timer.time(logits, restore, |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)?;
-                Ok(Measured { pass_floor_s: floor, ..measured })
+                timer
+                    .time(logits, restore, |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)
+                    .map(|m| m.with_pass_floor(floor))
             }
             // Each step on the previous step's gradient (same work, no second logits-sized
             // buffer: for shapes that would not fit twice).
             BenchImpl::FusedInplace => {
                 let mut logits = runner.upload(host)?;
                 let floor = runner.pass_floor(&mut logits, None);
-                let measured =
-                    timer.time(logits, |_| Ok(()), |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)?;
-                Ok(Measured { pass_floor_s: floor, ..measured })
+                timer
+                    .time(logits, |_| Ok(()), |l| Ok(runner.forward_backward(spec, l, None)?.loss), 0)
+                    .map(|m| m.with_pass_floor(floor))
             }
             BenchImpl::Fused if cfg.fresh_gradient => {
                 // The previous step's buffer is freed untimed, before the next step.
@@ -338,8 +343,7 @@ impl<R: Runner> FloatVisitorOwned for LogitsSteps<'_, R> {
                 let floor = runner.pass_floor(&mut logits, Some(&mut grad));
                 let step =
                     |(l, g): &mut (R::Buffer<T>, R::Buffer<T>)| Ok(runner.forward_backward(spec, l, Some(g))?.loss);
-                let measured = timer.time((logits, grad), |_| Ok(()), step, bytes)?;
-                Ok(Measured { pass_floor_s: floor, ..measured })
+                timer.time((logits, grad), |_| Ok(()), step, bytes).map(|m| m.with_pass_floor(floor))
             }
             _ => unreachable!("bench::main refuses fused-linear without `hidden_size`"),
         }

@@ -5,7 +5,7 @@
 //! [`ChunkBudget`].
 
 use crate::engine::LossSpec;
-use crate::inputs::{BatchShard, CrossEntropyInputs, IsRatio, Loss, Op, PolicyInputs, Rows};
+use crate::inputs::{BatchShard, CrossEntropyInputs, IsRatio, Loss, PolicyInputs, Rows};
 use crate::linear::ChunkBudget;
 use crate::options::LossOptions;
 
@@ -118,12 +118,6 @@ impl LossInputs {
 
     /// Whether the op has a gradient output ([`Op::has_gradient`]).
     pub fn has_gradient(&self) -> bool {
-        let op = match self.kind {
-            LossKind::Grpo { .. } => Op::Grpo,
-            LossKind::CrossEntropy { .. } => Op::CrossEntropy,
-            LossKind::Entropy => Op::Entropy,
-            LossKind::Logprob => Op::Logprob,
-        };
-        op.has_gradient(&self.options)
+        self.spec(0).loss.has_gradient(&self.options)
     }
 }

@@ -91,9 +91,7 @@ impl RowAddresses {
             batch_shard: None,
         })
     }
-}
 
-impl RowAddresses {
     /// [`DeferredGradient::from_rows`] for `op` over these rows: the shared part of both calls'
     /// `deferred_from_rows`.
     ///

@@ -19,7 +19,7 @@
 use std::sync::Mutex;
 
 use flashgrpo_kernels::{
-    with_element, ChunkBudget, DType, GradientTarget, LinearGradients, LossInputs, LossOutput, LossSpec,
+    with_element, ChunkBudget, DType, GradientTarget, LinearGradients, LossInputs, LossOutput, LossSpec, Op,
     OutputUpstreams, PartialRowStats, PreparedLinearLoss, PreparedLoss, RowGradient,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -62,15 +62,16 @@ impl KeptRows {
     /// Refuses an op whose kept gradients would not be linear in each row's own upstream: the
     /// token statistics are the `logprob` op's; a per-token loss term is kept for the row-local
     /// ops only (not GRPO, whose rows share a sequence's or the batch's weights).
-    fn check(self, op: &str) -> Result<()> {
-        let allowed: &[&str] = match self {
-            Self::Loss => &["logprob", "cross_entropy", "entropy"],
-            Self::TokenStats => &["logprob"],
+    fn check(self, op: Op) -> Result<()> {
+        let allowed: &[Op] = match self {
+            Self::Loss => &[Op::Logprob, Op::CrossEntropy, Op::Entropy],
+            Self::TokenStats => &[Op::Logprob],
         };
         if allowed.contains(&op) {
             Ok(())
         } else {
-            Err(format!("kept outputs `{self:?}` are for the ops {allowed:?}, not `{op}`"))
+            let names: Vec<_> = allowed.iter().map(|op| op.name()).collect();
+            Err(format!("kept outputs `{self:?}` are for the ops {names:?}, not `{}`", op.name()))
         }
     }
 }
@@ -167,8 +168,8 @@ impl DeferredGradient {
 
     /// A deferred gradient from the unit row gradients of the outputs `kept` that a caller kept
     /// ([`Self::unit_row_values`]: a JAX forward's residual) and the upstream of each of those
-    /// outputs (`upstreams`, one per row each, in [`KeptRows::outputs`] order), so that the backward streams the vocabulary once,
-    /// not twice. Each row's gradient is `sum_k upstream_k[i] * unit_k[i]`: every kept output's
+    /// outputs (`upstreams`, one per row each, in [`KeptRows::outputs`] order), so that the
+    /// backward streams the vocabulary once, not twice. Each row's gradient is `sum_k upstream_k[i] * unit_k[i]`: every kept output's
     /// gradient is linear in its upstream (a row-local loss term, the entropy, the `lse`).
     pub(crate) fn from_rows(
         spec: &LossSpec<'_>,
@@ -178,7 +179,7 @@ impl DeferredGradient {
         (kept, values): (KeptRows, &[f32]),
         upstreams: &[&[f32]],
     ) -> Result<Self> {
-        kept.check(spec.loss.name())?;
+        kept.check(spec.loss.op())?;
         let (n, outputs) = (spec.rows.len(), kept.outputs());
         if values.len() != ROW_VALUES * outputs.len() * n {
             return Err(format!("{} row-gradient values for {n} rows and the outputs {outputs:?}", values.len()));
@@ -202,7 +203,7 @@ impl DeferredGradient {
     /// for its backward ([`Self::from_rows`]).
     pub(crate) fn unit_row_values(&self, outputs: KeptRows) -> Result<Vec<f32>> {
         let spec = self.inputs.spec(self.vocab);
-        outputs.check(spec.loss.name())?;
+        outputs.check(spec.loss.op())?;
         let kept = self.kept.lock().map_err(|_| message("a previous backward panicked"))?;
         let kept = kept.as_ref().ok_or_else(|| message("the row gradients were already used"))?;
         let values = |g: &RowGradient| [g.lse, g.a, g.b, g.c, g.d];

@@ -141,11 +141,24 @@ fn write_outputs(call: &Call<'_>, output: &LossOutput, rows: usize) -> Result<()
     Ok(())
 }
 
-fn logits_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
+/// The loss over the logits (argument 0) and the per-row inputs after them, with no gradient
+/// buffer (the caller sets one). `widened` holds int32 targets widened for the call.
+fn logits_call<'c>(call: &'c Call<'_>, widened: &mut Vec<i64>) -> Result<LogitsCall<'c>> {
     let logits = call.arg(0)?;
     let shape = rows_of(logits, "logits")?;
-    let mut widened = Vec::new();
-    let rows = per_row_inputs(call, 1, shape, &mut widened)?;
+    Ok(LogitsCall {
+        op: call.string_attr("op")?,
+        dtype: dtype_name(logits, "logits")?,
+        options: call.string_attr("options")?,
+        rows: per_row_inputs(call, 1, shape, widened)?,
+        logits: address(logits),
+        grad: 0,
+        in_place: false,
+    })
+}
+
+fn logits_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
+    let logits = call.arg(0)?;
     let grad = if with_gradient { Some(call.ret(1 + 5)?) } else { None };
     // The gradient result aliased to the logits (`in_place=True`): written over them.
     let in_place = grad.is_some_and(|g| g.data == logits.data);
@@ -156,18 +169,12 @@ fn logits_loss(call: &Call<'_>, with_gradient: bool) -> Result<()> {
         }
         _ => 0,
     };
-    let run = LogitsCall {
-        op: call.string_attr("op")?,
-        dtype: dtype_name(logits, "logits")?,
-        options: call.string_attr("options")?,
-        rows,
-        logits: address(logits),
-        grad,
-        in_place,
-    };
+    let mut widened = Vec::new();
+    let run = LogitsCall { grad, in_place, ..logits_call(call, &mut widened)? };
+    let rows = run.rows.batch * run.rows.seq_len;
     // SAFETY: XLA's buffers, live for the call; the gradient is a result of its own.
     let output = unsafe { run.run() }?;
-    write_outputs(call, &output, shape.0 * shape.1)
+    write_outputs(call, &output, rows)
 }
 
 /// The fused-linear call of a frame whose first arguments are `hidden`, `weight`, `bias` and the
@@ -270,27 +277,11 @@ fn kept_rows<'c>(call: &'c Call<'_>, first: usize, rows: usize) -> Result<KeptAr
     Ok(((kept, values), outputs.iter().enumerate().map(upstream).collect::<Result<_>>()?))
 }
 
-/// The loss over the logits (argument 0) and the per-row inputs after them, without a gradient
-/// buffer: what the rows calls run. `widened` holds int32 targets widened for the call.
-fn logits_rows_call<'c>(call: &'c Call<'_>, widened: &mut Vec<i64>) -> Result<LogitsCall<'c>> {
-    let logits = call.arg(0)?;
-    let shape = rows_of(logits, "logits")?;
-    Ok(LogitsCall {
-        op: call.string_attr("op")?,
-        dtype: dtype_name(logits, "logits")?,
-        options: call.string_attr("options")?,
-        rows: per_row_inputs(call, 1, shape, widened)?,
-        logits: address(logits),
-        grad: 0,
-        in_place: false,
-    })
-}
-
 /// The forward of per-token outputs of a loss over logits under `jax.grad` (`token_stats`):
 /// results as [`write_kept_rows`].
 fn logits_rows(call: &Call<'_>) -> Result<()> {
     let mut widened = Vec::new();
-    let run = logits_rows_call(call, &mut widened)?;
+    let run = logits_call(call, &mut widened)?;
     let rows = run.rows.batch * run.rows.seq_len;
     // SAFETY: XLA's buffers, live for the call.
     let (output, deferred) = unsafe { run.run_deferred() }?;
@@ -313,7 +304,7 @@ fn logits_rows_gradient(call: &Call<'_>) -> Result<()> {
     }
     flashgrpo_kernels::huge_pages::advise(grad.data as usize, grad.len() * grad_element_size(grad)?);
     let mut widened = Vec::new();
-    let run = logits_rows_call(call, &mut widened)?;
+    let run = logits_call(call, &mut widened)?;
     let (kept, upstreams) = kept_rows(call, 9, run.rows.batch * run.rows.seq_len)?;
     // SAFETY: XLA's buffers, live for the call; the gradient is a result of its own.
     unsafe {

@@ -177,7 +177,7 @@ _logits_loss.defvjp(_logits_loss_fwd, _logits_loss_bwd)
 
 
 # Per-token outputs each back-propagated with its own cotangent, whose gradient waits for the
-# backward (``token_stats``; a fused-linear loss's per-token term): the forward's custom call keeps
+# backward (``token_stats``, ``entropy``, a fused-linear loss's per-token term): the forward's custom call keeps
 # each row's unit gradient scalars of every such output, the backward's folds the cotangents into
 # them and streams the vocabulary once.
 
