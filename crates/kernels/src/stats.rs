@@ -31,8 +31,8 @@ pub struct PartialRowStats {
     pub sum_u: f32,
     /// `u` at the target, when the target falls in this part, in f64: the exact product of the
     /// logit and the f32 inverse temperature where the sums are of exact products (the base-2
-    /// pass, whose one FMA takes a logit to its exponent: `cpu/row.rs`), else the f32 `u` the
-    /// sums were taken of (a row shorter than a vector, the CUDA passes). Either way consistent
+    /// pass, whose one FMA takes a logit to its exponent: `cpu/row/statistics_pass.rs`), else the
+    /// f32 `u` the sums were taken of (a row shorter than a vector, the CUDA passes). Either way consistent
     /// with the sums, so a one-token vocabulary gets `log p = 0` exactly; the exact product takes
     /// the target's rounding (half an ulp of `u`: 1e-6 at `u` ~ 30) out of `log p`.
     pub target_u: Option<f64>,
@@ -107,8 +107,9 @@ impl PartialRowStats {
 
     /// The non-finite check, at no extra pass over the logits: a NaN poisons `sum_exp`, a +Inf
     /// the maximum, a -Inf `sum_exp_shifted` (`exp(-inf) * -inf`); the CPU's base-2 statistics
-    /// pass (`cpu/row.rs`) makes `sum_exp` NaN for any of them. `sum_u` is not consulted: it
-    /// may overflow for finite logits near `f32::MIN` (used to mask vocabulary entries).
+    /// pass (`cpu/row/statistics_pass.rs`) makes `sum_exp` NaN for any of them. `sum_u` is not
+    /// consulted: it may overflow for finite logits near `f32::MIN` (used to mask vocabulary
+    /// entries).
     pub fn is_finite(&self) -> bool {
         self.max.is_finite()
             && self.sum_exp.is_finite()
