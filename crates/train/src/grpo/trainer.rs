@@ -25,13 +25,13 @@ use super::checkpoint::{checkpoint_dir, save_checkpoint, Resume, TrainerState};
 use super::completions_log;
 use super::config::GrpoConfig;
 use super::ref_sync;
-use super::rollouts::RolloutSetup;
-use super::update::{update, EngineBuffers, Objective, UpdateBatch, UpdateInputs};
+use super::rollouts::{Groups, RolloutSetup};
+use super::update::{update, EngineBuffers, Objective, TokenSums, UpdateBatch, UpdateInputs};
 use crate::error::{Result, TrainError};
 use crate::head_loss::LossConfig;
-use crate::metrics::{self, record, MetricsLog};
-use crate::model::{Qwen2, Sampling};
-use crate::optim::Updater;
+use crate::metrics::{self, record, HeapProbe, MetricsLog, Record};
+use crate::model::{Params, Qwen2, Sampling};
+use crate::optim::{StepReport, Updater};
 use crate::parallel::{check_weights, Mesh};
 use crate::progress::Progress;
 use crate::rewards::{correctness, sample_std, REWARD_NAMES};
@@ -160,211 +160,239 @@ fn mean(v: &[f64]) -> f64 {
     }
 }
 
-/// Trains `model` in place.
+/// Trains `model` in place: the run's setup ([`Trainer::start`]: checks, optimiser, the
+/// evaluation before), then each step as llm.c writes one — rollout, the log-probabilities the
+/// loss compares against, the update, the step's record — then the summary.
 pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
-    let GrpoRun {
-        config,
-        loss,
-        train,
-        eval,
-        tokenizer,
-        eos,
-        pad,
-        side_files,
-        reference,
-        seed,
-        out,
-        log,
-        progress,
-        resume,
-        stop_after,
-        after_step,
-        mesh,
-        check_weights_every,
-    } = run;
-    let (comm, world) = (mesh.data(), mesh.world);
-    config.validate()?;
-    config.check_ranks(comm.size())?;
-    flashgrpo_kernels::matmul::set_batch_invariant(config.batch_invariant);
-    let ranks = world.size();
-    if let Some(r) = resume {
-        if r.state.world_size != ranks {
-            return Err(TrainError::Other(format!(
-                "the checkpoint was written by {} data-parallel ranks and this run has {ranks}: resume with `mpirun -np {}`",
-                r.state.world_size, r.state.world_size
-            )));
-        }
-    }
-    let progress = progress && world.is_root();
-    if train.is_empty() {
-        return Err(TrainError::Other("GRPO: no training prompts".into()));
-    }
-    let mut options: LossOptions = loss.options.clone();
-    if options.max_completion_length.is_none() {
-        options.max_completion_length = Some(config.max_new_tokens);
-    }
-    let beta = options.beta;
-    if beta != 0.0 && reference.is_none() {
-        return Err(TrainError::Other("loss.beta != 0 needs a reference model".into()));
-    }
-    let params = &model.params;
-    let total_optimizer_steps = config.steps * config.ppo_epochs;
-    let (mut updater, mut state) = match resume {
-        Some(c) => (
-            Updater::restore(
-                params,
-                config.optim,
-                total_optimizer_steps,
-                &c.optimizer,
-                c.state.optimizer_steps,
-                c.state.skipped_steps,
-            )?,
-            c.state.clone(),
-        ),
-        None => (
-            Updater::new(params, config.optim, total_optimizer_steps)?,
-            TrainerState {
-                step: 0,
-                rng: Rng::new(seed ^ 0x6E90).state(),
-                optimizer_steps: 0,
-                skipped_steps: 0,
-                eval_before: None,
-                eval_greedy_before: None,
-                recent_step_s: Vec::new(),
-                world_size: ranks,
-                adaptive_entropy: None,
-            },
-        ),
-    };
-    let evaluation = Evaluation {
-        sampling: config.eval_sampling(),
-        samples: config.eval_samples,
-        batch_size: config.eval_batch_size,
-        tokenizer,
-        eos,
-        pad,
-        comm,
-    };
-    let greedy = Evaluation { sampling: Sampling { temperature: 0.0, ..evaluation.sampling }, ..evaluation };
-    let greedy_at = |model: &Qwen2| -> Result<Option<f64>> {
-        if eval.is_empty() || config.eval_temperature() == 0.0 {
-            return Ok(None);
-        }
-        Ok(Some(greedy.accuracy(model, eval, 0)?))
-    };
-    let eval_at = |model: &Qwen2, step: usize| -> Result<Option<f64>> {
-        if eval.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(evaluation.accuracy(model, eval, seed ^ 0xE7A1 ^ step as u64)?))
-    };
-    if resume.is_none() {
-        state.eval_before = eval_at(model, 0)?;
-        state.eval_greedy_before = greedy_at(model)?;
-        if let Some(a) = state.eval_before {
-            let mut r = record(json!({"step": 0, "eval/accuracy": a}));
-            if let Some(g) = state.eval_greedy_before {
-                r.insert("eval/accuracy_greedy".into(), json!(g));
-            }
-            if world.is_root() {
-                log.write(&r)?;
-            }
-        }
-    }
-    let mut rng = Rng::from_state(state.rng);
-    let mut adaptive =
-        config.use_adaptive_entropy.then(|| state.adaptive_entropy.unwrap_or_else(|| AdaptiveEntropy::start(&options)));
-    let rollouts = RolloutSetup { config, train, tokenizer, eos, comm };
-    let mut bar = Progress::new("grpo", config.steps, state.step, progress, world.is_root());
-    let probe = metrics::heap_probe();
-    metrics::reset_peak_rss();
-    let (mut rewards_per_step, mut update_times) = (Vec::new(), Vec::new());
-    let mut update_peak: Option<usize> = None;
-    let mut eval_after = state.eval_before;
-    let mut eval_greedy_after = state.eval_greedy_before;
-    let ckpt = checkpoint_dir(out);
-    let mut engine = EngineBuffers::default();
-    let resumed_at = resume.map(|r| r.state.step);
-    let mut completions =
-        (config.log_completions && world.is_root()).then(|| completions_log::open(out, resumed_at)).transpose()?;
-    while state.step < config.steps {
-        let step = state.step + 1;
+    let mut t = Trainer::start(model, run)?;
+    while t.state.step < t.run.config.steps {
         let started = Instant::now();
+        let groups = t.rollouts().run(model, &mut t.engine.rollout, &mut t.rng)?;
+        let mut scored = t.score(model, &groups)?;
+        let updated = t.update(model, &groups, &mut scored)?;
+        let step_s = t.advance(started, &updated);
+        let step = t.state.step;
+        let mut r = t.record(&groups, &scored, &updated, step_s);
+        t.evaluate(model, step, &mut r)?;
+        t.write_step(model, &groups, &r, updated.seconds)?;
+        if t.run.stop_after == Some(step) {
+            break;
+        }
+        if let Some(hook) = t.run.after_step {
+            (hook.0)(step);
+        }
+    }
+    Ok(t.finish())
+}
 
-        // Rollout, rewards and advantages.
-        let groups = rollouts.run(model, &mut engine.rollout, &mut rng)?;
-        let (rollout_s, reward_s) = (groups.rollout_s, groups.reward_s);
+/// A GRPO run in progress: what [`train_grpo`] keeps from step to step.
+struct Trainer<'a> {
+    run: GrpoRun<'a>,
+    /// The `loss:` section's options, `max_completion_length` filled from the config.
+    options: LossOptions,
+    updater: Updater,
+    state: TrainerState,
+    held_out: HeldOut<'a>,
+    rng: Rng,
+    adaptive: Option<AdaptiveEntropy>,
+    bar: Progress,
+    probe: Option<&'static HeapProbe>,
+    engine: EngineBuffers,
+    /// `completions.jsonl` (`log_completions`, rank 0).
+    completions: Option<MetricsLog>,
+    rewards_per_step: Vec<f64>,
+    update_times: Vec<f64>,
+    update_peak: Option<usize>,
+    eval_after: Option<f64>,
+    eval_greedy_after: Option<f64>,
+}
 
-        // Micro-batches, and the log-probabilities the loss compares against.
-        let logprob_started = Instant::now();
-        let mut batch = UpdateBatch::new(&groups.prompts, &groups.completions, config.micro_batch_size, pad)?;
+/// A step's micro-batches and the log-probabilities its loss compares against.
+struct Scored {
+    batch: UpdateBatch,
+    /// The loss options of this step (the adaptive entropy coefficient's, where it adapts).
+    options: LossOptions,
+    /// Per micro-batch (taken by the update): the rollout policy's, the reference model's, the
+    /// sampler's as the loss takes them, and as it recorded them.
+    old_logp: Option<Vec<Vec<f32>>>,
+    ref_logp: Option<Vec<Vec<f32>>>,
+    sampling_logp: Option<Vec<Vec<f32>>>,
+    recorded_logp: Option<Vec<Vec<f32>>>,
+    valid_tokens: usize,
+    seconds: f64,
+}
+
+/// What a step's update did.
+struct Updated {
+    losses: Vec<f64>,
+    sums: TokenSums,
+    report: StepReport,
+    /// Mixes of the policy into the reference model (TRL's `sync_ref_model`).
+    mixes: usize,
+    /// The heap the update took above what was live before it (with a heap probe installed).
+    heap: Option<usize>,
+    seconds: f64,
+}
+
+impl<'a> Trainer<'a> {
+    /// Checks the run, builds (or restores) the optimiser and the trainer's state, and measures
+    /// the held-out accuracy before the first step (not on a resumed run: its checkpoint has it).
+    fn start(model: &Qwen2, run: GrpoRun<'a>) -> Result<Self> {
+        check_run(&run)?;
+        let (config, world) = (run.config, run.mesh.world);
+        flashgrpo_kernels::matmul::set_batch_invariant(config.batch_invariant);
+        let mut options: LossOptions = run.loss.options.clone();
+        if options.max_completion_length.is_none() {
+            options.max_completion_length = Some(config.max_new_tokens);
+        }
+        let (updater, mut state) = optimiser_and_state(&model.params, &run)?;
+        let held_out = HeldOut::of(&run);
+        if run.resume.is_none() {
+            (state.eval_before, state.eval_greedy_before) = held_out.before(model, run.log, world)?;
+        }
+        let adaptive = config
+            .use_adaptive_entropy
+            .then(|| state.adaptive_entropy.unwrap_or_else(|| AdaptiveEntropy::start(&options)));
+        let bar = Progress::new("grpo", config.steps, state.step, run.progress && world.is_root(), world.is_root());
+        let probe = metrics::heap_probe();
+        metrics::reset_peak_rss();
+        let resumed_at = run.resume.map(|r| r.state.step);
+        let completions = (config.log_completions && world.is_root())
+            .then(|| completions_log::open(run.out, resumed_at))
+            .transpose()?;
+        Ok(Self {
+            rng: Rng::from_state(state.rng),
+            eval_after: state.eval_before,
+            eval_greedy_after: state.eval_greedy_before,
+            run,
+            options,
+            updater,
+            state,
+            held_out,
+            adaptive,
+            bar,
+            probe,
+            engine: EngineBuffers::default(),
+            completions,
+            rewards_per_step: Vec::new(),
+            update_times: Vec::new(),
+            update_peak: None,
+        })
+    }
+
+    fn rollouts(&self) -> RolloutSetup<'a> {
+        let run = &self.run;
+        RolloutSetup {
+            config: run.config,
+            train: run.train,
+            tokenizer: run.tokenizer,
+            eos: run.eos,
+            comm: run.mesh.data(),
+        }
+    }
+
+    /// The step's micro-batches, and the log-probabilities the loss compares against: the
+    /// rollout policy's (`ppo_epochs > 1`), the reference model's (`beta != 0`), the sampler's.
+    fn score(&mut self, model: &Qwen2, groups: &Groups) -> Result<Scored> {
+        let started = Instant::now();
+        let (config, loss, comm) = (self.run.config, self.run.loss, self.run.mesh.data());
+        let mut batch = UpdateBatch::new(&groups.prompts, &groups.completions, config.micro_batch_size, self.run.pad)?;
         if config.mask_truncated_completions {
             batch.mask_sequences(&groups.truncated);
         }
         batch.share_normalisers(comm)?;
         // GRPO samples (temperature > 0), so the sampler recorded every kept completion; a rank
         // that kept none still takes part in the collectives.
-        if options.top_entropy_quantile < 1.0 {
-            batch.share_entropy_threshold(&groups.sampling_entropy, options.top_entropy_quantile, comm)?;
+        if self.options.top_entropy_quantile < 1.0 {
+            batch.share_entropy_threshold(&groups.sampling_entropy, self.options.top_entropy_quantile, comm)?;
         }
         let recorded = groups.sampling_logp.len() == groups.completions.len();
         let recorded_logp = recorded.then(|| batch.per_micro_batch(&groups.sampling_logp));
         let sampling_logp = if config.sampling_logp { recorded_logp.clone() } else { None };
-        let step_options = adaptive.map_or_else(|| options.clone(), |a| a.options(&options, config));
-        let valid_tokens = batch.valid_tokens();
-        let old_logp =
-            (config.ppo_epochs > 1).then(|| batch.logprobs(model, &mut engine.score, &options, loss)).transpose()?;
-        let ref_logp = match (beta != 0.0, reference) {
-            (true, Some(r)) => Some(batch.logprobs(r, &mut engine.score, &options, loss)?),
+        let options = self.adaptive.map_or_else(|| self.options.clone(), |a| a.options(&self.options, config));
+        let old_logp = (config.ppo_epochs > 1)
+            .then(|| batch.logprobs(model, &mut self.engine.score, &self.options, loss))
+            .transpose()?;
+        let ref_logp = match (self.options.beta != 0.0, self.run.reference) {
+            (true, Some(r)) => Some(batch.logprobs(r, &mut self.engine.score, &self.options, loss)?),
             _ => None,
         };
-        let logprob_s = logprob_started.elapsed().as_secs_f64();
+        let valid_tokens = batch.valid_tokens();
+        let seconds = started.elapsed().as_secs_f64();
+        Ok(Scored { batch, options, old_logp, ref_logp, sampling_logp, recorded_logp, valid_tokens, seconds })
+    }
 
-        // Update.
-        let update_started = Instant::now();
-        let live_before = probe.map(|p| {
+    /// The update over the step's micro-batches (`ppo_epochs` passes), then as many mixes of the
+    /// policy into the reference model as this step's optimiser steps make due.
+    fn update(&mut self, model: &Qwen2, groups: &Groups, scored: &mut Scored) -> Result<Updated> {
+        let started = Instant::now();
+        let live_before = self.probe.map(|p| {
             (p.reset_peak)();
             (p.live)()
         });
-        let objective = Objective::Grpo { advantages: &groups.advantages, old_logp, ref_logp, sampling_logp };
-        let inputs = UpdateInputs { batch: &batch, objective, options: &step_options, loss, recorded_logp };
-        let steps_before = updater.steps;
-        let (losses, sums, report) = update(model, &inputs, config.ppo_epochs, &mut updater, &mut engine, mesh)?;
-        let update_s = update_started.elapsed().as_secs_f64();
+        let objective = Objective::Grpo {
+            advantages: &groups.advantages,
+            old_logp: scored.old_logp.take(),
+            ref_logp: scored.ref_logp.take(),
+            sampling_logp: scored.sampling_logp.take(),
+        };
+        let inputs = UpdateInputs {
+            batch: &scored.batch,
+            objective,
+            options: &scored.options,
+            loss: self.run.loss,
+            recorded_logp: scored.recorded_logp.take(),
+        };
+        let (config, steps_before) = (self.run.config, self.updater.steps);
+        let (losses, sums, report) =
+            update(model, &inputs, config.ppo_epochs, &mut self.updater, &mut self.engine, self.run.mesh)?;
+        let seconds = started.elapsed().as_secs_f64();
         // TRL's sync_ref_model: as many mixes as this step's optimizer steps are due.
         let mixes = if config.sync_ref_model {
-            ref_sync::due(steps_before, updater.steps, config.ref_model_sync_steps)
+            ref_sync::due(steps_before, self.updater.steps, config.ref_model_sync_steps)
         } else {
             0
         };
-        if let Some(r) = reference {
+        if let Some(r) = self.run.reference {
             for _ in 0..mixes {
                 ref_sync::mix_into(r, model, config.ref_model_mixup_alpha)?;
             }
         }
-        let step_peak = probe.map(|p| (p.peak)());
-        let update_heap = step_peak.zip(live_before).map(|(p, l)| p.saturating_sub(l));
-        update_peak = update_peak.max(update_heap);
+        let heap = self.probe.map(|p| (p.peak)()).zip(live_before).map(|(p, l)| p.saturating_sub(l));
+        self.update_peak = self.update_peak.max(heap);
+        Ok(Updated { losses, sums, report, mixes, heap, seconds })
+    }
+
+    /// Moves the state to the step just taken; returns its time.
+    fn advance(&mut self, started: Instant, updated: &Updated) -> f64 {
         let step_s = started.elapsed().as_secs_f64();
-        state.step = step;
-        state.rng = rng.state();
-        state.optimizer_steps = updater.steps;
-        state.skipped_steps = updater.skipped;
+        let state = &mut self.state;
+        state.step += 1;
+        state.rng = self.rng.state();
+        state.optimizer_steps = self.updater.steps;
+        state.skipped_steps = self.updater.skipped;
         state.recent_step_s.push(step_s);
         if state.recent_step_s.len() > 10 {
             state.recent_step_s.remove(0);
         }
-        if report.skipped {
-            bar.warn(&format!("warning: step {step} skipped (non-finite loss or gradient); the weights are unchanged"));
+        if updated.report.skipped {
+            let step = state.step;
+            self.bar.warn(&format!(
+                "warning: step {step} skipped (non-finite loss or gradient); the weights are unchanged"
+            ));
         }
+        step_s
+    }
 
-        // Metrics.
+    /// The step's metrics; the adaptive entropy coefficient observes the step's entropy here.
+    fn record(&mut self, groups: &Groups, scored: &Scored, updated: &Updated, step_s: f64) -> Record {
+        let (config, step, sums) = (self.run.config, self.state.step, &updated.sums);
         let (scores, rewards) = (&groups.scores, &groups.rewards);
         let correct: Vec<f64> = scores.iter().map(|s| s[0]).collect();
         let completion_len = mean(&groups.lengths.iter().map(|&l| l as f64).collect::<Vec<_>>());
         let mut r = record(json!({
             "step": step,
-            "train/loss": mean(&losses),
+            "train/loss": mean(&updated.losses),
             "train/reward_mean": mean(rewards),
             "train/reward_std": sample_std(rewards),
         }));
@@ -391,100 +419,218 @@ pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
         if let Some(c) = per_token(sums.have_clip, sums.clipped) {
             put("train/clip_ratio", json!(c));
         }
-        if mixes > 0 {
-            put("train/ref_model_synced", json!(mixes));
+        if updated.mixes > 0 {
+            put("train/ref_model_synced", json!(updated.mixes));
         }
         if let Some(d) = sums.rollout_logp_max_abs_diff {
             put("train/rollout_logp_max_abs_diff", json!(d));
         }
-        if let Some(a) = adaptive.as_mut() {
+        if let Some(a) = self.adaptive.as_mut() {
             put("train/entropy_coef", json!(a.coef));
             a.observe(per_token(sums.have_entropy, sums.entropy), config);
-            state.adaptive_entropy = Some(*a);
+            self.state.adaptive_entropy = Some(*a);
         }
+        let report = &updated.report;
         put("train/completion_len_mean", json!(completion_len));
         put("train/grad_norm", json!(report.grad_norm));
         put("train/lr", json!(report.lr));
-        put("train/skipped_steps", json!(updater.skipped));
-        put("time/rollout_s", json!(rollout_s));
-        put("time/reward_s", json!(reward_s));
-        put("time/logprob_s", json!(logprob_s));
-        put("time/update_s", json!(update_s));
+        put("train/skipped_steps", json!(self.updater.skipped));
+        put("time/rollout_s", json!(groups.rollout_s));
+        put("time/reward_s", json!(groups.reward_s));
+        put("time/logprob_s", json!(scored.seconds));
+        put("time/update_s", json!(updated.seconds));
+        let ranks = self.run.mesh.world.size();
         if ranks > 1 {
             put("time/comm_s", json!(report.comm_s));
             put("parallel/ranks", json!(ranks));
         }
         put("time/step_s", json!(step_s));
-        put("time/step_avg_last10_s", json!(mean(&state.recent_step_s)));
-        put("throughput/valid_tokens_per_s", json!(valid_tokens as f64 / step_s));
+        put("time/step_avg_last10_s", json!(mean(&self.state.recent_step_s)));
+        put("throughput/valid_tokens_per_s", json!(scored.valid_tokens as f64 / step_s));
         put("mem/peak_rss_bytes", json!(metrics::peak_rss_bytes()));
-        if let Some(h) = update_heap {
+        if let Some(h) = updated.heap {
             put("mem/update_peak_heap_bytes", json!(h));
         }
-        let eval_now = config.eval_every_steps > 0 && step % config.eval_every_steps == 0 || step == config.steps;
-        if eval_now {
-            eval_after = eval_at(model, step)?;
-            if let Some(a) = eval_after {
-                put("eval/accuracy", json!(a));
-            }
-            if step == config.steps {
-                eval_greedy_after = greedy_at(model)?;
-                if let Some(g) = eval_greedy_after {
-                    put("eval/accuracy_greedy", json!(g));
-                }
+        r
+    }
+
+    /// The held-out accuracy every `eval_every_steps` steps and after the last (greedy too, after
+    /// the last), into the step's record.
+    fn evaluate(&mut self, model: &Qwen2, step: usize, r: &mut Record) -> Result<()> {
+        let config = self.run.config;
+        let due = config.eval_every_steps > 0 && step.is_multiple_of(config.eval_every_steps);
+        if !(due || step == config.steps) {
+            return Ok(());
+        }
+        self.eval_after = self.held_out.sampled(model, step)?;
+        if let Some(a) = self.eval_after {
+            r.insert("eval/accuracy".into(), json!(a));
+        }
+        if step == config.steps {
+            self.eval_greedy_after = self.held_out.greedy(model)?;
+            if let Some(g) = self.eval_greedy_after {
+                r.insert("eval/accuracy_greedy".into(), json!(g));
             }
         }
-        if check_weights_every > 0 && ranks > 1 && step % check_weights_every == 0 {
+        Ok(())
+    }
+
+    /// The step's record to the log (rank 0), its completions, the ranks' weights compared, a
+    /// checkpoint where due, the progress bar.
+    fn write_step(&mut self, model: &Qwen2, groups: &Groups, r: &Record, update_s: f64) -> Result<()> {
+        let (run, step) = (&mut self.run, self.state.step);
+        let (config, world) = (run.config, run.mesh.world);
+        if run.check_weights_every > 0 && world.size() > 1 && step % run.check_weights_every == 0 {
             check_weights(&model.params, world, step)?;
         }
         if world.is_root() {
-            log.write(&r)?;
+            run.log.write(r)?;
         }
-        if let Some(c) = completions.as_mut() {
+        if let Some(c) = self.completions.as_mut() {
             completions_log::write(
                 c,
                 step,
-                &groups,
+                groups,
                 &config.reward_weights,
-                tokenizer,
+                run.tokenizer,
                 config.num_completions_to_print,
             )?;
         }
-        rewards_per_step.push(mean(rewards));
-        update_times.push(update_s);
-        if world.is_root()
-            && config.checkpoint_every > 0
-            && (step % config.checkpoint_every == 0 || step == config.steps)
-        {
-            save_checkpoint(&ckpt, model, reference, tokenizer, side_files, &updater, &state)?;
+        self.rewards_per_step.push(mean(&groups.rewards));
+        self.update_times.push(update_s);
+        let due = config.checkpoint_every > 0 && (step % config.checkpoint_every == 0 || step == config.steps);
+        if world.is_root() && due {
+            let ckpt = checkpoint_dir(run.out);
+            save_checkpoint(&ckpt, model, run.reference, run.tokenizer, run.side_files, &self.updater, &self.state)?;
         }
-        bar.set_message(metrics::summary_line(
-            &r,
-            &[("train/reward_mean", "reward"), ("train/accuracy", "acc"), ("eval/accuracy", "eval")],
-        ));
-        bar.inc();
-        if stop_after == Some(step) {
-            break;
-        }
-        if let Some(hook) = after_step {
-            (hook.0)(step);
+        let shown = [("train/reward_mean", "reward"), ("train/accuracy", "acc"), ("eval/accuracy", "eval")];
+        self.bar.set_message(metrics::summary_line(r, &shown));
+        self.bar.inc();
+        Ok(())
+    }
+
+    fn finish(mut self) -> GrpoSummary {
+        self.bar.finish();
+        let rewards = &self.rewards_per_step;
+        GrpoSummary {
+            steps: self.state.step,
+            eval_before: self.state.eval_before,
+            eval_after: self.eval_after,
+            eval_greedy_before: self.state.eval_greedy_before,
+            eval_greedy_after: self.eval_greedy_after,
+            reward_first: rewards.first().copied().unwrap_or(f64::NAN),
+            reward_last10: mean(&rewards[rewards.len().saturating_sub(10)..]),
+            reward_mean: mean(rewards),
+            step_avg_last10_s: mean(&self.state.recent_step_s),
+            update_s_mean: mean(&self.update_times),
+            peak_rss_bytes: metrics::peak_rss_bytes(),
+            update_peak_heap_bytes: self.update_peak,
+            skipped_steps: self.updater.skipped,
         }
     }
-    bar.finish();
-    let tail = &rewards_per_step[rewards_per_step.len().saturating_sub(10)..];
-    Ok(GrpoSummary {
-        steps: state.step,
-        eval_before: state.eval_before,
-        eval_after,
-        eval_greedy_before: state.eval_greedy_before,
-        eval_greedy_after,
-        reward_first: rewards_per_step.first().copied().unwrap_or(f64::NAN),
-        reward_last10: mean(tail),
-        reward_mean: mean(&rewards_per_step),
-        step_avg_last10_s: mean(&state.recent_step_s),
-        update_s_mean: mean(&update_times),
-        peak_rss_bytes: metrics::peak_rss_bytes(),
-        update_peak_heap_bytes: update_peak,
-        skipped_steps: updater.skipped,
-    })
+}
+
+/// What can be checked before anything runs: the config, the ranks (against the config and a
+/// resumed checkpoint's), the prompts, a reference model where the KL needs one.
+fn check_run(run: &GrpoRun<'_>) -> Result<()> {
+    let config = run.config;
+    config.validate()?;
+    config.check_ranks(run.mesh.data().size())?;
+    let ranks = run.mesh.world.size();
+    if let Some(r) = run.resume {
+        if r.state.world_size != ranks {
+            return Err(TrainError::Other(format!(
+                "the checkpoint was written by {} data-parallel ranks and this run has {ranks}: resume with `mpirun -np {}`",
+                r.state.world_size, r.state.world_size
+            )));
+        }
+    }
+    if run.train.is_empty() {
+        return Err(TrainError::Other("GRPO: no training prompts".into()));
+    }
+    if run.loss.options.beta != 0.0 && run.reference.is_none() {
+        return Err(TrainError::Other("loss.beta != 0 needs a reference model".into()));
+    }
+    Ok(())
+}
+
+/// The optimiser and the trainer's state: new, or restored from the checkpoint resumed.
+fn optimiser_and_state(params: &Params, run: &GrpoRun<'_>) -> Result<(Updater, TrainerState)> {
+    let config = run.config;
+    let total_optimizer_steps = config.steps * config.ppo_epochs;
+    if let Some(c) = run.resume {
+        let (steps, skipped) = (c.state.optimizer_steps, c.state.skipped_steps);
+        let updater = Updater::restore(params, config.optim, total_optimizer_steps, &c.optimizer, steps, skipped)?;
+        return Ok((updater, c.state.clone()));
+    }
+    let state = TrainerState {
+        step: 0,
+        rng: Rng::new(run.seed ^ 0x6E90).state(),
+        optimizer_steps: 0,
+        skipped_steps: 0,
+        eval_before: None,
+        eval_greedy_before: None,
+        recent_step_s: Vec::new(),
+        world_size: run.mesh.world.size(),
+        adaptive_entropy: None,
+    };
+    Ok((Updater::new(params, config.optim, total_optimizer_steps)?, state))
+}
+
+/// The held-out evaluation of a run: sampled as the config says, and greedy where that samples.
+struct HeldOut<'a> {
+    evaluation: Evaluation<'a>,
+    prompts: &'a [Prompt],
+    seed: u64,
+}
+
+impl<'a> HeldOut<'a> {
+    fn of(run: &GrpoRun<'a>) -> Self {
+        let config = run.config;
+        let evaluation = Evaluation {
+            sampling: config.eval_sampling(),
+            samples: config.eval_samples,
+            batch_size: config.eval_batch_size,
+            tokenizer: run.tokenizer,
+            eos: run.eos,
+            pad: run.pad,
+            comm: run.mesh.data(),
+        };
+        Self { evaluation, prompts: run.eval, seed: run.seed }
+    }
+
+    /// The accuracy with the evaluation's sampling (`None` without held-out prompts).
+    fn sampled(&self, model: &Qwen2, step: usize) -> Result<Option<f64>> {
+        if self.prompts.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(self.evaluation.accuracy(model, self.prompts, self.seed ^ 0xE7A1 ^ step as u64)?))
+    }
+
+    /// The greedy accuracy, where the evaluation samples (else [`HeldOut::sampled`] is greedy).
+    fn greedy(&self, model: &Qwen2) -> Result<Option<f64>> {
+        if self.prompts.is_empty() || self.evaluation.sampling.temperature == 0.0 {
+            return Ok(None);
+        }
+        let sampling = Sampling { temperature: 0.0, ..self.evaluation.sampling };
+        Ok(Some(Evaluation { sampling, ..self.evaluation }.accuracy(model, self.prompts, 0)?))
+    }
+
+    /// Both before the first step, logged (rank 0) as step 0.
+    fn before(
+        &self,
+        model: &Qwen2,
+        log: &mut MetricsLog,
+        world: &dyn Collective,
+    ) -> Result<(Option<f64>, Option<f64>)> {
+        let (sampled, greedy) = (self.sampled(model, 0)?, self.greedy(model)?);
+        if let (Some(a), true) = (sampled, world.is_root()) {
+            let mut r = record(json!({"step": 0, "eval/accuracy": a}));
+            if let Some(g) = greedy {
+                r.insert("eval/accuracy_greedy".into(), json!(g));
+            }
+            log.write(&r)?;
+        }
+        Ok((sampled, greedy))
+    }
 }
