@@ -16,10 +16,10 @@ use tokenizers::Tokenizer;
 use crate::data::sloppy_teacher::sloppy_answers;
 use crate::data::Gsm8kProblem;
 use crate::error::{io, Result, TrainError};
-use crate::grpo::{train_grpo, Checkpoint, GrpoRun, GrpoSummary, Prompt, StepHook};
+use crate::grpo::{train_grpo, Checkpoint, GrpoRun, GrpoSummary, Prompt, Resume, StepHook};
 use crate::head_loss::{LossConfig, LossImpl};
 use crate::metrics::MetricsLog;
-use crate::model::{load_tokenizer, save_model};
+use crate::model::{load_tokenizer, save_model, Qwen2};
 use crate::parallel::{broadcast_weights, Mesh};
 use crate::plot::plot_metrics;
 use crate::prompt::PromptFormat;
@@ -141,16 +141,8 @@ fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary
 
     let checkpoint = options.resume.as_deref().map(Checkpoint::load).transpose()?;
     let (setup, reference, warm_start, resume) = match checkpoint {
-        Some(Checkpoint { model, reference, tokenizer_dir: model_dir, resume }) => {
-            let tokenizer = load_tokenizer(&model_dir)?;
-            let trained = config.model.path.is_none() && config.tokenizer.path.is_none();
-            // Every rank reads the checkpoint (a shared filesystem on several machines): prove
-            // they read the same weights.
-            crate::parallel::check_weights(&model.params, comm, resume.state.step)?;
-            // The checkpoint's model directory holds the side files the run started with.
-            let side_files = SideFiles { tokenizer_dir: Some(model_dir.clone()), model_dir: Some(model_dir) };
-            let SpecialIds { eos, stop, pad } = special_ids(&model, &tokenizer, &side_files)?;
-            let setup = Setup { model, tokenizer, eos, stop, pad, trained_tokenizer: trained, side_files };
+        Some(checkpoint) => {
+            let (setup, reference, resume) = resumed_setup(config, checkpoint, comm)?;
             (setup, reference, None, Some(resume))
         }
         None => {
@@ -206,25 +198,48 @@ fn grpo_job(config: &TrainConfig, options: &JobOptions) -> Result<GrpoJobSummary
     let model_dir = out.join("model");
     save_model(&setup.model, &model_dir, None)?;
     save_tokenizer(&setup.tokenizer, &model_dir, &setup.side_files)?;
-    write_json(
-        &out.join("summary.json"),
-        &json!({
-            "warm_start": warm_start.as_ref().map(|w| json!({
-                "steps": config.sft.steps, "first_loss": w.first_loss, "last_loss": w.last_loss,
-                "eval_loss_before": w.eval_before, "eval_loss_after": w.eval_after, "step_s_mean": w.step_s_mean,
-            })),
-            "grpo": {
-                "steps": grpo.steps, "eval_accuracy_before": grpo.eval_before, "eval_accuracy_after": grpo.eval_after,
-                "reward_first": grpo.reward_first, "reward_last10": grpo.reward_last10, "reward_mean": grpo.reward_mean,
-                "step_avg_last10_s": grpo.step_avg_last10_s, "update_s_mean": grpo.update_s_mean,
-                "peak_rss_bytes": grpo.peak_rss_bytes, "update_peak_heap_bytes": grpo.update_peak_heap_bytes,
-                "skipped_steps": grpo.skipped_steps,
-            },
-        }),
-    )?;
+    write_json(&out.join("summary.json"), &job_summary(config.sft.steps, warm_start.as_ref(), &grpo))?;
     plot_metrics(log.path(), &out.join("plots"))?;
     comm.barrier()?;
     Ok(GrpoJobSummary { warm_start, grpo, out })
+}
+
+/// The model, tokenizer, reference model and trainer state of a run that resumes from
+/// `checkpoint`.
+fn resumed_setup(
+    config: &TrainConfig,
+    checkpoint: Checkpoint,
+    comm: &dyn Collective,
+) -> Result<(Setup, Option<Qwen2>, Resume)> {
+    let Checkpoint { model, reference, tokenizer_dir: model_dir, resume } = checkpoint;
+    let tokenizer = load_tokenizer(&model_dir)?;
+    let trained = config.model.path.is_none() && config.tokenizer.path.is_none();
+    // Every rank reads the checkpoint (a shared filesystem on several machines): prove they read
+    // the same weights.
+    crate::parallel::check_weights(&model.params, comm, resume.state.step)?;
+    // The checkpoint's model directory holds the side files the run started with.
+    let side_files = SideFiles { tokenizer_dir: Some(model_dir.clone()), model_dir: Some(model_dir) };
+    let SpecialIds { eos, stop, pad } = special_ids(&model, &tokenizer, &side_files)?;
+    let setup = Setup { model, tokenizer, eos, stop, pad, trained_tokenizer: trained, side_files };
+    Ok((setup, reference, resume))
+}
+
+/// `summary.json`: the warm start's figures (`sft_steps` of them, where there was one) and the
+/// GRPO run's.
+fn job_summary(sft_steps: usize, warm_start: Option<&SftSummary>, grpo: &GrpoSummary) -> serde_json::Value {
+    json!({
+        "warm_start": warm_start.map(|w| json!({
+            "steps": sft_steps, "first_loss": w.first_loss, "last_loss": w.last_loss,
+            "eval_loss_before": w.eval_before, "eval_loss_after": w.eval_after, "step_s_mean": w.step_s_mean,
+        })),
+        "grpo": {
+            "steps": grpo.steps, "eval_accuracy_before": grpo.eval_before, "eval_accuracy_after": grpo.eval_after,
+            "reward_first": grpo.reward_first, "reward_last10": grpo.reward_last10, "reward_mean": grpo.reward_mean,
+            "step_avg_last10_s": grpo.step_avg_last10_s, "update_s_mean": grpo.update_s_mean,
+            "peak_rss_bytes": grpo.peak_rss_bytes, "update_peak_heap_bytes": grpo.update_peak_heap_bytes,
+            "skipped_steps": grpo.skipped_steps,
+        },
+    })
 }
 
 /// The tokenizer and model of a run that does not resume, after its SFT warm start (saved in
