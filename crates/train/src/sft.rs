@@ -18,7 +18,7 @@ use crate::grpo::update::{batch_loss, update, EngineBuffers, UpdateBatch, Update
 use crate::head_loss::LossConfig;
 use crate::metrics::{self, record, MetricsLog, Record};
 use crate::model::Qwen2;
-use crate::optim::{OptimConfig, Updater};
+use crate::optim::{OptimConfig, StepReport, Updater};
 use crate::progress::Progress;
 use crate::tokenizer::encode;
 
@@ -194,7 +194,76 @@ pub struct SftRun<'a> {
     pub check_weights_every: usize,
 }
 
-/// Trains `model` in place.
+/// The training examples in a new random order for each pass over them.
+struct Shuffled {
+    rng: Rng,
+    order: Vec<usize>,
+}
+
+impl Shuffled {
+    fn new(seed: u64) -> Self {
+        Self { rng: Rng::new(seed), order: Vec::new() }
+    }
+
+    /// The next of `len` examples (a Fisher-Yates shuffle of `0..len` once the last pass is used).
+    fn next(&mut self, len: usize) -> usize {
+        if self.order.is_empty() {
+            self.order = (0..len).collect();
+            for i in (1..len).rev() {
+                self.order.swap(i, self.rng.below(i + 1));
+            }
+        }
+        self.order.pop().expect("refilled")
+    }
+}
+
+/// One optimiser step on `batch` (this rank's share of the step's examples): the normalisers
+/// shared over the ranks, cross-entropy of the completion tokens. Returns the step's loss, its
+/// tokens on this rank and the optimiser's report.
+fn sft_update(
+    model: &Qwen2,
+    mut batch: UpdateBatch,
+    loss: &LossConfig,
+    updater: &mut Updater,
+    engine: &mut EngineBuffers,
+    mesh: &crate::parallel::Mesh<'_>,
+) -> Result<(f64, usize, StepReport)> {
+    batch.share_normalisers(mesh.data())?;
+    let tokens = batch.valid_tokens();
+    let inputs = UpdateInputs::cross_entropy(&batch, loss);
+    let (losses, _, report) = update(model, &inputs, 1, updater, engine, mesh)?;
+    Ok((losses[0], tokens, report))
+}
+
+/// A step's metrics.
+fn step_record(
+    step: usize,
+    loss: f64,
+    report: &StepReport,
+    tokens: usize,
+    skipped: usize,
+    step_s: f64,
+    heap: Option<usize>,
+) -> Record {
+    let mut r = record(json!({
+        "step": step,
+        "train/loss": loss,
+        "train/lr": report.lr,
+        "train/grad_norm": report.grad_norm,
+        "train/tokens": tokens,
+        "train/skipped_steps": skipped,
+        "time/step_s": step_s,
+        "throughput/tokens_per_s": tokens as f64 / step_s,
+        "mem/peak_rss_bytes": metrics::peak_rss_bytes(),
+    }));
+    if let Some(h) = heap {
+        r.insert("mem/peak_heap_bytes".into(), json!(h));
+    }
+    r
+}
+
+/// Trains `model` in place: per step, draw the examples, [`sft_update`], record, evaluate where
+/// due, log.
 pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
     let SftRun { config, loss, train, eval, pad, seed, mut log, progress, mesh, check_weights_every } = run;
     let (comm, world) = (mesh.data(), mesh.world);
@@ -208,17 +277,7 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
     }
     let params = &model.params;
     let mut updater = Updater::new(params, config.optim, config.steps)?;
-    let mut rng = Rng::new(seed ^ 0x5F7);
-    let mut order: Vec<usize> = Vec::new();
-    let mut next = || -> usize {
-        if order.is_empty() {
-            order = (0..train.len()).collect();
-            for i in (1..order.len()).rev() {
-                order.swap(i, rng.below(i + 1));
-            }
-        }
-        order.pop().expect("refilled")
-    };
+    let mut order = Shuffled::new(seed ^ 0x5F7);
     let eval_loss = |model: &Qwen2| -> Result<Option<f64>> {
         (!eval.is_empty()).then(|| evaluate_shared(model, eval, config.batch_size, loss, pad, comm)).transpose()
     };
@@ -241,14 +300,11 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
             (p.reset_peak)();
         }
         let started = Instant::now();
-        let examples: Vec<&Encoded> = (0..config.grad_accum * config.batch_size).map(|_| &train[next()]).collect();
+        let examples: Vec<&Encoded> =
+            (0..config.grad_accum * config.batch_size).map(|_| &train[order.next(train.len())]).collect();
         let mine = share(examples.len(), comm.size(), comm.rank());
-        let mut batch = update_batch(&examples[mine], config.batch_size, pad)?;
-        batch.share_normalisers(comm)?;
-        let window = batch.valid_tokens();
-        let inputs = UpdateInputs::cross_entropy(&batch, loss);
-        let (losses_, _, report) = update(model, &inputs, 1, &mut updater, &mut engine, mesh)?;
-        let total = losses_[0];
+        let batch = update_batch(&examples[mine], config.batch_size, pad)?;
+        let (total, window, report) = sft_update(model, batch, loss, &mut updater, &mut engine, mesh)?;
         let step_s = started.elapsed().as_secs_f64();
         let step_heap = probe.map(|p| (p.peak)());
         peak_heap = peak_heap.max(step_heap);
@@ -257,20 +313,7 @@ pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
         if report.skipped {
             bar.warn(&format!("warning: step {step} skipped (non-finite loss or gradient)"));
         }
-        let mut r = record(json!({
-            "step": step,
-            "train/loss": total,
-            "train/lr": report.lr,
-            "train/grad_norm": report.grad_norm,
-            "train/tokens": window,
-            "train/skipped_steps": updater.skipped,
-            "time/step_s": step_s,
-            "throughput/tokens_per_s": window as f64 / step_s,
-            "mem/peak_rss_bytes": metrics::peak_rss_bytes(),
-        }));
-        if let Some(h) = step_heap {
-            r.insert("mem/peak_heap_bytes".into(), json!(h));
-        }
+        let mut r = step_record(step, total, &report, window, updater.skipped, step_s, step_heap);
         if config.eval_every > 0 && step % config.eval_every == 0 || step == config.steps {
             eval_after = eval_loss(model)?;
             if let Some(e) = eval_after {
