@@ -219,7 +219,7 @@ impl Shuffled {
 
 /// One optimiser step on `batch` (this rank's share of the step's examples): the normalisers
 /// shared over the ranks, cross-entropy of the completion tokens. Returns the step's loss, its
-/// tokens on this rank and the optimiser's report.
+/// completion tokens over every rank (`train/tokens`) and the optimiser's report.
 fn sft_update(
     model: &Qwen2,
     mut batch: UpdateBatch,
@@ -262,8 +262,8 @@ fn step_record(
     r
 }
 
-/// Trains `model` in place: per step, draw the examples, [`sft_update`], record, evaluate where
-/// due, log.
+/// Trains `model` in place: per step, draw the examples, update, record, evaluate where due,
+/// compare the ranks' weights where due, log.
 pub fn train_sft(model: &Qwen2, run: SftRun<'_>) -> Result<SftSummary> {
     let SftRun { config, loss, train, eval, pad, seed, mut log, progress, mesh, check_weights_every } = run;
     let (comm, world) = (mesh.data(), mesh.world);

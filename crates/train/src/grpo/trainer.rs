@@ -160,9 +160,9 @@ fn mean(v: &[f64]) -> f64 {
     }
 }
 
-/// Trains `model` in place: the run's setup ([`Trainer::start`]: checks, optimiser, the
-/// evaluation before), then each step as llm.c writes one — rollout, the log-probabilities the
-/// loss compares against, the update, the step's record — then the summary.
+/// Trains `model` in place: the run's setup (checks, the optimiser, the held-out accuracy
+/// before), then each step as a few named parts — rollout, the log-probabilities the loss
+/// compares against, the update, the step's record, evaluation, logging — then the summary.
 pub fn train_grpo(model: &Qwen2, run: GrpoRun<'_>) -> Result<GrpoSummary> {
     let mut t = Trainer::start(model, run)?;
     while t.state.step < t.run.config.steps {
@@ -212,11 +212,14 @@ struct Scored {
     batch: UpdateBatch,
     /// The loss options of this step (the adaptive entropy coefficient's, where it adapts).
     options: LossOptions,
-    /// Per micro-batch (taken by the update): the rollout policy's, the reference model's, the
-    /// sampler's as the loss takes them, and as it recorded them.
+    /// Per micro-batch, `[S * C]` (each taken by the update): the rollout policy's
+    /// log-probabilities (`ppo_epochs > 1`).
     old_logp: Option<Vec<Vec<f32>>>,
+    /// The reference model's (`beta != 0`).
     ref_logp: Option<Vec<Vec<f32>>>,
+    /// The sampler's, as the loss takes them (`grpo.sampling_logp`).
     sampling_logp: Option<Vec<Vec<f32>>>,
+    /// The sampler's as it recorded them (compared with the update's own).
     recorded_logp: Option<Vec<Vec<f32>>>,
     valid_tokens: usize,
     seconds: f64,
@@ -238,9 +241,11 @@ impl<'a> Trainer<'a> {
     /// Checks the run, builds (or restores) the optimiser and the trainer's state, and measures
     /// the held-out accuracy before the first step (not on a resumed run: its checkpoint has it).
     fn start(model: &Qwen2, run: GrpoRun<'a>) -> Result<Self> {
-        check_run(&run)?;
         let (config, world) = (run.config, run.mesh.world);
+        config.validate()?;
+        config.check_ranks(run.mesh.data().size())?;
         flashgrpo_kernels::matmul::set_batch_invariant(config.batch_invariant);
+        check_run(&run)?;
         let mut options: LossOptions = run.loss.options.clone();
         if options.max_completion_length.is_none() {
             options.max_completion_length = Some(config.max_new_tokens);
@@ -475,8 +480,9 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    /// The step's record to the log (rank 0), its completions, the ranks' weights compared, a
-    /// checkpoint where due, the progress bar.
+    /// The ranks' weights compared where due (a mismatch ends the run before the step is
+    /// logged), the step's record to the log (rank 0), its completions, a checkpoint where due,
+    /// the progress bar.
     fn write_step(&mut self, model: &Qwen2, groups: &Groups, r: &Record, update_s: f64) -> Result<()> {
         let (run, step) = (&mut self.run, self.state.step);
         let (config, world) = (run.config, run.mesh.world);
@@ -530,12 +536,9 @@ impl<'a> Trainer<'a> {
     }
 }
 
-/// What can be checked before anything runs: the config, the ranks (against the config and a
-/// resumed checkpoint's), the prompts, a reference model where the KL needs one.
+/// The run against its inputs: the ranks against a resumed checkpoint's, the prompts, a
+/// reference model where the KL needs one.
 fn check_run(run: &GrpoRun<'_>) -> Result<()> {
-    let config = run.config;
-    config.validate()?;
-    config.check_ranks(run.mesh.data().size())?;
     let ranks = run.mesh.world.size();
     if let Some(r) = run.resume {
         if r.state.world_size != ranks {

@@ -15,7 +15,7 @@
 //!   scalars: one exponential per element instead of two, and the logits are read from memory
 //!   once.
 //!
-//! Everything is `#[inline(always)]` and generic: `mod.rs` compiles it once per instruction set.
+//! Everything is `#[inline(always)]` and generic: `cpu/mod.rs` compiles it once per instruction set.
 //! A gradient (16-bit; f32 too on AMD CPUs) written into a new buffer of 64 MiB or more (the
 //! `fused` variant, by [`sweep`] or by [`gradient`]'s recomputing pass; `cpu::STREAM_MIN_BYTES`)
 //! goes there by non-temporal stores on AVX-512 and AVX2 ([`write_tile`]): a plain store first
