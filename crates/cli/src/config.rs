@@ -51,7 +51,7 @@ fn insert(map: &mut Map<String, Value>, key: &str, value: Value) -> Result<()> {
 /// The arguments of every config-driven command (`gradcheck`, `bench`).
 #[derive(Debug, clap::Args)]
 pub struct ConfigArgs {
-    /// YAML config (configs/<command>-*.yaml); without it, the command's built-in default config.
+    /// YAML config (`configs/<command>-*.yaml`); without it, the command's built-in default config.
     #[arg(long)]
     pub config: Option<std::path::PathBuf>,
     /// Override any key of the config or any loss option, e.g. `--set dtype=bf16 --set beta=0.04`.

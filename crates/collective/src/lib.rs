@@ -4,7 +4,7 @@
 //!
 //! - [`SingleProcess`]: the default, every operation a no-op (world size 1), so single-process
 //!   code calls the same functions at no cost;
-//! - [`Mpi`] (feature `mpi`): Open MPI through the `mpi` crate (rsmpi), for CPU processes
+//! - `Mpi` (feature `mpi`): Open MPI through the `mpi` crate (rsmpi), for CPU processes
 //!   launched by `mpirun` / `srun` on one machine or many;
 //! - `nccl::NcclGroup` (feature `nccl`): NCCL over device buffers through cudarc, bootstrapped by
 //!   broadcasting its id over a host [`Collective`].

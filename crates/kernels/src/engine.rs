@@ -151,7 +151,7 @@ impl<'a> PreparedLoss<'a> {
 
     /// Step 2's row gradients for a per-token loss back-propagated with a per-token upstream
     /// gradient: those of the loss with each row's weight in the reduction times `upstream[i]`
-    /// ([`Objective::all`]). With sequence-level importance sampling a sequence's rows share the
+    /// (`Objective::all`). With sequence-level importance sampling a sequence's rows share the
     /// gradient of its weight, so this is not each row's gradient times its upstream (as it is
     /// for a row-local loss). Refused for `geo_mean`, for an `upstream` not of one per row, and
     /// for an op without a gradient (`entropy` without `entropy_gradient`).

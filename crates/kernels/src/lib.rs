@@ -15,7 +15,7 @@
 //!
 //! [`forward`], [`forward_backward`] and [`forward_backward_in_place`] run the three steps;
 //! [`PreparedLoss`] exposes them one by one for vocabulary-sharded (tensor-parallel) callers,
-//! and [`BatchShard`] gives data-parallel callers the global normalisers. [`reference`] is the
+//! and [`BatchShard`] gives data-parallel callers the global normalisers. [`reference`](mod@reference) is the
 //! f64 implementation everything is tested against.
 //!
 //! ```

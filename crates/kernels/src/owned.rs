@@ -116,7 +116,7 @@ impl LossInputs {
         }
     }
 
-    /// Whether the op has a gradient output ([`Op::has_gradient`]).
+    /// Whether the op has a gradient output ([`Op::has_gradient`](crate::Op::has_gradient)).
     pub fn has_gradient(&self) -> bool {
         self.spec(0).loss.has_gradient(&self.options)
     }

@@ -17,7 +17,7 @@ pub struct SpecialIds {
     /// Ends a training example (SFT), and a completion: `config.json`'s first `eos_token_id`,
     /// else the tokenizer's end-of-text or ChatML's end of turn.
     pub eos: u32,
-    /// Every id that ends a completion, `eos` first ([`stop_tokens`]).
+    /// Every id that ends a completion, `eos` first (`stop_tokens`).
     pub stop: Vec<u32>,
     /// Pads batches (never attended to, never a target): end-of-text, else `eos`.
     pub pad: u32,

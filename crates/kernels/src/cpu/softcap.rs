@@ -11,7 +11,7 @@
 //! `tanh` and the slope are computed in f32 by plain arithmetic ([`tanh_and_slope`]: one
 //! vectorisable `exp`, or a Taylor polynomial near 0), compiled per instruction set with the row
 //! kernels so that LLVM turns the loops into SIMD; libm's `tanh` is one call a logit (46x the
-//! uncapped step at N = 1024, V = 151936). [`capped`] and [`slope`] in f64 are their reference.
+//! uncapped step at N = 1024, V = 151936). `tests::capped` and `tests::slope` in f64 are their reference.
 
 use std::cell::RefCell;
 

@@ -11,22 +11,22 @@
 //! order.
 //!
 //! Blocking (constants measured on the AVX2-only machine of docs/BENCHMARKS.md, where the
-//! results are the same bits for any of them): one task per slice of at most [`ROWS_PER_TASK`]
-//! weight rows and group of [`PANELS_PER_GROUP`] panels (256 rows of `x`), about four tasks per
-//! thread; `k` in blocks of [`KC`] steps, so that a panel's block (8 KiB) stays in L1 while the
+//! results are the same bits for any of them): one task per slice of at most `ROWS_PER_TASK`
+//! weight rows and group of `PANELS_PER_GROUP` panels (256 rows of `x`), about four tasks per
+//! thread; `k` in blocks of `KC` steps, so that a panel's block (8 KiB) stays in L1 while the
 //! slice's block passes it; the task keeps its group's partial sums (`[w row][rows]`, 96 KiB,
 //! in L2 with the group's blocks of `x`), the slice's block packed once per group for them.
 //! (Groups of 32 panels: 384 KiB of sums, and a large batch split into fewer tasks; at 1,024 rows
 //! the 128 key / value rows ran at 0.73-1.01x `gemm` with them, 0.82-1.11x with 8, within the
 //! VM's noise elsewhere.) A decode step (one panel) reads the weight in place in longer blocks
-//! ([`KC_ONE_PANEL`]), each row a run the prefetcher follows.
+//! (`KC_ONE_PANEL`), each row a run the prefetcher follows.
 //!
 //! Each output is one FMA chain over `k` in order, from zero: `acc = fma(x[i, p], w[j, p], acc)`
 //! for `p = 0..k` (the chain's partial value stored and reloaded exactly between blocks), then
 //! `y = acc` or `y = y + acc`. Nothing in it depends on the number of rows, on where a row falls in
 //! a panel, on the blocking or on the thread count: every row gets the same bits in any batch (the
 //! rollout's one-row steps and the update's thousands, as `grpo.batch_invariant` promises), and
-//! the same bits as [`reference`].
+//! the same bits as [`reference`](fn@reference).
 
 use std::arch::x86_64::*;
 

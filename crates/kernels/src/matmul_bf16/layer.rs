@@ -63,7 +63,7 @@ pub fn forward(y: &mut MatMut<'_>, accumulate: bool, x: Mat<'_>, w: &[u16], prod
 
 /// The gradients of [`forward`]: `dx (+)= dy @ w` (added when `accumulate_dx`) and
 /// `dw += dy^T @ x`, with `dy` (`n x outputs`, f32) split or rounded as `products` says: the
-/// fused-linear loss's gradient products ([`gradient_products`]) over the whole layer, each
+/// fused-linear loss's gradient products (`gradient_products`) over the whole layer, each
 /// product spread over the threads.
 ///
 /// # Panics

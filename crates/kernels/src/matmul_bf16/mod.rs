@@ -196,7 +196,7 @@ pub const GROUPS: usize = 16;
 /// Each tile's `dz` is split into bf16 pairs ([`pack::a_from_f32_split`]) or rounded, the A of
 /// `dz @ W_tile` (against the tile's rows, twice where split); `dW_tile` is `dz^T @ hc` written
 /// in place on `vdpbf16ps` and `(hc^T @ dz)^T` written transposed on AMX
-/// ([`weight_gradient_in_place`]).
+/// (`weight_gradient_in_place`).
 #[allow(clippy::too_many_arguments)]
 pub fn gradients(
     dh: &mut MatMut<'_>,

@@ -51,7 +51,7 @@ pub struct LossOutput {
 
 /// The four scalars of one row's gradient and the row's `lse`, all in f32 as the gradient pass
 /// uses them: `dlogits_j = (a [j = y] + p_j (b + c log p_j) + d) / T` with `p_j = exp(u_j - lse)`
-/// and `log p_j = u_j - lse` taken with this `lse` ([`GradTerms::finish`] folds its rounding into
+/// and `log p_j = u_j - lse` taken with this `lse` (`GradTerms::finish` folds its rounding into
 /// `b` and `c`). With class weights `c` (cross-entropy) the last term is `d c_j`, column by column.
 /// A row whose scalars are all zero gets a zero gradient without reading its logits.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]

@@ -1,6 +1,6 @@
 //! The model's forward over slots: embedding, the decoder layers, the final norm. Three kinds of
 //! pass share one layer function:
-//! - [`Pass::Train`] keeps every layer's activations for [`super::backward`];
+//! - [`Pass::Train`] keeps every layer's activations for [`super::backward`](fn@super::backward);
 //! - [`Pass::Score`] keeps none (one layer's buffers are reused): log-probabilities, prefill
 //!   without a cache;
 //! - [`Pass::Cached`] also writes each slot's keys and values into a [`KvCache`] and attends over
