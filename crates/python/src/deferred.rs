@@ -169,8 +169,9 @@ impl DeferredGradient {
     /// A deferred gradient from the unit row gradients of the outputs `kept` that a caller kept
     /// ([`Self::unit_row_values`]: a JAX forward's residual) and the upstream of each of those
     /// outputs (`upstreams`, one per row each, in [`KeptRows::outputs`] order), so that the
-    /// backward streams the vocabulary once, not twice. Each row's gradient is `sum_k upstream_k[i] * unit_k[i]`: every kept output's
-    /// gradient is linear in its upstream (a row-local loss term, the entropy, the `lse`).
+    /// backward streams the vocabulary once, not twice. Each row's gradient is
+    /// `sum_k upstream_k[i] * unit_k[i]`: every kept output's gradient is linear in its upstream
+    /// (a row-local loss term, the entropy, the `lse`).
     pub(crate) fn from_rows(
         spec: &LossSpec<'_>,
         budget: ChunkBudget,

@@ -73,8 +73,8 @@ type StatsFn<T> = unsafe fn(&[T], f32, Option<usize>, bool, RowMax) -> PartialRo
 type GradFn<T> = for<'a> unsafe fn(GradientTarget<'a, T>, &RowGradient, f32, Option<usize>, bool);
 /// What [`sweep`] does with a row's statistics (the row kernel's own sweep takes it as
 /// [`RowFinish`]). They may be relative to a reference below the row's maximum (the base-2 pass
-/// does not track it, `row::statistics_pass::statistics_base2`): use them through [`PartialRowStats::finish`] and
-/// [`PartialRowStats::is_finite`], not their `max`.
+/// does not track it, `row::statistics_pass::statistics_base2`): use them through
+/// [`PartialRowStats::finish`] and [`PartialRowStats::is_finite`], not their `max`.
 type Finish<'f> = &'f mut dyn FnMut(PartialRowStats) -> Option<RowGradient>;
 /// [`Finish`] as the row kernel's sweep calls it: with the row's logits (or capped values), still
 /// in cache after the statistics pass and not yet overwritten, for what [`Wanted`] adds to them.
@@ -330,7 +330,8 @@ impl<'a> Block<'a> {
 /// Whether step 1 reports each row part's maximum, as [`PartialRowStats`] defines its sums (a
 /// vocabulary shard's statistics, for [`PartialRowStats::combine`]), or may leave the sums
 /// relative to a reference below it (a whole row's, which only reach [`PartialRowStats::finish`]):
-/// the base-2 pass then skips one vector operation of ~12 per 16 logits (`row::statistics_pass::statistics_base2`).
+/// the base-2 pass then skips one vector operation of ~12 per 16 logits
+/// (`row::statistics_pass::statistics_base2`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum RowMax {
     Reported,

@@ -12,7 +12,8 @@
 //!   per-thread scratch ([`sampler::Sampler`]): the same tokens for any thread count, batch
 //!   split or number of ranks, no allocation per token.
 //!
-//! [`crate::model::generate`](mod@crate::model::generate) (candle's forward) is the reference it is tested against.
+//! [`crate::model::generate`](mod@crate::model::generate) (candle's forward) is the reference it
+//! is tested against.
 
 pub mod sampler;
 
