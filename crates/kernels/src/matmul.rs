@@ -1,7 +1,9 @@
 //! Row-major f32 matrix products through the `gemm` crate (the one candle uses: runtime-dispatched
-//! AVX-512 / AVX2 / NEON micro-kernels, ~200 GFLOP/s on this project's 2-core machine). Each output
-//! element's reduction runs in one fixed order whatever the thread count (`gemm` splits the
-//! output, not the reduction), which keeps the losses deterministic.
+//! AVX-512 / AVX2 / NEON micro-kernels; its AVX-512 ones only with its `x86-v4` feature, which the
+//! workspace turns on: on Zen 5's full-width AVX-512 they run 1.75x its AVX2 ones, ~450 GFLOP/s on
+//! 2 cores, docs/BENCHMARKS.md "gemm's AVX-512 kernels"). Each output element's reduction runs in
+//! one fixed order whatever the thread count (`gemm` splits the output, not the reduction), which
+//! keeps the losses deterministic.
 //!
 //! The three products of a layer `y = x @ w^T`, and of a fused-linear loss (for a chunk of `n`
 //! rows, a vocabulary tile of `v` columns, hidden size `h`):
