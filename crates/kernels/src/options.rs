@@ -377,23 +377,13 @@ impl LossOptions {
 
     /// Rejects values that would silently produce nonsense (NaN losses, sign flips).
     pub fn validate(&self) -> Result<(), LossError> {
-        fn bad(name: &'static str, value: impl std::fmt::Display, rule: &str) -> LossError {
-            LossError::InvalidOption { name, message: format!("got {value}, but it must be {rule}") }
-        }
-        let positive = |name: &'static str, v: f64| {
-            if v.is_finite() && v > 0.0 {
-                Ok(())
-            } else {
-                Err(bad(name, v, "a finite number > 0"))
-            }
-        };
-        let non_negative = |name: &'static str, v: f64| {
-            if v.is_finite() && v >= 0.0 {
-                Ok(())
-            } else {
-                Err(bad(name, v, "a finite number >= 0"))
-            }
-        };
+        self.validate_ranges()?;
+        self.validate_importance_sampling()?;
+        self.validate_combinations()
+    }
+
+    /// Each number in its own range.
+    fn validate_ranges(&self) -> Result<(), LossError> {
         positive("temperature", self.temperature)?;
         if let Some(c) = self.softcap {
             // Applied in f32 (`cpu/softcap.rs`).
@@ -437,6 +427,19 @@ impl LossOptions {
         if !(self.top_entropy_quantile >= 0.0 && self.top_entropy_quantile <= 1.0) {
             return Err(bad("top_entropy_quantile", self.top_entropy_quantile, "in [0, 1]"));
         }
+        positive("kl_cov_ratio", self.kl_cov_ratio)?;
+        positive("clip_cov_ratio", self.clip_cov_ratio)?;
+        non_negative("ppo_kl_coef", self.ppo_kl_coef)?;
+        if let Some(c) = self.clip_ratio_c {
+            if !(c.is_finite() && c > 1.0) {
+                return Err(bad("clip_ratio_c", c, "a finite number > 1 (verl asserts it)"));
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's importance-sampling correction: its bounds, and a bound where it truncates.
+    fn validate_importance_sampling(&self) -> Result<(), LossError> {
         if let Some(v) = self.vllm_importance_sampling_clip_min {
             non_negative("vllm_importance_sampling_clip_min", v)?;
         }
@@ -457,24 +460,42 @@ impl LossOptions {
                         token_truncate or sequence_truncate";
             return Err(bad("vllm_importance_sampling_clip_max", "None", rule));
         }
+        Ok(())
+    }
+
+    /// Options that are fine alone but not together.
+    fn validate_combinations(&self) -> Result<(), LossError> {
         let mixes_tokens = matches!(self.loss_type, LossType::GeoMean | LossType::KlCov | LossType::ClipCov);
         if self.loss_agg_mode == Some(Aggregation::TokenSum) && mixes_tokens {
             let rule =
                 "another mode with loss_type geo_mean, kl_cov or clip_cov (their tokens' losses mix within a sequence)";
             return Err(bad("loss_agg_mode", "token-sum", rule));
         }
-        positive("kl_cov_ratio", self.kl_cov_ratio)?;
-        positive("clip_cov_ratio", self.clip_cov_ratio)?;
-        non_negative("ppo_kl_coef", self.ppo_kl_coef)?;
         if !(self.clip_cov_lb.is_finite() && self.clip_cov_ub.is_finite() && self.clip_cov_lb < self.clip_cov_ub) {
             return Err(bad("clip_cov_lb", self.clip_cov_lb, "finite and < clip_cov_ub"));
         }
-        if let Some(c) = self.clip_ratio_c {
-            if !(c.is_finite() && c > 1.0) {
-                return Err(bad("clip_ratio_c", c, "a finite number > 1 (verl asserts it)"));
-            }
-        }
         Ok(())
+    }
+}
+
+/// The error for option `name` of `value`, which must be `rule`.
+fn bad(name: &'static str, value: impl std::fmt::Display, rule: &str) -> LossError {
+    LossError::InvalidOption { name, message: format!("got {value}, but it must be {rule}") }
+}
+
+fn positive(name: &'static str, v: f64) -> Result<(), LossError> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(bad(name, v, "a finite number > 0"))
+    }
+}
+
+fn non_negative(name: &'static str, v: f64) -> Result<(), LossError> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(bad(name, v, "a finite number >= 0"))
     }
 }
 

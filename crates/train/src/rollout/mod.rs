@@ -52,6 +52,29 @@ fn logits(w: &Weights<'_>, hidden: &[f32], out: &mut Vec<f32>) {
     crate::engine::ops::linear(out, hidden, w.lm_head().weight(), None, h);
 }
 
+/// Rejects prompts the model cannot continue for `max_new_tokens`: too long for its positions,
+/// or holding a token beyond its vocabulary (named by prompt and token).
+fn check_prompts(model: &Qwen2, prompts: &[Vec<u32>], max_new_tokens: usize) -> Result<()> {
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    if longest + max_new_tokens > model.max_positions() {
+        return Err(TrainError::Other(format!(
+            "prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceed max_position_embeddings ({})",
+            model.max_positions()
+        )));
+    }
+    if let Some((r, &t)) = prompts
+        .iter()
+        .enumerate()
+        .find_map(|(r, p)| p.iter().find(|&&t| t as usize >= model.config.vocab_size).map(|t| (r, t)))
+    {
+        return Err(TrainError::Other(format!(
+            "prompt {r} holds token {t}, beyond the model's vocabulary of {}",
+            model.config.vocab_size
+        )));
+    }
+    Ok(())
+}
+
 impl Rollout {
     /// A completion for each prompt (token ids; equal prompts share their prefill), drawn as `s`
     /// says, ending at a token of `eos` or after `s.max_new_tokens`; the rows' streams are
@@ -96,95 +119,109 @@ impl Rollout {
         streams: &mut RowStreams,
     ) -> Result<Generated> {
         let rows = prompts.len();
-        let mut completions = vec![Vec::new(); rows];
-        let mut finished = vec![false; rows];
         let records = !s.greedy();
         let per_row = || if records { vec![Vec::new(); rows] } else { Vec::new() };
-        let (mut logp, mut entropy) = (per_row(), per_row());
+        let mut out = Generated {
+            completions: vec![Vec::new(); rows],
+            finished: vec![false; rows],
+            logp: per_row(),
+            entropy: per_row(),
+        };
         if rows == 0 || s.max_new_tokens == 0 {
-            return Ok(Generated { completions, finished, logp, entropy });
+            return Ok(out);
         }
-        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        if longest + s.max_new_tokens > model.max_positions() {
-            return Err(TrainError::Other(format!(
-                "prompt ({longest}) + max_new_tokens ({}) exceed max_position_embeddings ({})",
-                s.max_new_tokens,
-                model.max_positions()
-            )));
-        }
-        if let Some((r, &t)) = prompts
-            .iter()
-            .enumerate()
-            .find_map(|(r, p)| p.iter().find(|&&t| t as usize >= model.config.vocab_size).map(|t| (r, t)))
-        {
-            return Err(TrainError::Other(format!(
-                "prompt {r} holds token {t}, beyond the model's vocabulary of {}",
-                model.config.vocab_size
-            )));
-        }
+        check_prompts(model, prompts, s.max_new_tokens)?;
         let w = Weights::of(model)?;
-        let (d, vocab) = (w.dims, w.dims.vocab);
+        let vocab = w.dims.vocab;
         let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
         let packing = Packing::new(&refs, &[])?;
-        let prompt_slots = packing.slots();
-        let row_base = |r: usize| prompt_slots + r * s.max_new_tokens;
-        self.cache.reserve(&d, prompt_slots + rows * s.max_new_tokens);
+        let mut logit_rows = self.prefill(&w, &packing, rows, s.max_new_tokens)?;
+        let mut active: Vec<usize> = (0..rows).collect();
+        let (mut uniforms, mut drawn) = (Vec::with_capacity(rows), vec![0u32; rows]);
+        for step in 0..s.max_new_tokens {
+            uniforms.clear();
+            uniforms.extend(active.iter().map(|&r| streams.uniform(r, s)));
+            let seen = |k: usize| Seen { prompt: &prompts[active[k]], completion: &out.completions[active[k]] };
+            self.sampler.draw(s, &self.logits, vocab, &logit_rows, seen, &uniforms, &mut drawn[..active.len()]);
+            if records {
+                let (lp, h) = self.scores(s, vocab, &logit_rows, &drawn[..active.len()])?;
+                for (k, &r) in active.iter().enumerate() {
+                    out.logp[r].push(lp[k]);
+                    out.entropy[r].push(h[k]);
+                }
+            }
+            for (&r, &token) in active.iter().zip(&drawn) {
+                out.completions[r].push(token);
+                out.finished[r] = eos.contains(&token);
+            }
+            active.retain(|&r| !out.finished[r]);
+            if active.is_empty() || step + 1 == s.max_new_tokens {
+                break;
+            }
+            self.decode(&w, &packing, prompts, &out.completions, &active, step, s.max_new_tokens)?;
+            logit_rows.clear();
+            logit_rows.extend(0..active.len());
+        }
+        Ok(out)
+    }
 
-        // Prefill every distinct prompt once; each row starts from its prompt's last hidden state.
+    /// Reserves the cache for the prompts and every row's `max_new_tokens`, prefills every
+    /// distinct prompt once and computes the logits of each one's last position; returns each
+    /// row's logits row (the rows of one prompt share it).
+    fn prefill(
+        &mut self,
+        w: &Weights<'_>,
+        packing: &Packing,
+        rows: usize,
+        max_new_tokens: usize,
+    ) -> Result<Vec<usize>> {
+        let d = w.dims;
+        let prompt_slots = packing.slots();
+        self.cache.reserve(&d, prompt_slots + rows * max_new_tokens);
         let prefill: Vec<usize> = (0..prompt_slots).collect();
-        let input = Input { tokens: &packing.tokens, positions: &packing.positions, queries: &packing.queries };
-        forward(&w, input, &mut self.workspace, Pass::Cached { cache: &mut self.cache, slots: &prefill })?;
+        forward(w, packing.input(), &mut self.workspace, Pass::Cached { cache: &mut self.cache, slots: &prefill })?;
         // Without completions, each block is one distinct prompt.
         let last_hidden: Vec<f32> = packing
             .blocks
             .iter()
             .flat_map(|b| self.workspace.hidden[(b.end - 1) * d.hidden..b.end * d.hidden].iter().copied())
             .collect();
-        logits(&w, &last_hidden, &mut self.logits);
+        logits(w, &last_hidden, &mut self.logits);
         let block_of: std::collections::HashMap<usize, usize> =
             packing.blocks.iter().enumerate().map(|(i, b)| (b.start, i)).collect();
-        let mut logit_rows: Vec<usize> = packing.prompt_slots.iter().map(|p| block_of[&p.start]).collect();
-        let mut active: Vec<usize> = (0..rows).collect();
-        let (mut uniforms, mut drawn) = (Vec::with_capacity(rows), vec![0u32; rows]);
-        for step in 0..s.max_new_tokens {
-            uniforms.clear();
-            uniforms.extend(active.iter().map(|&r| streams.uniform(r, s)));
-            let seen = |k: usize| Seen { prompt: &prompts[active[k]], completion: &completions[active[k]] };
-            self.sampler.draw(s, &self.logits, vocab, &logit_rows, seen, &uniforms, &mut drawn[..active.len()]);
-            if records {
-                let (lp, h) = self.scores(s, vocab, &logit_rows, &drawn[..active.len()])?;
-                for (k, &r) in active.iter().enumerate() {
-                    logp[r].push(lp[k]);
-                    entropy[r].push(h[k]);
-                }
-            }
-            for (&r, &token) in active.iter().zip(&drawn) {
-                completions[r].push(token);
-                finished[r] = eos.contains(&token);
-            }
-            active.retain(|&r| !finished[r]);
-            if active.is_empty() || step + 1 == s.max_new_tokens {
-                break;
-            }
-            // Decode the rows still generating: their last token at the next position.
-            self.tokens.clear();
-            self.positions.clear();
-            self.slots.clear();
-            self.queries.clear();
-            for &r in &active {
-                let slot = row_base(r) + step;
-                self.tokens.push(*completions[r].last().expect("a token was drawn"));
-                self.positions.push((prompts[r].len() + step) as u32);
-                self.slots.push(slot);
-                self.queries.push(Query { parent: packing.prompt_slots[r].clone(), own: row_base(r)..slot + 1 });
-            }
-            let input = Input { tokens: &self.tokens, positions: &self.positions, queries: &self.queries };
-            forward(&w, input, &mut self.workspace, Pass::Cached { cache: &mut self.cache, slots: &self.slots })?;
-            logits(&w, &self.workspace.hidden, &mut self.logits);
-            logit_rows.clear();
-            logit_rows.extend(0..active.len());
+        Ok(packing.prompt_slots.iter().map(|p| block_of[&p.start]).collect())
+    }
+
+    /// Decodes the rows still generating (`active`) after `step`: each one's last token at its
+    /// next position, into its own cache slot (after the prompts', `max_new_tokens` per row),
+    /// reading its prompt's keys and its own; the logits of those rows, in `active`'s order.
+    #[allow(clippy::too_many_arguments)]
+    fn decode(
+        &mut self,
+        w: &Weights<'_>,
+        packing: &Packing,
+        prompts: &[Vec<u32>],
+        completions: &[Vec<u32>],
+        active: &[usize],
+        step: usize,
+        max_new_tokens: usize,
+    ) -> Result<()> {
+        let row_base = |r: usize| packing.slots() + r * max_new_tokens;
+        self.tokens.clear();
+        self.positions.clear();
+        self.slots.clear();
+        self.queries.clear();
+        for &r in active {
+            let slot = row_base(r) + step;
+            self.tokens.push(*completions[r].last().expect("a token was drawn"));
+            self.positions.push((prompts[r].len() + step) as u32);
+            self.slots.push(slot);
+            self.queries.push(Query { parent: packing.prompt_slots[r].clone(), own: row_base(r)..slot + 1 });
         }
-        Ok(Generated { completions, finished, logp, entropy })
+        let input = Input { tokens: &self.tokens, positions: &self.positions, queries: &self.queries };
+        forward(w, input, &mut self.workspace, Pass::Cached { cache: &mut self.cache, slots: &self.slots })?;
+        logits(w, &self.workspace.hidden, &mut self.logits);
+        Ok(())
     }
 
     /// `log p` of each drawn token and the entropy of its row under `softmax(logits / T)`, by the
