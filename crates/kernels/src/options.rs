@@ -463,7 +463,8 @@ impl LossOptions {
         Ok(())
     }
 
-    /// Options that are fine alone but not together.
+    /// Options checked together: the loss type against the reduction, and `clip_cov`'s bounds as
+    /// a pair (each finite, the lower below the upper).
     fn validate_combinations(&self) -> Result<(), LossError> {
         let mixes_tokens = matches!(self.loss_type, LossType::GeoMean | LossType::KlCov | LossType::ClipCov);
         if self.loss_agg_mode == Some(Aggregation::TokenSum) && mixes_tokens {
