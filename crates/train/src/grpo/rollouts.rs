@@ -90,99 +90,174 @@ pub struct RolloutSetup<'a> {
     pub comm: &'a dyn Collective,
 }
 
-impl RolloutSetup<'_> {
-    /// One step's groups, prompts drawn from `rng`.
+/// One generation's prompts (the step's draw, every rank's) and this rank's share of it.
+#[derive(Default)]
+struct Round<'p> {
+    chosen: Vec<&'p Prompt>,
+    /// This rank's rows: each chosen prompt of its share `G` times, and their completions.
+    prompts: Vec<Vec<u32>>,
+    completions: Vec<Vec<u32>>,
+    recorded: Recorded,
+}
+
+/// The kept groups over every rank: their scores in global order (advantages scaled over the
+/// batch, `scale_rewards: batch` and `normalize_then_sum`, need the whole batch), and which of
+/// them are this rank's.
+#[derive(Default)]
+struct Kept {
+    scores: Vec<[f64; 3]>,
+    here: Vec<bool>,
+}
+
+impl<'a> RolloutSetup<'a> {
+    /// One step's groups, prompts drawn from `rng`: generations until enough groups carry a
+    /// signal (one without dynamic sampling), then their advantages.
     pub fn run(&self, model: &Qwen2, rollout: &mut Rollout, rng: &mut Rng) -> Result<Groups> {
         let c = self.config;
-        let (g, target) = (c.num_generations, c.prompts_per_step);
+        let target = c.prompts_per_step;
         let mine = share(target, self.comm.size(), self.comm.rank());
         let mut out = Groups::default();
-        // Every rank's kept groups' scores (global order), and which kept groups are this rank's:
-        // advantages scaled over the batch (`scale_rewards: batch`, `normalize_then_sum`) need
-        // the whole batch.
-        let (mut kept_scores, mut kept_here) = (Vec::new(), Vec::new());
-        let mut last_round = (Vec::new(), Vec::new(), Vec::new(), Recorded::default());
+        let mut kept = Kept::default();
+        let mut last_round = None;
         let rounds = if c.dynamic_sampling { c.max_rollout_rounds.max(1) } else { 1 };
         while out.rounds < rounds && out.kept_groups < target {
             out.rounds += 1;
             let started = Instant::now();
-            let chosen: Vec<&Prompt> = (0..target).map(|_| &self.train[rng.below(self.train.len())]).collect();
-            let mut streams = RowStreams::new(rng.next_u64(), mine.start * g..mine.end * g);
-            let prompts: Vec<Vec<u32>> =
-                chosen[mine.clone()].iter().flat_map(|p| std::iter::repeat_n(p.ids.clone(), g)).collect();
-            let generated = rollout.generate_rows(model, &prompts, &c.sampling(), self.eos, &mut streams)?;
-            // Every completion has a token: `max_new_tokens >= 1` (validated).
-            let completions = generated.completions;
-            let recorded = Recorded {
-                logp: generated.logp,
-                entropy: generated.entropy,
-                truncated: generated.finished.iter().map(|f| !f).collect(),
-            };
+            let round = self.generate(model, rollout, rng, &mine)?;
             out.rollout_s += started.elapsed().as_secs_f64();
 
             let started = Instant::now();
-            let scores: Vec<[f64; 3]> = completions
-                .iter()
-                .enumerate()
-                .map(|(i, t)| Ok(score(&decode(self.tokenizer, t)?, &chosen[mine.start + i / g].answer)))
-                .collect::<Result<_>>()?;
-            let scores = self.gather_scores(&scores)?;
+            let scores = self.scores(&round, &mine)?;
             let rewards: Vec<f64> = scores.iter().map(|s| weighted(s, &c.reward_weights)).collect();
-            for (k, group) in rewards.chunks(g).enumerate() {
-                out.generated_groups += 1;
-                // No signal: equal rewards, or with normalize_then_sum equal scores in every
-                // reward (a flat weighted sum can hide rewards that differ).
-                let flat = match c.multi_objective_aggregation {
-                    Aggregation::SumThenNormalize => group.iter().all(|r| *r == group[0]),
-                    Aggregation::NormalizeThenSum => {
-                        let s = &scores[k * g..(k + 1) * g];
-                        s.iter().all(|x| *x == s[0])
-                    }
-                };
-                out.flat_groups += usize::from(flat);
-                if (flat && c.dynamic_sampling) || out.kept_groups >= target {
-                    continue;
-                }
-                out.kept_groups += 1;
-                kept_here.push(mine.contains(&k));
-                kept_scores.extend_from_slice(&scores[k * g..(k + 1) * g]);
-                if !mine.contains(&k) {
-                    continue;
-                }
-                let local = (k - mine.start) * g..(k - mine.start + 1) * g;
-                out.prompts.extend_from_slice(&prompts[local.clone()]);
-                out.completions.extend_from_slice(&completions[local.clone()]);
-                out.kept_scores.extend_from_slice(&scores[k * g..(k + 1) * g]);
-                recorded.append_to(&mut out, local);
-            }
-            out.lengths.extend(self.gather_lengths(&completions)?);
+            self.keep_groups(&round, &scores, &rewards, &mine, &mut kept, &mut out);
+            out.lengths.extend(self.gather_lengths(&round.completions)?);
             out.scores.extend_from_slice(&scores);
             out.rewards.extend_from_slice(&rewards);
             out.reward_s += started.elapsed().as_secs_f64();
-            last_round = (prompts, completions, scores, recorded);
+            last_round = Some((round, scores));
         }
         if out.kept_groups == 0 {
-            let recorded;
-            (out.prompts, out.completions, kept_scores, recorded) = last_round;
-            let rows = 0..out.completions.len();
-            recorded.append_to(&mut out, rows);
-            kept_here = (0..target).map(|k| mine.contains(&k)).collect();
-            out.kept_scores = kept_scores[mine.start * g..mine.end * g].to_vec();
-            out.kept_groups = target;
+            let (round, scores) = last_round.unwrap_or_default();
+            self.keep_every_group(round, scores, &mine, &mut kept, &mut out);
         }
+        self.set_advantages(&kept, &mut out);
+        Ok(out)
+    }
+
+    /// Draws the step's prompts (the same on every rank) and generates this rank's share of
+    /// their groups.
+    fn generate(
+        &self,
+        model: &Qwen2,
+        rollout: &mut Rollout,
+        rng: &mut Rng,
+        mine: &std::ops::Range<usize>,
+    ) -> Result<Round<'a>> {
+        let c = self.config;
+        let (g, target) = (c.num_generations, c.prompts_per_step);
+        let chosen: Vec<&Prompt> = (0..target).map(|_| &self.train[rng.below(self.train.len())]).collect();
+        let mut streams = RowStreams::new(rng.next_u64(), mine.start * g..mine.end * g);
+        let prompts: Vec<Vec<u32>> =
+            chosen[mine.clone()].iter().flat_map(|p| std::iter::repeat_n(p.ids.clone(), g)).collect();
+        let generated = rollout.generate_rows(model, &prompts, &c.sampling(), self.eos, &mut streams)?;
+        // Every completion has a token: `max_new_tokens >= 1` (validated).
+        let recorded = Recorded {
+            logp: generated.logp,
+            entropy: generated.entropy,
+            truncated: generated.finished.iter().map(|f| !f).collect(),
+        };
+        Ok(Round { chosen, prompts, completions: generated.completions, recorded })
+    }
+
+    /// Every rank's completions' three rewards, in global row order.
+    fn scores(&self, round: &Round, mine: &std::ops::Range<usize>) -> Result<Vec<[f64; 3]>> {
+        let g = self.config.num_generations;
+        let scores: Vec<[f64; 3]> = round
+            .completions
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Ok(score(&decode(self.tokenizer, t)?, &round.chosen[mine.start + i / g].answer)))
+            .collect::<Result<_>>()?;
+        self.gather_scores(&scores)
+    }
+
+    /// Counts the round's groups and keeps those with a signal (every group without dynamic
+    /// sampling), up to the step's target: their scores to `kept`, this rank's sequences to `out`.
+    fn keep_groups(
+        &self,
+        round: &Round,
+        scores: &[[f64; 3]],
+        rewards: &[f64],
+        mine: &std::ops::Range<usize>,
+        kept: &mut Kept,
+        out: &mut Groups,
+    ) {
+        let c = self.config;
+        let g = c.num_generations;
+        for (k, group) in rewards.chunks(g).enumerate() {
+            out.generated_groups += 1;
+            // No signal: equal rewards, or with normalize_then_sum equal scores in every
+            // reward (a flat weighted sum can hide rewards that differ).
+            let flat = match c.multi_objective_aggregation {
+                Aggregation::SumThenNormalize => group.iter().all(|r| *r == group[0]),
+                Aggregation::NormalizeThenSum => {
+                    let s = &scores[k * g..(k + 1) * g];
+                    s.iter().all(|x| *x == s[0])
+                }
+            };
+            out.flat_groups += usize::from(flat);
+            if (flat && c.dynamic_sampling) || out.kept_groups >= c.prompts_per_step {
+                continue;
+            }
+            out.kept_groups += 1;
+            kept.here.push(mine.contains(&k));
+            kept.scores.extend_from_slice(&scores[k * g..(k + 1) * g]);
+            if !mine.contains(&k) {
+                continue;
+            }
+            let local = (k - mine.start) * g..(k - mine.start + 1) * g;
+            out.prompts.extend_from_slice(&round.prompts[local.clone()]);
+            out.completions.extend_from_slice(&round.completions[local.clone()]);
+            out.kept_scores.extend_from_slice(&scores[k * g..(k + 1) * g]);
+            round.recorded.append_to(out, local);
+        }
+    }
+
+    /// No group kept after every round: the step trains on the last round's groups, as without
+    /// dynamic sampling.
+    fn keep_every_group(
+        &self,
+        round: Round,
+        scores: Vec<[f64; 3]>,
+        mine: &std::ops::Range<usize>,
+        kept: &mut Kept,
+        out: &mut Groups,
+    ) {
+        let (g, target) = (self.config.num_generations, self.config.prompts_per_step);
+        (out.prompts, out.completions, kept.scores) = (round.prompts, round.completions, scores);
+        let rows = 0..out.completions.len();
+        round.recorded.append_to(out, rows);
+        kept.here = (0..target).map(|k| mine.contains(&k)).collect();
+        out.kept_scores = kept.scores[mine.start * g..mine.end * g].to_vec();
+        out.kept_groups = target;
+    }
+
+    /// The kept groups' advantages over every rank's, this rank's to `out`, and their spread.
+    fn set_advantages(&self, kept: &Kept, out: &mut Groups) {
+        let c = self.config;
+        let g = c.num_generations;
         let all = match c.multi_objective_aggregation {
             Aggregation::SumThenNormalize => {
-                let kept_rewards: Vec<f64> = kept_scores.iter().map(|s| weighted(s, &c.reward_weights)).collect();
+                let kept_rewards: Vec<f64> = kept.scores.iter().map(|s| weighted(s, &c.reward_weights)).collect();
                 advantages(&kept_rewards, g, c.scale_rewards, c.advantage_eps)
             }
             Aggregation::NormalizeThenSum => {
-                advantages_normalize_then_sum(&kept_scores, &c.reward_weights, g, c.advantage_eps)
+                advantages_normalize_then_sum(&kept.scores, &c.reward_weights, g, c.advantage_eps)
             }
         };
         out.advantage_std = sample_std(&all);
         out.advantages =
-            all.chunks(g).zip(&kept_here).filter(|(_, &here)| here).flat_map(|(a, _)| a.to_vec()).collect();
-        Ok(out)
+            all.chunks(g).zip(&kept.here).filter(|(_, &here)| here).flat_map(|(a, _)| a.to_vec()).collect();
     }
 
     /// Every rank's completion scores, in global row order.
