@@ -144,7 +144,7 @@ impl<'a> RolloutSetup<'a> {
         Ok(out)
     }
 
-    /// Draws the step's prompts (the same on every rank) and generates this rank's share of
+    /// Draws the round's prompts (the same on every rank) and generates this rank's share of
     /// their groups.
     fn generate(
         &self,
@@ -223,8 +223,8 @@ impl<'a> RolloutSetup<'a> {
         }
     }
 
-    /// No group kept after every round: the step trains on the last round's groups, as without
-    /// dynamic sampling.
+    /// No group kept once the rounds have run out (or none ran: `prompts_per_step` 0): the step
+    /// trains on the last round's groups, as without dynamic sampling.
     fn keep_every_group(
         &self,
         round: Round,
@@ -242,7 +242,8 @@ impl<'a> RolloutSetup<'a> {
         out.kept_groups = target;
     }
 
-    /// The kept groups' advantages over every rank's, this rank's to `out`, and their spread.
+    /// The kept groups' advantages over every rank's, this rank's to `out`, and the spread of
+    /// every rank's.
     fn set_advantages(&self, kept: &Kept, out: &mut Groups) {
         let c = self.config;
         let g = c.num_generations;
