@@ -158,7 +158,7 @@ impl Rollout {
             if active.is_empty() || step + 1 == s.max_new_tokens {
                 break;
             }
-            self.decode(&w, &packing, prompts, &out.completions, &active, step, s.max_new_tokens)?;
+            self.decode(&w, &packing, prompts, &out.completions, &active, s.max_new_tokens)?;
             logit_rows.clear();
             logit_rows.extend(0..active.len());
         }
@@ -192,10 +192,9 @@ impl Rollout {
         Ok(packing.prompt_slots.iter().map(|p| block_of[&p.start]).collect())
     }
 
-    /// Decodes the rows still generating (`active`) after `step`: each one's last token at its
-    /// next position, into its own cache slot (after the prompts', `max_new_tokens` per row),
-    /// reading its prompt's keys and its own; the logits of those rows, in `active`'s order.
-    #[allow(clippy::too_many_arguments)]
+    /// Decodes the rows still generating (`active`): each one's last token at its next position,
+    /// into its own cache slot (after the prompts', `max_new_tokens` per row), reading its
+    /// prompt's keys and its own; the logits of those rows, in `active`'s order.
     fn decode(
         &mut self,
         w: &Weights<'_>,
@@ -203,7 +202,6 @@ impl Rollout {
         prompts: &[Vec<u32>],
         completions: &[Vec<u32>],
         active: &[usize],
-        step: usize,
         max_new_tokens: usize,
     ) -> Result<()> {
         let row_base = |r: usize| packing.slots() + r * max_new_tokens;
@@ -212,6 +210,8 @@ impl Rollout {
         self.slots.clear();
         self.queries.clear();
         for &r in active {
+            // A row still generating has drawn one token at every step so far.
+            let step = completions[r].len() - 1;
             let slot = row_base(r) + step;
             self.tokens.push(*completions[r].last().expect("a token was drawn"));
             self.positions.push((prompts[r].len() + step) as u32);
