@@ -56,6 +56,27 @@ pub fn zeroed<T: Element>(len: usize) -> Vec<T> {
     values
 }
 
+/// `len` zeros as [`zeroed`] gives them, with every page faulted in now by a write: for buffers
+/// that live through a whole run and are first *added to* (a trainer's gradients, AdamW's
+/// moments). Such a buffer's first `+=` reads a page before writing it, so each 4 KiB page faults
+/// twice: the read maps the shared zero page, the write copies it and flushes that mapping from
+/// every core's TLB (an inter-processor interrupt, slow in a VM). On cpu-2c-zen5 the first SFT
+/// step at Qwen2.5-0.5B's width spent 47 s of its 48 on those faults (1.16 million of them, two
+/// threads contending for the same page tables), against 1.7 s for every later step
+/// (docs/BENCHMARKS.md, "The first step's page faults"). A write to a page nobody has mapped
+/// faults once and flushes nothing; on huge pages (advised, as [`zeroed`] does) once per 2 MiB.
+/// The writes are volatile so that the compiler, which knows the memory is zeroed, keeps them.
+pub fn zeroed_resident<T: Element>(len: usize) -> Vec<T> {
+    let mut values = zeroed::<T>(len);
+    let stride = (4096 / std::mem::size_of::<T>()).max(1);
+    let zero = T::from_f32(0.0);
+    for i in (0..values.len()).step_by(stride) {
+        // SAFETY: `i < values.len()`; the element is initialised (zero) and overwritten by zero.
+        unsafe { std::ptr::write_volatile(values.as_mut_ptr().add(i), zero) };
+    }
+    values
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,6 +95,33 @@ mod tests {
             b.push(half::bf16::ONE);
             assert_eq!(b.len(), len + 1);
         }
+    }
+
+    #[test]
+    fn resident_zeros_are_zeros_of_the_length_asked() {
+        for len in [0, 1, 1023, 1024, 1025, (4 << 20) + 5] {
+            let f = zeroed_resident::<f32>(len);
+            let b = zeroed_resident::<half::bf16>(len);
+            assert_eq!((f.len(), b.len()), (len, len));
+            assert!(f.iter().all(|x| x.to_bits() == 0) && b.iter().all(|x| x.to_bits() == 0));
+        }
+    }
+
+    /// Every page of a resident buffer is in memory before anything reads or writes it.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn resident_zeros_are_in_memory_when_returned() {
+        let len = (16 << 20) + 7;
+        let values = zeroed_resident::<f32>(len);
+        let page = 4096;
+        let start = values.as_ptr() as usize / page * page;
+        let end = (values.as_ptr() as usize + 4 * len).next_multiple_of(page);
+        let mut resident = vec![0u8; (end - start) / page];
+        // SAFETY: `[start, end)` covers the live buffer's pages; `resident` has one byte a page.
+        let rc = unsafe { libc::mincore(start as *mut libc::c_void, end - start, resident.as_mut_ptr()) };
+        assert_eq!(rc, 0);
+        let missing = resident.iter().filter(|&&r| r & 1 == 0).count();
+        assert_eq!(missing, 0, "{missing} of {} pages not in memory", resident.len());
     }
 
     #[test]

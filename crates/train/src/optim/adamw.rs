@@ -160,7 +160,9 @@ impl AdamW {
                         var.dtype()
                     )));
                 }
-                Ok(State { exp_avg: vec![0.0; n], exp_avg_sq: vec![0.0; n], master, decay: var.rank() >= 2 })
+                // Faulted in now: the first update reads them before it writes them.
+                let zeros = || flashgrpo_kernels::huge_pages::zeroed_resident::<f32>(n);
+                Ok(State { exp_avg: zeros(), exp_avg_sq: zeros(), master, decay: var.rank() >= 2 })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { config, steps: 0, states })

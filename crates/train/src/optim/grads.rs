@@ -22,7 +22,9 @@ pub struct GradBuffers {
 
 impl GradBuffers {
     pub fn new(params: &Params) -> Self {
-        Self { buffers: params.iter().map(|(_, v)| vec![0.0; v.elem_count()]).collect() }
+        // Faulted in now: the first backward adds into them (`huge_pages::zeroed_resident`).
+        let zeros = |n| flashgrpo_kernels::huge_pages::zeroed_resident::<f32>(n);
+        Self { buffers: params.iter().map(|(_, v)| zeros(v.elem_count())).collect() }
     }
 
     /// Adds the gradients of a backward. A parameter the loss does not reach adds nothing.
