@@ -358,70 +358,24 @@ fn validate_class_weights(c: &[f32], vocab: usize) -> Result<(), LossError> {
     }
 }
 
+/// The policy's per-sequence and per-token inputs: shapes against `rows`, finite where a row is
+/// active, and the combinations the options refuse. Checked in this order: advantages,
+/// `old_logp`, `sampling_logp`, `ref_logp`, `is_ratio`.
 fn validate_policy_inputs(
     p: &PolicyInputs,
     rows: &Rows,
     options: &LossOptions,
     active: &[bool],
 ) -> Result<(), LossError> {
-    let n = rows.len();
-    let per_row = |tensor: &'static str, v: &[f32]| -> Result<(), LossError> {
-        if v.len() != n {
-            return Err(LossError::Shape {
-                tensor,
-                got: vec![v.len()],
-                expected: format!("it must be [B, T] = [{}, {}] like `targets`", rows.batch, rows.seq_len),
-            });
-        }
-        check_finite(tensor, v, rows, active)
-    };
-    if p.advantages.len() != rows.batch {
-        return Err(LossError::Shape {
-            tensor: "advantages",
-            got: vec![p.advantages.len()],
-            expected: format!("it must be [B] = [{}], one per sequence of `logits`", rows.batch),
-        });
-    }
-    for (b, &a) in p.advantages.iter().enumerate() {
-        if !a.is_finite() && (0..rows.seq_len).any(|t| active[b * rows.seq_len + t]) {
-            return Err(LossError::NonFiniteInput { tensor: "advantages", row: b * rows.seq_len, b, t: 0, value: a });
-        }
-    }
+    validate_advantages(p.advantages, rows, active)?;
     if let Some(old) = p.old_logp {
-        per_row("old_logp", old)?;
+        validate_per_token("old_logp", old, rows, active)?;
     }
     if let Some(sampling) = p.sampling_logp {
-        if sampling.len() != n {
-            return Err(LossError::Shape {
-                tensor: "sampling_logp",
-                got: vec![sampling.len()],
-                expected: format!("it must be [B, T] = [{}, {}] like `targets`", rows.batch, rows.seq_len),
-            });
-        }
-        // NaN marks a token the sampler could not score (TRL); an infinity is a bug upstream.
-        if let Some(row) = sampling.iter().zip(active).position(|(x, &a)| a && x.is_infinite()) {
-            let (b, t) = rows.position(row);
-            return Err(LossError::NonFiniteInput { tensor: "sampling_logp", row, b, t, value: sampling[row] });
-        }
-        let corrects = options.vllm_importance_sampling_correction;
-        if corrects && p.is_ratio.is_some() {
-            return Err(LossError::ConflictingInputs {
-                tensor: "is_ratio",
-                other: "sampling_logp",
-                why: "with vllm_importance_sampling_correction = true the correction computes is_ratio from \
-                      sampling_logp; pass one of them, or set the correction to false"
-                    .into(),
-            });
-        }
-        if corrects && options.loss_type == LossType::Vespo && options.vllm_importance_sampling_mode.per_sequence() {
-            return Err(LossError::InvalidOption {
-                name: "vllm_importance_sampling_mode",
-                message: "vespo needs a token-level correction (token_truncate or token_mask), as in TRL".into(),
-            });
-        }
+        validate_sampling_logp(sampling, p.is_ratio.is_some(), rows, options, active)?;
     }
     match p.ref_logp {
-        Some(r) => per_row("ref_logp", r)?,
+        Some(r) => validate_per_token("ref_logp", r, rows, active)?,
         None if options.beta != 0.0 => {
             return Err(LossError::MissingInput {
                 tensor: "ref_logp",
@@ -434,24 +388,92 @@ fn validate_policy_inputs(
         None => {}
     }
     match p.is_ratio {
-        Some(IsRatio::PerToken(v)) => per_row("is_ratio", v)?,
-        Some(IsRatio::PerSequence(v)) => {
-            if v.len() != rows.batch {
-                return Err(LossError::Shape {
-                    tensor: "is_ratio",
-                    got: vec![v.len()],
-                    expected: format!(
-                        "it must be [B] = [{}] or [B, T] = [{}, {}]",
-                        rows.batch, rows.batch, rows.seq_len
-                    ),
-                });
-            }
-            let expanded: Vec<f32> = (0..n).map(|i| v[i / rows.seq_len]).collect();
-            check_finite("is_ratio", &expanded, rows, active)?;
+        Some(IsRatio::PerToken(v)) => validate_per_token("is_ratio", v, rows, active),
+        Some(IsRatio::PerSequence(v)) => validate_sequence_is_ratio(v, rows, active),
+        None => Ok(()),
+    }
+}
+
+/// A `[B, T]` input like `targets`, finite on every active row.
+fn validate_per_token(tensor: &'static str, v: &[f32], rows: &Rows, active: &[bool]) -> Result<(), LossError> {
+    if v.len() != rows.len() {
+        return Err(LossError::Shape {
+            tensor,
+            got: vec![v.len()],
+            expected: format!("it must be [B, T] = [{}, {}] like `targets`", rows.batch, rows.seq_len),
+        });
+    }
+    check_finite(tensor, v, rows, active)
+}
+
+/// `[B]` advantages, finite for every sequence with an active row.
+fn validate_advantages(advantages: &[f32], rows: &Rows, active: &[bool]) -> Result<(), LossError> {
+    if advantages.len() != rows.batch {
+        return Err(LossError::Shape {
+            tensor: "advantages",
+            got: vec![advantages.len()],
+            expected: format!("it must be [B] = [{}], one per sequence of `logits`", rows.batch),
+        });
+    }
+    for (b, &a) in advantages.iter().enumerate() {
+        if !a.is_finite() && (0..rows.seq_len).any(|t| active[b * rows.seq_len + t]) {
+            return Err(LossError::NonFiniteInput { tensor: "advantages", row: b * rows.seq_len, b, t: 0, value: a });
         }
-        None => {}
     }
     Ok(())
+}
+
+/// The sampler's `[B, T]` log-probabilities: NaN allowed (a token it could not score, as TRL
+/// has it), an infinity not; and what the rollout correction refuses beside them.
+fn validate_sampling_logp(
+    sampling: &[f32],
+    has_is_ratio: bool,
+    rows: &Rows,
+    options: &LossOptions,
+    active: &[bool],
+) -> Result<(), LossError> {
+    if sampling.len() != rows.len() {
+        return Err(LossError::Shape {
+            tensor: "sampling_logp",
+            got: vec![sampling.len()],
+            expected: format!("it must be [B, T] = [{}, {}] like `targets`", rows.batch, rows.seq_len),
+        });
+    }
+    // NaN marks a token the sampler could not score (TRL); an infinity is a bug upstream.
+    if let Some(row) = sampling.iter().zip(active).position(|(x, &a)| a && x.is_infinite()) {
+        let (b, t) = rows.position(row);
+        return Err(LossError::NonFiniteInput { tensor: "sampling_logp", row, b, t, value: sampling[row] });
+    }
+    let corrects = options.vllm_importance_sampling_correction;
+    if corrects && has_is_ratio {
+        return Err(LossError::ConflictingInputs {
+            tensor: "is_ratio",
+            other: "sampling_logp",
+            why: "with vllm_importance_sampling_correction = true the correction computes is_ratio from \
+                  sampling_logp; pass one of them, or set the correction to false"
+                .into(),
+        });
+    }
+    if corrects && options.loss_type == LossType::Vespo && options.vllm_importance_sampling_mode.per_sequence() {
+        return Err(LossError::InvalidOption {
+            name: "vllm_importance_sampling_mode",
+            message: "vespo needs a token-level correction (token_truncate or token_mask), as in TRL".into(),
+        });
+    }
+    Ok(())
+}
+
+/// A `[B]` importance-sampling ratio, one per sequence, finite for every active row.
+fn validate_sequence_is_ratio(v: &[f32], rows: &Rows, active: &[bool]) -> Result<(), LossError> {
+    if v.len() != rows.batch {
+        return Err(LossError::Shape {
+            tensor: "is_ratio",
+            got: vec![v.len()],
+            expected: format!("it must be [B] = [{}] or [B, T] = [{}, {}]", rows.batch, rows.batch, rows.seq_len),
+        });
+    }
+    let expanded: Vec<f32> = (0..rows.len()).map(|i| v[i / rows.seq_len]).collect();
+    check_finite("is_ratio", &expanded, rows, active)
 }
 
 /// The first index `i` where `bad(xs[i], flags[i])`. The valid case, which every call pays for,
