@@ -24,6 +24,7 @@ pub mod setup;
 pub mod sft;
 pub mod sft_job;
 pub mod special_tokens;
+pub mod tensor_file;
 pub mod tokenizer;
 pub mod train_config;
 pub mod vocab_parallel;

@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{bail, Result, Tensor, Var};
+use candle_core::{bail, Result, Var};
+
+use crate::tensor_file;
 
 /// The parameters of a model, in a fixed order.
 #[derive(Clone)]
@@ -52,13 +54,11 @@ impl Params {
         self.entries.iter().map(|(_, v)| v.elem_count()).sum()
     }
 
-    /// Writes every parameter to one safetensors file (Hugging Face's layout).
-    pub fn save(&self, path: &Path) -> Result<()> {
-        let tensors: HashMap<String, Tensor> = self
-            .entries
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().contiguous().expect("contiguous copy")))
-            .collect();
-        candle_core::safetensors::save(&tensors, path)
+    /// Writes every parameter to one safetensors file (Hugging Face's layout), from its storage
+    /// in place ([`tensor_file`]).
+    pub fn save(&self, path: &Path) -> crate::error::Result<()> {
+        let held: Vec<tensor_file::Held> = self.entries.iter().map(|(_, v)| tensor_file::Held::of(v)).collect();
+        let entries = self.entries.iter().zip(&held).map(|((n, _), h)| Ok((n.clone(), h.entry()?)));
+        tensor_file::write(path, &entries.collect::<crate::error::Result<Vec<_>>>()?)
     }
 }

@@ -2,7 +2,6 @@
 //! parameters held in bf16 / f16: the update is computed and kept in f32 and only its rounding is
 //! written to the model, so that small steps are not lost to bf16's 8-bit mantissa.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use std::cell::RefCell;
@@ -15,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use super::grads::GradBuffers;
 use crate::error::{Result, TrainError};
 use crate::model::Params;
+use crate::tensor_file::Entry;
 
 /// AdamW's hyper-parameters (PyTorch's defaults, but no weight decay by default as TRL).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -190,19 +190,19 @@ impl AdamW {
     }
 
     /// Writes the moments, the master weights and the step count to one safetensors file.
+    /// The buffers are written as they are, not copied ([`crate::tensor_file`]).
     pub fn save(&self, params: &Params, path: &Path) -> Result<()> {
-        let mut tensors = HashMap::new();
+        let mut entries = Vec::new();
         for ((name, var), state) in params.iter().zip(&self.states) {
-            let shape = var.shape();
-            tensors.insert(format!("exp_avg.{name}"), Tensor::from_slice(&state.exp_avg, shape, &Device::Cpu)?);
-            tensors.insert(format!("exp_avg_sq.{name}"), Tensor::from_slice(&state.exp_avg_sq, shape, &Device::Cpu)?);
+            let shape = var.dims();
+            entries.push((format!("exp_avg.{name}"), Entry::f32(&state.exp_avg, shape)));
+            entries.push((format!("exp_avg_sq.{name}"), Entry::f32(&state.exp_avg_sq, shape)));
             if let Some(m) = &state.master {
-                tensors.insert(format!("master.{name}"), Tensor::from_slice(m, shape, &Device::Cpu)?);
+                entries.push((format!("master.{name}"), Entry::f32(m, shape)));
             }
         }
-        tensors.insert("steps".into(), Tensor::new(&[self.steps as f64], &Device::Cpu)?);
-        candle_core::safetensors::save(&tensors, path)?;
-        Ok(())
+        entries.push(("steps".into(), Entry::f64_owned(&[self.steps as f64], &[1])));
+        crate::tensor_file::write(path, &entries)
     }
 
     /// Restores what [`AdamW::save`] wrote, for the same parameters.
