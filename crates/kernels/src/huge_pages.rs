@@ -70,7 +70,10 @@ pub fn zeroed_resident<T: Element>(len: usize) -> Vec<T> {
     let mut values = zeroed::<T>(len);
     let stride = (4096 / std::mem::size_of::<T>()).max(1);
     let zero = T::from_f32(0.0);
-    for i in (0..values.len()).step_by(stride) {
+    // Every `stride`-th element, and the last: the buffer need not start on a page (glibc's mapped
+    // blocks start 16 bytes in), so its last page may hold no element of the stride.
+    let last = values.len().checked_sub(1);
+    for i in (0..values.len()).step_by(stride).chain(last) {
         // SAFETY: `i < values.len()`; the element is initialised (zero) and overwritten by zero.
         unsafe { std::ptr::write_volatile(values.as_mut_ptr().add(i), zero) };
     }
@@ -111,17 +114,19 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn resident_zeros_are_in_memory_when_returned() {
-        let len = (16 << 20) + 7;
-        let values = zeroed_resident::<f32>(len);
-        let page = 4096;
-        let start = values.as_ptr() as usize / page * page;
-        let end = (values.as_ptr() as usize + 4 * len).next_multiple_of(page);
-        let mut resident = vec![0u8; (end - start) / page];
-        // SAFETY: `[start, end)` covers the live buffer's pages; `resident` has one byte a page.
-        let rc = unsafe { libc::mincore(start as *mut libc::c_void, end - start, resident.as_mut_ptr()) };
-        assert_eq!(rc, 0);
-        let missing = resident.iter().filter(|&&r| r & 1 == 0).count();
-        assert_eq!(missing, 0, "{missing} of {} pages not in memory", resident.len());
+        // Lengths of whole pages too: a buffer that does not start on a page ends inside one.
+        for len in [(16 << 20) + 7, 1 << 20, 1024 * 896] {
+            let values = zeroed_resident::<f32>(len);
+            let page = 4096;
+            let start = values.as_ptr() as usize / page * page;
+            let end = (values.as_ptr() as usize + 4 * len).next_multiple_of(page);
+            let mut resident = vec![0u8; (end - start) / page];
+            // SAFETY: `[start, end)` covers the live buffer's pages; `resident` has one byte a page.
+            let rc = unsafe { libc::mincore(start as *mut libc::c_void, end - start, resident.as_mut_ptr()) };
+            assert_eq!(rc, 0);
+            let missing = resident.iter().filter(|&&r| r & 1 == 0).count();
+            assert_eq!(missing, 0, "{missing} of {} pages not in memory (len {len})", resident.len());
+        }
     }
 
     #[test]

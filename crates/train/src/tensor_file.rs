@@ -2,9 +2,9 @@
 //! their storage's read lock, the optimiser's moments and master weights as they are. candle's
 //! `safetensors::save` takes owned tensors and copies each once more into a fresh `Vec<u8>` while
 //! writing (`View::data` is `to_vec1`), so a checkpoint of Qwen2.5-0.5B's shape with 4 layers
-//! (2.4 GB of optimiser state) copied its state twice into fresh memory, page faults and all,
-//! before the file saw a byte: 17 s for the checkpoint on cpu-2c-zen5 (docs/BENCHMARKS.md,
-//! "Checkpoints written in place"). The file is the same byte for byte: the same names, dtypes,
+//! (2.4 GB of optimiser state) copied its state twice into fresh memory, page faults and all:
+//! 13.9-15.3 s for the checkpoint in bf16 on cpu-2c-zen5, 3.0-4.1 s written in place
+//! (docs/BENCHMARKS.md, "Checkpoints written in place"). The file is the same byte for byte: the same names, dtypes,
 //! shapes and order (safetensors sorts the tensors itself).
 
 use std::borrow::Cow;
@@ -16,7 +16,7 @@ use safetensors::{Dtype, View};
 use crate::error::{Result, TrainError};
 
 /// One tensor's little-endian bytes, borrowed where they already are.
-pub struct Entry<'a> {
+pub(crate) struct Entry<'a> {
     dtype: Dtype,
     shape: Vec<usize>,
     bytes: Cow<'a, [u8]>,
@@ -43,8 +43,9 @@ impl View for &Entry<'_> {
 /// The bytes of plain numbers, as the machine (little-endian, as safetensors stores them) holds
 /// them.
 fn bytes_of<T: Copy>(values: &[T]) -> &[u8] {
-    // SAFETY: `T` is one of f32, f64, bf16 and f16 here (every caller's), plain numbers with no
-    // padding; the byte slice covers exactly the values' memory and lives as long as they do.
+    // SAFETY: `T` is one of f32, f64, bf16 and f16 (every caller's, all in this file), plain
+    // numbers with no padding; the byte slice covers exactly the values' memory and lives as long
+    // as they do.
     unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
 }
 
@@ -64,32 +65,29 @@ impl<'a> Entry<'a> {
     }
 }
 
-/// A parameter's storage, held under its read lock while the file is written.
-pub struct Held<'a> {
-    guard: StorageRef<'a>,
-    range: Option<std::ops::Range<usize>>,
-    var: &'a Var,
+/// A parameter's values for the file: its storage held under its read lock while the file is
+/// written (contiguous f32, bf16, f16 or f64 CPU storage, every parameter the trainer makes), or
+/// else a copy taken before, with no lock held. While held, nothing may write the parameter
+/// (candle's lock lets a waiting writer go first, so a second read on this thread would wait too).
+pub(crate) enum Held<'a> {
+    InPlace { guard: StorageRef<'a>, range: std::ops::Range<usize>, shape: Vec<usize> },
+    Copied(Entry<'static>),
 }
 
 impl<'a> Held<'a> {
-    pub fn of(var: &'a Var) -> Self {
-        let (guard, layout) = var.as_tensor().storage_and_layout();
-        let range = layout.contiguous_offsets().map(|(start, end)| start..end);
-        Self { guard, range, var }
-    }
-
-    /// The parameter's values in its own dtype: borrowed from a contiguous CPU storage of f32,
-    /// bf16 or f16, else (never, for the trainer's parameters) copied out.
-    pub fn entry(&self) -> Result<Entry<'_>> {
-        let shape = self.var.dims().to_vec();
-        let borrowed = |dtype, bytes| Entry { dtype, shape: shape.clone(), bytes: Cow::Borrowed(bytes) };
-        match (&*self.guard, &self.range) {
-            (Storage::Cpu(CpuStorage::F32(v)), Some(r)) => return Ok(borrowed(Dtype::F32, bytes_of(&v[r.clone()]))),
-            (Storage::Cpu(CpuStorage::BF16(v)), Some(r)) => return Ok(borrowed(Dtype::BF16, bytes_of(&v[r.clone()]))),
-            (Storage::Cpu(CpuStorage::F16(v)), Some(r)) => return Ok(borrowed(Dtype::F16, bytes_of(&v[r.clone()]))),
-            _ => {}
+    pub fn of(var: &'a Var) -> Result<Self> {
+        let shape = var.dims().to_vec();
+        {
+            let (guard, layout) = var.as_tensor().storage_and_layout();
+            let borrowable = matches!(
+                &*guard,
+                Storage::Cpu(CpuStorage::F32(_) | CpuStorage::BF16(_) | CpuStorage::F16(_) | CpuStorage::F64(_))
+            );
+            if let (true, Some((start, end))) = (borrowable, layout.contiguous_offsets()) {
+                return Ok(Self::InPlace { guard, range: start..end, shape });
+            }
         }
-        let tensor = self.var.as_tensor().flatten_all()?;
+        let tensor = var.as_tensor().flatten_all()?;
         let (dtype, bytes) = match tensor.dtype() {
             DType::F32 => (Dtype::F32, bytes_of(&tensor.to_vec1::<f32>()?).to_vec()),
             DType::BF16 => (Dtype::BF16, bytes_of(&tensor.to_vec1::<half::bf16>()?).to_vec()),
@@ -97,13 +95,34 @@ impl<'a> Held<'a> {
             DType::F64 => (Dtype::F64, bytes_of(&tensor.to_vec1::<f64>()?).to_vec()),
             other => return Err(TrainError::Other(format!("cannot write a {other:?} parameter"))),
         };
-        Ok(Entry { dtype, shape, bytes: Cow::Owned(bytes) })
+        Ok(Self::Copied(Entry { dtype, shape, bytes: Cow::Owned(bytes) }))
+    }
+
+    /// The parameter's values in its own dtype, borrowed from what is held.
+    pub fn entry(&self) -> Entry<'_> {
+        let (guard, range, shape) = match self {
+            Self::InPlace { guard, range, shape } => (guard, range.clone(), shape.clone()),
+            Self::Copied(e) => return Entry { dtype: e.dtype, shape: e.shape.clone(), bytes: Cow::Borrowed(&e.bytes) },
+        };
+        let (dtype, bytes) = match &**guard {
+            Storage::Cpu(CpuStorage::F32(v)) => (Dtype::F32, bytes_of(&v[range])),
+            Storage::Cpu(CpuStorage::BF16(v)) => (Dtype::BF16, bytes_of(&v[range])),
+            Storage::Cpu(CpuStorage::F16(v)) => (Dtype::F16, bytes_of(&v[range])),
+            Storage::Cpu(CpuStorage::F64(v)) => (Dtype::F64, bytes_of(&v[range])),
+            _ => unreachable!("only f32, bf16, f16 and f64 CPU storage is held in place"),
+        };
+        Entry { dtype, shape, bytes: Cow::Borrowed(bytes) }
     }
 }
 
 /// Writes `entries` to `path` as one safetensors file (through a temporary file renamed into
 /// place, as the safetensors crate does).
-pub fn write(path: &Path, entries: &[(String, Entry<'_>)]) -> Result<()> {
+pub(crate) fn write(path: &Path, entries: &[(String, Entry<'_>)]) -> Result<()> {
+    let mut names: Vec<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_unstable();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        return Err(TrainError::Other(format!("{}: the tensor `{}` is named twice", path.display(), w[0])));
+    }
     safetensors::serialize_to_file(entries.iter().map(|(name, entry)| (name.as_str(), entry)), None, path)
         .map_err(|e| TrainError::Other(format!("{}: {e}", path.display())))
 }
@@ -133,6 +152,7 @@ mod tests {
             ("a.weight", Tensor::from_slice(&values, (5, 7), &dev).unwrap()),
             ("b.bias", Tensor::from_slice(&values[..6], 6, &dev).unwrap().to_dtype(DType::BF16).unwrap()),
             ("c.weight", Tensor::from_slice(&values[..12], (3, 4), &dev).unwrap().to_dtype(DType::F16).unwrap()),
+            ("d.weight", Tensor::from_slice(&values[..10], (2, 5), &dev).unwrap().to_dtype(DType::F64).unwrap()),
         ];
         let params = Params::new(tensors.iter().map(|(n, t)| (n.to_string(), Var::from_tensor(t).unwrap())).collect());
         let (ours, candles) = (scratch("ours.safetensors"), scratch("candle.safetensors"));
@@ -152,6 +172,9 @@ mod tests {
         ]);
         candle_core::safetensors::save(&map, &candles).unwrap();
         assert_eq!(std::fs::read(&ours).unwrap(), std::fs::read(&candles).unwrap());
+        let twice = [("x".to_string(), Entry::f32(&values, &[35])), ("x".to_string(), Entry::f32(&values, &[35]))];
+        let e = write(&ours, &twice).unwrap_err().to_string();
+        assert!(e.contains("the tensor `x` is named twice"), "{e}");
         std::fs::remove_dir_all(ours.parent().unwrap()).unwrap();
     }
 }

@@ -57,8 +57,9 @@ impl Params {
     /// Writes every parameter to one safetensors file (Hugging Face's layout), from its storage
     /// in place ([`tensor_file`]).
     pub fn save(&self, path: &Path) -> crate::error::Result<()> {
-        let held: Vec<tensor_file::Held> = self.entries.iter().map(|(_, v)| tensor_file::Held::of(v)).collect();
-        let entries = self.entries.iter().zip(&held).map(|((n, _), h)| Ok((n.clone(), h.entry()?)));
-        tensor_file::write(path, &entries.collect::<crate::error::Result<Vec<_>>>()?)
+        let held: Vec<tensor_file::Held> =
+            self.entries.iter().map(|(_, v)| tensor_file::Held::of(v)).collect::<crate::error::Result<_>>()?;
+        let entries: Vec<_> = self.entries.iter().zip(&held).map(|((n, _), h)| (n.clone(), h.entry())).collect();
+        tensor_file::write(path, &entries)
     }
 }
