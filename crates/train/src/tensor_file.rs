@@ -10,7 +10,8 @@
 use std::borrow::Cow;
 use std::path::Path;
 
-use candle_core::{CpuStorage, DType, Storage, StorageRef, Var};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, Device, Layout, Storage, Tensor, Var};
 use safetensors::{Dtype, View};
 
 use crate::error::{Result, TrainError};
@@ -65,53 +66,29 @@ impl<'a> Entry<'a> {
     }
 }
 
-/// A parameter's values for the file: its storage held under its read lock while the file is
-/// written (contiguous f32, bf16, f16 or f64 CPU storage, every parameter the trainer makes), or
-/// else a copy taken before, with no lock held. While held, nothing may write the parameter
-/// (candle's lock lets a waiting writer go first, so a second read on this thread would wait too).
-pub(crate) enum Held<'a> {
-    InPlace { guard: StorageRef<'a>, range: std::ops::Range<usize>, shape: Vec<usize> },
-    Copied(Entry<'static>),
+/// A parameter's tensor for the file: the parameter itself where it is on the CPU and contiguous
+/// (every parameter the trainer makes; candle's `contiguous` then shares its storage), else a
+/// contiguous CPU copy made now, before [`Entry::held`] takes any read lock.
+pub(crate) fn readable(var: &Var) -> Result<Tensor> {
+    Ok(var.as_tensor().to_device(&Device::Cpu)?.contiguous()?)
 }
 
-impl<'a> Held<'a> {
-    pub fn of(var: &'a Var) -> Result<Self> {
-        let shape = var.dims().to_vec();
-        {
-            let (guard, layout) = var.as_tensor().storage_and_layout();
-            let borrowable = matches!(
-                &*guard,
-                Storage::Cpu(CpuStorage::F32(_) | CpuStorage::BF16(_) | CpuStorage::F16(_) | CpuStorage::F64(_))
-            );
-            if let (true, Some((start, end))) = (borrowable, layout.contiguous_offsets()) {
-                return Ok(Self::InPlace { guard, range: start..end, shape });
-            }
-        }
-        let tensor = var.as_tensor().flatten_all()?;
-        let (dtype, bytes) = match tensor.dtype() {
-            DType::F32 => (Dtype::F32, bytes_of(&tensor.to_vec1::<f32>()?).to_vec()),
-            DType::BF16 => (Dtype::BF16, bytes_of(&tensor.to_vec1::<half::bf16>()?).to_vec()),
-            DType::F16 => (Dtype::F16, bytes_of(&tensor.to_vec1::<half::f16>()?).to_vec()),
-            DType::F64 => (Dtype::F64, bytes_of(&tensor.to_vec1::<f64>()?).to_vec()),
-            other => return Err(TrainError::Other(format!("cannot write a {other:?} parameter"))),
+impl<'a> Entry<'a> {
+    /// The values of a [`readable`] tensor, borrowed from its storage held under its read lock
+    /// (`storage`) while the file is written; nothing may write the parameter meanwhile.
+    pub fn held(storage: &'a Storage, layout: &Layout) -> Result<Self> {
+        let range = layout.contiguous_offsets().map(|(start, end)| start..end);
+        let (Storage::Cpu(cpu), Some(range)) = (storage, range) else {
+            return Err(TrainError::Other("a tensor file is written from contiguous CPU storage".into()));
         };
-        Ok(Self::Copied(Entry { dtype, shape, bytes: Cow::Owned(bytes) }))
-    }
-
-    /// The parameter's values in its own dtype, borrowed from what is held.
-    pub fn entry(&self) -> Entry<'_> {
-        let (guard, range, shape) = match self {
-            Self::InPlace { guard, range, shape } => (guard, range.clone(), shape.clone()),
-            Self::Copied(e) => return Entry { dtype: e.dtype, shape: e.shape.clone(), bytes: Cow::Borrowed(&e.bytes) },
+        let (dtype, bytes) = match cpu {
+            CpuStorage::F32(v) => (Dtype::F32, bytes_of(&v[range])),
+            CpuStorage::BF16(v) => (Dtype::BF16, bytes_of(&v[range])),
+            CpuStorage::F16(v) => (Dtype::F16, bytes_of(&v[range])),
+            CpuStorage::F64(v) => (Dtype::F64, bytes_of(&v[range])),
+            other => return Err(TrainError::Other(format!("cannot write a {:?} parameter", other.dtype()))),
         };
-        let (dtype, bytes) = match &**guard {
-            Storage::Cpu(CpuStorage::F32(v)) => (Dtype::F32, bytes_of(&v[range])),
-            Storage::Cpu(CpuStorage::BF16(v)) => (Dtype::BF16, bytes_of(&v[range])),
-            Storage::Cpu(CpuStorage::F16(v)) => (Dtype::F16, bytes_of(&v[range])),
-            Storage::Cpu(CpuStorage::F64(v)) => (Dtype::F64, bytes_of(&v[range])),
-            _ => unreachable!("only f32, bf16, f16 and f64 CPU storage is held in place"),
-        };
-        Entry { dtype, shape, bytes: Cow::Borrowed(bytes) }
+        Ok(Self { dtype, shape: layout.dims().to_vec(), bytes: Cow::Borrowed(bytes) })
     }
 }
 
@@ -131,7 +108,7 @@ pub(crate) fn write(path: &Path, entries: &[(String, Entry<'_>)]) -> Result<()> 
 mod tests {
     use std::collections::HashMap;
 
-    use candle_core::{Device, Tensor};
+    use candle_core::DType;
 
     use super::*;
     use crate::model::Params;

@@ -57,9 +57,14 @@ impl Params {
     /// Writes every parameter to one safetensors file (Hugging Face's layout), from its storage
     /// in place ([`tensor_file`]).
     pub fn save(&self, path: &Path) -> crate::error::Result<()> {
-        let held: Vec<tensor_file::Held> =
-            self.entries.iter().map(|(_, v)| tensor_file::Held::of(v)).collect::<crate::error::Result<_>>()?;
-        let entries: Vec<_> = self.entries.iter().zip(&held).map(|((n, _), h)| (n.clone(), h.entry())).collect();
-        tensor_file::write(path, &entries)
+        let tensors: Vec<_> =
+            self.entries.iter().map(|(_, v)| tensor_file::readable(v)).collect::<crate::error::Result<_>>()?;
+        let held: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+        let entries = self
+            .entries
+            .iter()
+            .zip(&held)
+            .map(|((n, _), (storage, layout))| Ok((n.clone(), tensor_file::Entry::held(storage, layout)?)));
+        tensor_file::write(path, &entries.collect::<crate::error::Result<Vec<_>>>()?)
     }
 }
